@@ -1,0 +1,196 @@
+"""The transformers adapter: the only module that touches transformers' cache API.
+
+``KVCache`` is a ``transformers.Cache`` whose layers are ``KVLayer`` objects, each wrapping a
+kvfactory ``LayerStore``. It plugs into ``model.generate(past_key_values=cache)`` and also offers
+the low-level ``append / gather / clear / size`` interface for code outside transformers.
+Tested against transformers 5.24 (see ``pyproject.toml`` for the pinned range).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from kvfactory.errors import ConfigError
+from kvfactory.storage.base import LayerStore, MemoryReport
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def attention_layout(model_config: Any) -> list[int | None]:
+    """Per decoder layer: ``None`` for full attention, the window for sliding/chunked attention."""
+    text_config = model_config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    unsupported = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if unsupported:
+        raise ConfigError("model_config.layer_types", unsupported,
+                          f"only attention layers {ATTENTION_LAYER_TYPES} are supported")
+    return [kw.get("sliding_window") for kw in layer_kwargs]
+
+
+class KVLayer(CacheLayerMixin):
+    """One decoder layer's cache over a ``LayerStore``.
+
+    Follows transformers' layer rules: ``get_seq_length`` counts tokens seen, ``get_mask_sizes``
+    reports what is stored (for sliding layers only the last ``window - 1`` tokens stay, exactly
+    as ``DynamicSlidingWindowLayer``), and positions of kept tokens never shift.
+    """
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, store: LayerStore, sliding_window: int | None = None):
+        self.store = store
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.seen = 0
+        self.is_initialized = False
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Stored keys (a gathered copy for paged storage)."""
+        return self.store.gather()[0] if self.store.size() else None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.store.gather()[1] if self.store.size() else None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store new tokens without reading the cache back."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.store.append(key_states, value_states)
+        self._after_write(key_states.shape[-2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.store.append(key_states, value_states)
+        keys, values = self.store.gather()
+        self._after_write(key_states.shape[-2])
+        return keys, values
+
+    def _after_write(self, new_tokens: int) -> None:
+        self.seen += new_tokens
+        if self.is_sliding:
+            excess = self.store.size() - (self.sliding_window - 1)
+            if excess > 0:
+                self.store.drop_front(excess)
+        self.store.retain()
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        stored = self.store.size()
+        return stored + query_length, self.seen - stored
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def reset(self) -> None:
+        self.store.clear()
+        self.seen = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        removed = -tokens_to_remove
+        if self.store.size() != self.seen:
+            raise RuntimeError(f"crop({tokens_to_remove}): this layer holds {self.store.size()} of "
+                               f"{self.seen} tokens seen; evicted tokens cannot be rolled back")
+        self.store.truncate(self.store.size() - removed)
+        self.seen = max(0, self.seen - removed)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = self.store.batch_size
+        self.store.select_rows(torch.arange(rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        self.store.select_rows(indices)
+
+    def offload(self) -> None:
+        raise NotImplementedError("kvfactory caches do not support transformers' offloading=True")
+
+    prefetch = offload
+
+
+class KVCache(Cache):
+    """A transformers ``Cache`` built by ``KVCacheFactory``; see the module docstring."""
+
+    def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
+                 config: Any = None):
+        super().__init__(layers=layers)
+        self.shared, self.seq_id, self.config = shared, seq_id, config
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0:
+            self._reserve(key_states.shape[-2])
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _reserve(self, new_tokens: int) -> None:
+        """Check every layer's pool before the first layer writes: a step is written whole or not at all."""
+        check = getattr(self.shared, "check", None)
+        if check is not None:
+            check({i: layer.store.blocks_needed(new_tokens) for i, layer in enumerate(self.layers)})
+
+    @property
+    def batch_size(self) -> int:
+        return max((layer.store.batch_size for layer in self.layers), default=0)
+
+    def memory_report(self) -> dict[str, float]:
+        """Bytes held by this cache, from its tensors.
+
+        ``allocated``/``used``/``waste`` are summed over layers; ``tokens`` counts tokens seen per
+        batch row times rows, so ``bytes_per_token`` is what one sequence token costs in all layers.
+        """
+        total = sum((layer.store.memory_report() for layer in self.layers), MemoryReport())
+        seen = self.get_seq_length() * self.batch_size
+        return MemoryReport(total.allocated, total.used, seen).as_dict() | {"tokens_stored": total.tokens}
+
+    # -- low-level interface (code outside transformers) -----------------------------------
+    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``."""
+        if layer_idx == 0:
+            self._reserve(key.shape[-2])
+        self.layers[layer_idx].append(key, value)
+
+    def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored keys and values of layer ``layer_idx``."""
+        return self.layers[layer_idx].store.gather()
+
+    def size(self, layer_idx: int = 0) -> int:
+        """Tokens stored per batch row in layer ``layer_idx``."""
+        return self.layers[layer_idx].store.size()
+
+    def clear(self) -> None:
+        """Drop every token and give the memory (pool blocks) back."""
+        self.reset()
+
+    free = clear
+
+
+def dynamic_cache_bytes(cache: Cache) -> int:
+    """Bytes held by a transformers cache (DynamicCache and friends), from its tensors."""
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.untyped_storage().nbytes()
+    return total

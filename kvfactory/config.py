@@ -1,0 +1,160 @@
+"""Cache configs: parse dicts, YAML files and composite configs into a validated ``CacheConfig``.
+
+A strategy is a registered dataclass; its fields are the options a config may set. Every unknown
+key, wrong type or impossible value raises ``ConfigError`` naming the key, the value and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvfactory.errors import ConfigError
+from kvfactory.storage.base import LayerStore
+from kvfactory.storage.dense import DenseStore
+from kvfactory.storage.paged import PagedStore
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_cache_strategy(name: str, cls: type) -> type:
+    """Make ``cls`` usable as ``{"type": name, ...}`` or as a composite strategy ``{"name": name}``.
+
+    ``cls`` must be a dataclass subclass of ``LayerStore``; its fields are its config options.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, LayerStore) and dataclasses.is_dataclass(cls)):
+        raise ConfigError("strategy class", cls, "a @dataclass subclass of kvfactory.LayerStore")
+    if not isinstance(name, str) or not name or name == "composite":
+        raise ConfigError("strategy name", name, "a non-empty string other than 'composite'")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def registered_strategies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+register_cache_strategy("dense", DenseStore)
+register_cache_strategy("paged", PagedStore)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One validated strategy: its registered name, class and options."""
+
+    name: str
+    cls: type
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Any:
+        return self.cls(**self.options)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A validated cache config; ``raw`` is what the user gave."""
+
+    storage: StrategySpec
+    raw: dict[str, Any]
+
+
+def options_of(cls: type) -> dict[str, Any]:
+    """Config options of a strategy class: its init fields and their type hints."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is Any:
+        return True
+    return isinstance(value, origin or hint)
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def parse_strategy(name: Any, options: dict[str, Any], where: str) -> StrategySpec:
+    """Validate one strategy's name and options; ``where`` prefixes key names in errors."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"{where}type" if where == "" else f"{where}name", name,
+                          f"one of {registered_strategies()} (or 'composite')")
+    cls = _REGISTRY[name]
+    allowed = options_of(cls)
+    for key, value in options.items():
+        if key not in allowed:
+            raise ConfigError(f"{where}{key}", value, f"options of '{name}': {sorted(allowed)}")
+        if not _type_ok(value, allowed[key]):
+            raise ConfigError(f"{where}{key}", value, _describe(allowed[key]))
+    spec = StrategySpec(name, cls, dict(options))
+    spec.build()  # runs the strategy's own value checks (__post_init__)
+    return spec
+
+
+def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
+    """Validate a config dict (plain or composite) into a ``CacheConfig``."""
+    if isinstance(config, CacheConfig):
+        return config
+    if config is None:
+        config = {"type": "dense"}
+    if not isinstance(config, dict):
+        raise ConfigError("cache_config", config, "a dict, a CacheConfig or a YAML path via from_yaml")
+    if set(config) == {"kv_cache_config"}:
+        config = config["kv_cache_config"]
+        if not isinstance(config, dict):
+            raise ConfigError("kv_cache_config", config, "a mapping")
+    if "type" not in config:
+        raise ConfigError("type", None, f"one of {registered_strategies()} or 'composite'")
+    kind = config["type"]
+    if kind != "composite":
+        options = {k: v for k, v in config.items() if k != "type"}
+        return CacheConfig(parse_strategy(kind, options, ""), dict(config))
+    extra = set(config) - {"type", "strategies"}
+    if extra:
+        key = sorted(extra)[0]
+        raise ConfigError(key, config[key], "a composite config has only 'type' and 'strategies'")
+    strategies = config.get("strategies")
+    if not isinstance(strategies, list) or not strategies:
+        raise ConfigError("strategies", strategies, "a non-empty list of {name: ..., options...}")
+    storage = None
+    for i, entry in enumerate(strategies):
+        where = f"strategies[{i}]."
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise ConfigError(f"strategies[{i}]", entry, "a mapping with a 'name' key")
+        spec = parse_strategy(entry["name"], {k: v for k, v in entry.items() if k != "name"}, where)
+        if storage is not None:
+            raise ConfigError(f"{where}name", entry["name"],
+                              f"one storage strategy per config; '{storage.name}' is already given")
+        storage = spec
+    return CacheConfig(storage, dict(config))
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict (errors name the file)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError("yaml file", str(path), f"a readable YAML file ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("yaml file", str(path), "a YAML mapping at the top level")
+    return data

@@ -1,0 +1,43 @@
+"""``KVCacheFactory``: one validated config in, transformers-compatible caches out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvfactory.cache import KVCache, KVLayer, attention_layout
+from kvfactory.config import CacheConfig, load_yaml, parse_config
+
+
+class KVCacheFactory:
+    """Builds caches for one model from one config.
+
+    Caches created by one factory share its storage pool (for paged storage), so many sequences
+    can live in one preallocated pool; pass ``pool=`` to share a pool across factories.
+    """
+
+    def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
+                 pool: Any = None):
+        self.model_config = model_config
+        self.config = parse_config(cache_config)
+        self.windows = attention_layout(model_config)
+        storage = self.config.storage
+        make_shared = getattr(storage.cls, "make_shared", None)
+        if pool is None and make_shared is not None:
+            pool = make_shared(storage.options, len(self.windows))
+        self.pool = pool
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, model_config: Any, pool: Any = None) -> KVCacheFactory:
+        return cls(model_config, load_yaml(path), pool=pool)
+
+    def create_cache(self, seq_id: str | None = None) -> KVCache:
+        """A new, empty cache (a ``transformers.Cache``) for one sequence or batch."""
+        layers = []
+        for layer_idx, window in enumerate(self.windows):
+            store = self.config.storage.build()
+            store.bind(layer_idx)
+            if self.pool is not None:
+                store.attach(self.pool)
+            layers.append(KVLayer(store, sliding_window=window))
+        return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config)

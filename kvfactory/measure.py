@@ -1,0 +1,57 @@
+"""Timing of ``generate()`` split into prefill and decode, per DESIGN.md's measurement protocol."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+
+class _StepClock(LogitsProcessor):
+    """Records the wall time at which each generation step's logits are ready."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+@dataclass(frozen=True)
+class GenerationTiming:
+    """Result of ``timed_generate``: tokens, prefill seconds and decode throughput."""
+
+    sequences: torch.Tensor
+    new_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second after the first (batch rows counted), prefill excluded."""
+        steps = self.new_tokens - 1
+        rows = self.sequences.shape[0]
+        return steps * rows / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+@torch.inference_mode()
+def timed_generate(model: Any, inputs: dict[str, torch.Tensor], cache: Any, max_new_tokens: int,
+                   **generate_kwargs: Any) -> GenerationTiming:
+    """Greedy ``generate`` (unless overridden) with prefill and decode timed separately.
+
+    Prefill time is from the call to the first token's logits; decode time covers the remaining
+    ``max_new_tokens - 1`` steps. EOS is ignored so every config decodes the same number of steps.
+    """
+    clock = _StepClock()
+    kwargs = {"do_sample": False, "min_new_tokens": max_new_tokens} | generate_kwargs
+    start = time.perf_counter()
+    sequences = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens,
+                               logits_processor=LogitsProcessorList([clock]), **kwargs)
+    end = time.perf_counter()
+    new_tokens = sequences.shape[1] - inputs["input_ids"].shape[1]
+    first = clock.stamps[0] if clock.stamps else end
+    return GenerationTiming(sequences, new_tokens, prefill_s=first - start, decode_s=end - first)

