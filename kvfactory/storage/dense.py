@@ -57,8 +57,9 @@ class DenseStore(LayerStore):
             capacity = max(capacity, math.ceil(needed * self.growth))
         key, value = like
         b, h, _, dk = key.shape
-        new_k = key.new_empty((b, h, capacity, dk))
-        new_v = value.new_empty((b, h, capacity, value.shape[3]))
+        with torch.inference_mode(False):  # the buffer outlives any one inference_mode block
+            new_k = key.new_empty((b, h, capacity, dk))
+            new_v = value.new_empty((b, h, capacity, value.shape[3]))
         if self._k is not None and self._len:
             new_k[:, :, :self._len] = self._k[:, :, self._start:self._start + self._len]
             new_v[:, :, :self._len] = self._v[:, :, self._start:self._start + self._len]

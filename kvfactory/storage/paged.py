@@ -13,6 +13,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvfactory.errors import CacheFullError, ConfigError, ShapeError
@@ -29,9 +30,11 @@ class BlockPool:
                  dtype: torch.dtype, device: torch.device, num_blocks: int | None):
         self.layer_idx, self.page_size, self.growable = layer_idx, page_size, num_blocks is None
         initial = num_blocks if num_blocks is not None else 64
-        self.k = torch.zeros((kv_heads, initial, page_size, head_dim), dtype=dtype, device=device)
-        self.v = torch.zeros((kv_heads, initial, page_size, v_head_dim), dtype=dtype, device=device)
-        self.refcount = torch.zeros(initial, dtype=torch.int32)
+        with torch.inference_mode(False):  # the pool outlives any one inference_mode block
+            self.k = torch.empty((kv_heads, initial, page_size, head_dim), dtype=dtype, device=device)
+            self.v = torch.empty((kv_heads, initial, page_size, v_head_dim), dtype=dtype, device=device)
+        self.refcount = np.zeros(initial, dtype=np.int32)
+        self.any_shared = False  # some block has refcount > 1: writes must check copy-on-write
         self.free: deque[int] = deque(range(initial))
 
     @property
@@ -53,33 +56,36 @@ class BlockPool:
         self.check(n)
         if n > len(self.free):
             self._grow(self.num_blocks + n - len(self.free))
-        ids = torch.tensor([self.free.popleft() for _ in range(n)], dtype=torch.long)
+        ids = [self.free.popleft() for _ in range(n)]
         self.refcount[ids] = 1
-        return ids
+        return torch.tensor(ids, dtype=torch.long)
 
     def _grow(self, at_least: int) -> None:
         old = self.num_blocks
         new = max(2 * old, at_least)
-        for name in ("k", "v"):
-            t = getattr(self, name)
-            grown = t.new_zeros((t.shape[0], new, t.shape[2], t.shape[3]))
-            grown[:, :old] = t
-            setattr(self, name, grown)
-        self.refcount = torch.cat([self.refcount, torch.zeros(new - old, dtype=torch.int32)])
+        with torch.inference_mode(False):
+            for name in ("k", "v"):
+                t = getattr(self, name)
+                grown = t.new_empty((t.shape[0], new, t.shape[2], t.shape[3]))
+                grown[:, :old] = t
+                setattr(self, name, grown)
+        self.refcount = np.concatenate([self.refcount, np.zeros(new - old, dtype=np.int32)])
         self.free.extend(range(old, new))
 
     def incref(self, ids: torch.Tensor) -> None:
-        self.refcount.index_add_(0, ids.flatten().cpu(), torch.ones(ids.numel(), dtype=torch.int32))
+        np.add.at(self.refcount, ids.flatten().cpu().numpy(), 1)
+        self.any_shared = bool((self.refcount > 1).any())
 
     def decref(self, ids: torch.Tensor) -> None:
-        ids = ids.flatten().cpu()
-        if ids.numel() == 0:
+        ids = ids.flatten().cpu().numpy()
+        if ids.size == 0:
             return
-        self.refcount.index_add_(0, ids, torch.full((ids.numel(),), -1, dtype=torch.int32))
-        touched = ids.unique()
+        np.add.at(self.refcount, ids, -1)
+        touched = np.unique(ids)
         if (self.refcount[touched] < 0).any():
             raise RuntimeError(f"layer {self.layer_idx}: block freed more often than referenced")
         self.free.extend(touched[self.refcount[touched] == 0].tolist())
+        self.any_shared = bool((self.refcount > 1).any())
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy block contents ``src[i] -> dst[i]`` (copy-on-write)."""
@@ -144,15 +150,32 @@ class PagedPool:
 
 
 class _Table:
-    """Block ids ``[batch, blocks]`` of one store; released to the pool when the store dies."""
+    """Block ids ``[batch, blocks]`` of one store; released to the pool when the store dies.
+
+    ``run_start`` is the first id when a single row's blocks are consecutive in the pool, so
+    ``gather`` can return a view instead of copying (the common single-sequence case).
+    """
 
     def __init__(self) -> None:
-        self.ids: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
         self.pool: BlockPool | None = None
+        self.run_start: int | None = None
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return self._ids
+
+    @ids.setter
+    def ids(self, ids: torch.Tensor | None) -> None:
+        self._ids, self.run_start = ids, None
+        if ids is not None and ids.shape[0] == 1 and ids.shape[1] > 0:
+            first = int(ids[0, 0])
+            if int(ids[0, -1]) - first == ids.shape[1] - 1 and bool((ids[0].diff() == 1).all()):
+                self.run_start = first
 
     def release(self) -> None:
-        if self.ids is not None and self.pool is not None:
-            self.pool.decref(self.ids)
+        if self._ids is not None and self.pool is not None:
+            self.pool.decref(self._ids)
         self.ids = None
 
 
@@ -197,19 +220,23 @@ class PagedStore(LayerStore):
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 
-    def _cow_rows(self) -> torch.Tensor:
+    def _cow_rows(self) -> torch.Tensor | None:
         """Rows whose block receiving the next write is shared and must be copied first."""
         fill = self._start + self._len
-        if self._ids is None or fill % self.page_size == 0:
-            return torch.empty(0, dtype=torch.long)
+        if self._ids is None or fill % self.page_size == 0 or not self._table.pool.any_shared:
+            return None
         col = self._ids[:, fill // self.page_size]
-        return (self._table.pool.refcount[col] > 1).nonzero().flatten()
+        shared = (self._table.pool.refcount[col.numpy()] > 1).nonzero()[0]
+        return torch.from_numpy(shared) if shared.size else None
+
+    def _growth(self, new_tokens: int) -> int:
+        """New blocks each row needs to hold ``new_tokens`` more tokens."""
+        have = 0 if self._ids is None else self._ids.shape[1]
+        return max(self._blocks_for(self._start + self._len + new_tokens) - have, 0)
 
     def blocks_needed(self, new_tokens: int) -> int:
-        rows = self.batch_size or 1
-        have = 0 if self._ids is None else self._ids.shape[1]
-        grow = self._blocks_for(self._start + self._len + new_tokens) - have
-        return rows * max(grow, 0) + self._cow_rows().numel()
+        cow = self._cow_rows()
+        return (self.batch_size or 1) * self._growth(new_tokens) + (0 if cow is None else cow.numel())
 
     # -- LayerStore -----------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -230,14 +257,18 @@ class PagedStore(LayerStore):
             self._table.ids = torch.empty((b, 0), dtype=torch.long)
         elif b != self._ids.shape[0]:
             raise ShapeError(f"layer {self.layer_idx}: batch {b} appended to a store of batch {self._ids.shape[0]}")
-        block_pool.check(self.blocks_needed(t))  # nothing is written unless everything fits
-        self._copy_on_write(block_pool)
-        fill = self._start + self._len
-        grow = self._blocks_for(fill + t) - self._ids.shape[1]
-        if grow > 0:
-            self._table.ids = torch.cat([self._ids, block_pool.allocate(b * grow).view(b, grow)], dim=1)
-        pos = torch.arange(fill, fill + t)
-        slots = (self._ids[:, pos // self.page_size] * self.page_size + pos % self.page_size).flatten()
+        grow, cow = self._growth(t), self._cow_rows()
+        if grow or cow is not None:
+            # nothing is written unless every block this append needs can be handed out
+            block_pool.check(b * grow + (0 if cow is None else cow.numel()))
+            if cow is not None:
+                self._copy_on_write(block_pool, cow)
+            if grow:
+                self._table.ids = torch.cat([self._ids, block_pool.allocate(b * grow).view(b, grow)], dim=1)
+        fill, ps = self._start + self._len, self.page_size
+        first_col, offset = fill // ps, fill % ps
+        cols = self._ids[:, first_col:(fill + t - 1) // ps + 1] * ps
+        slots = (cols[:, :, None] + torch.arange(ps)).flatten(1)[:, offset:offset + t].flatten()
         slots = slots.to(key.device)
         flat_k = block_pool.k.view(h, -1, d)
         flat_v = block_pool.v.view(h, -1, value.shape[3])
@@ -245,10 +276,7 @@ class PagedStore(LayerStore):
         flat_v.index_copy_(1, slots, value.transpose(0, 1).reshape(h, b * t, value.shape[3]))
         self._len += t
 
-    def _copy_on_write(self, block_pool: BlockPool) -> None:
-        rows = self._cow_rows()
-        if rows.numel() == 0:
-            return
+    def _copy_on_write(self, block_pool: BlockPool, rows: torch.Tensor) -> None:
         col = (self._start + self._len) // self.page_size
         old = self._ids[rows, col]
         new = block_pool.allocate(rows.numel())
@@ -263,8 +291,13 @@ class PagedStore(LayerStore):
             raise ShapeError(f"layer {self.layer_idx}: nothing stored yet")
         block_pool = self._table.pool
         b, n = self._ids.shape
-        ids = self._ids.flatten().to(block_pool.k.device)
         span = slice(self._start, self._start + self._len)
+        run = self._table.run_start
+        if run is not None:  # one row in consecutive blocks: a view, no copy
+            keys = block_pool.k[:, run:run + n].reshape(block_pool.k.shape[0], n * self.page_size, -1)
+            values = block_pool.v[:, run:run + n].reshape(block_pool.v.shape[0], n * self.page_size, -1)
+            return keys[None, :, span], values[None, :, span]
+        ids = self._ids.flatten().to(block_pool.k.device)
         keys = block_pool.k.index_select(1, ids).view(block_pool.k.shape[0], b, n * self.page_size, -1)
         values = block_pool.v.index_select(1, ids).view(block_pool.v.shape[0], b, n * self.page_size, -1)
         return keys[:, :, span].transpose(0, 1), values[:, :, span].transpose(0, 1)
@@ -281,11 +314,19 @@ class PagedStore(LayerStore):
         self._start = self._len = 0
 
     def keep(self, index: torch.Tensor) -> None:
+        """Compact into new blocks, then free the old ones (a gathered view stays intact)."""
         keys, values = self.gather()
         index = index.to(keys.device)
         kept_k, kept_v = keys.index_select(2, index), values.index_select(2, index)
-        self.clear()
-        self.append(kept_k, kept_v)
+        old, block_pool, start, length = self._ids, self._table.pool, self._start, self._len
+        self._table.ids = None
+        self._start = self._len = 0
+        try:
+            self.append(kept_k, kept_v)
+        except CacheFullError:
+            self._table.ids, self._start, self._len = old, start, length
+            raise
+        block_pool.decref(old)
 
     def drop_front(self, n: int) -> None:
         n = min(n, self._len)

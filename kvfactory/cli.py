@@ -1,0 +1,119 @@
+"""The ``kvfactory`` command line: ``size`` (KV memory calculator) and ``run`` (side-by-side caches).
+
+Commands only parse arguments; the work lives in ``kvfactory.sizing`` and ``kvfactory.run``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvfactory import models, sizing
+from kvfactory import run as run_job
+
+app = typer.Typer(help="KV-cache management for Hugging Face transformers.", no_args_is_help=True,
+                  add_completion=False)
+
+
+def load_config(model: str) -> Any:
+    """The transformers config of ``model`` ("smollm2", a config.json or a model folder), no weights."""
+    from transformers import AutoConfig
+
+    if model == models.EMBEDDED:
+        converted = models._cache_dir()
+        if (converted / "config.json").exists():  # reading the GGUF header takes seconds
+            return AutoConfig.from_pretrained(converted)
+        return AutoConfig.from_pretrained(models.embedded_model_dir(), gguf_file=models.GGUF_FILE)
+    if not Path(model).exists():
+        raise typer.BadParameter(f"{model!r} is neither {models.EMBEDDED!r} nor an existing config.json "
+                                 f"or model folder", param_hint="--model")
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise typer.BadParameter(f"cannot read a model config from {model!r}: {exc}",
+                                 param_hint="--model") from exc
+
+
+def _memory(text: str) -> int:
+    try:
+        return sizing.parse_memory(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--memory") from exc
+
+
+def _bytes(n: float) -> str:
+    exact = f"{n:,.0f} B" if n == int(n) else f"{n:,.1f} B"
+    return exact if n < 1024 else f"{exact} ({sizing.format_bytes(n)})"
+
+
+def _configs(values: list[str] | None) -> list[str] | None:
+    try:
+        run_job.parse_configs(values)
+    except run_job.RunError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--configs") from exc
+    return values
+
+
+@app.command()
+def size(
+    model: Annotated[str, typer.Option(help="'smollm2' (embedded), a config.json or a model folder")]
+    = models.EMBEDDED,
+    dtype: Annotated[sizing.DType, typer.Option(help="element type of an uncompressed cache")] = "fp16",
+    context: Annotated[int, typer.Option(min=1, help="tokens per sequence")] = 8192,
+    batch: Annotated[int, typer.Option(min=1, help="sequences")] = 1,
+    codec: Annotated[sizing.Codec, typer.Option(help="KV encoding (see kvfactory.sizing)")] = "none",
+    memory: Annotated[str, typer.Option(help="budget for the largest context: 8GiB, 512MiB, 2GB or bytes")]
+    = "8GiB",
+) -> None:
+    """Estimate KV-cache memory for a model and the longest context a memory budget holds."""
+    budget = _memory(memory)
+    config = load_config(model)
+    shape = sizing.KVShape.from_config(config)
+    per_layer = sizing.bytes_per_token_per_layer(shape, dtype, codec)
+    per_token = sizing.bytes_per_token(shape, dtype, codec)
+    total = sizing.kv_bytes(shape, context, batch, dtype, codec)
+    longest = sizing.max_context(shape, budget, batch, dtype, codec)
+    windows = sorted({w for w in shape.windows if w is not None})
+    sliding = sum(w is not None for w in shape.windows)
+    layout = f"{shape.num_layers} layers" + (f" ({sliding} sliding, windows {windows})" if sliding else "")
+    positions = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+    table = Table(title=f"KV cache of {model}: {layout}, {shape.kv_heads} KV heads, "
+                        f"head_dim {shape.head_dim}, {dtype}, codec {codec}")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("per token per layer", _bytes(per_layer))
+    table.add_row("per token, all layers", _bytes(per_token))
+    table.add_row(f"{context:,} tokens × batch {batch}", _bytes(total))
+    if longest is None:
+        fits = "unbounded: every layer is sliding-window"
+    else:
+        fits = f"{longest:,} tokens" + (f" (model positions: {positions:,})" if positions else "")
+    table.add_row(f"largest context in {memory.strip()}, batch {batch}", fits)
+    Console().print(table)
+
+
+@app.command()
+def run(
+    context: Annotated[int, typer.Option(min=1, help="tokens of shipped WikiText-2 text before the question")]
+    = 4096,
+    new_tokens: Annotated[int, typer.Option(min=2, help="tokens generated (greedy, EOS ignored)")] = 64,
+    configs: Annotated[list[str] | None, typer.Option(
+        callback=_configs, help=f"repeatable: a preset ({', '.join(run_job.PRESETS)}) or a JSON cache "
+                                f"config; default: all presets. DynamicCache always runs as the baseline")]
+    = None,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+    json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
+) -> None:
+    """Generate from one long real prompt with DynamicCache and kvfactory caches side by side."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the run shows its own progress
+    try:
+        run_job.run(context, new_tokens, configs, threads, json_path, Console())
+    except run_job.RunError as exc:
+        raise typer.BadParameter(str(exc)) from exc

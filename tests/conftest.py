@@ -1,0 +1,41 @@
+"""Shared fixtures: the embedded model (loaded once per session) and the WikiText-2 test text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# The suite runs on shared 2-core machines: more threads only add contention.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# The repository sits next to ``shared/`` (``/work/main`` and ``/work/shared``; CI has the same layout).
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+WIKITEXT = DATA_DIR / "wikitext2_test.txt"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of the embedded SmolLM2-135M-Instruct, fp32, eval mode."""
+    from kvfactory.models import load_model
+
+    model, tokenizer = load_model()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def wikitext_ids(smollm2) -> torch.Tensor:
+    """The first ~8k tokens of WikiText-2 test as a 1-D tensor of SmolLM2 token ids."""
+    if not WIKITEXT.exists():
+        pytest.skip(f"{WIKITEXT} is missing")
+    _, tokenizer = smollm2
+    lines, chars = [], 0
+    for line in WIKITEXT.read_text(encoding="utf-8").splitlines():
+        lines.append(line)
+        chars += len(line)
+        if chars > 40_000:  # ~4 characters per token: comfortably more than 4096 tokens
+            break
+    ids = tokenizer("\n".join(lines), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    assert ids.numel() > 4096
+    return ids

@@ -1,0 +1,53 @@
+"""Helpers shared by the test modules: run ``generate`` against a cache and compare two runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+LOGITS_ATOL = 1e-5  # DESIGN.md: lossless configs give logits within 1e-5 of DynamicCache in fp32
+
+
+@torch.no_grad()
+def generate(model: Any, inputs: dict[str, torch.Tensor], cache: Any, seed: int | None = None,
+             **kwargs: Any) -> Any:
+    """``model.generate`` with ``cache``, returning the dict output with per-step logits.
+
+    ``seed`` seeds torch right before the call, so two runs sample the same random numbers.
+    """
+    params = {"max_new_tokens": 8, "do_sample": False, "output_logits": True,
+              "return_dict_in_generate": True} | kwargs
+    if seed is not None:
+        torch.manual_seed(seed)
+    return model.generate(**inputs, past_key_values=cache, **params)
+
+
+def max_logit_diff(ref: Any, out: Any) -> float:
+    assert len(ref.logits) == len(out.logits), "different number of generation steps"
+    return max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True))
+
+
+def assert_same_generation(ref: Any, out: Any, atol: float = LOGITS_ATOL) -> None:
+    """Identical tokens and logits within ``atol`` at every step (and beam scores, if any)."""
+    assert ref.sequences.shape == out.sequences.shape, (ref.sequences.shape, out.sequences.shape)
+    mismatch = (ref.sequences != out.sequences).nonzero().tolist()
+    assert not mismatch, f"tokens differ at (row, position) {mismatch[:5]}"
+    diff = max_logit_diff(ref, out)
+    assert diff <= atol, f"logits differ by {diff:.3g} > {atol}"
+    if getattr(ref, "sequences_scores", None) is not None:
+        torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, atol=atol, rtol=0)
+
+
+def kv_slot_bytes(model_config: Any, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one token's keys and values in one layer, from the model config alone."""
+    cfg = model_config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def layer_sizes(cache: Any) -> list[int]:
+    """Tokens stored per batch row in every layer of a kvfactory cache."""
+    return [cache.size(i) for i in range(len(cache.layers))]
