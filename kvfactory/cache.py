@@ -141,14 +141,16 @@ class KVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == 0:
-            self._reserve(key_states.shape[-2])
+            self._reserve(key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _reserve(self, new_tokens: int) -> None:
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Check every layer's pool before the first layer writes: a step is written whole or not at all."""
         check = getattr(self.shared, "check", None)
         if check is not None:
-            check({i: layer.store.blocks_needed(new_tokens) for i, layer in enumerate(self.layers)})
+            batch, new_tokens = key_states.shape[0], key_states.shape[-2]
+            check({i: layer.store.blocks_needed(new_tokens, batch) for i, layer in enumerate(self.layers)},
+                  key_states, value_states)
 
     @property
     def batch_size(self) -> int:
@@ -159,16 +161,22 @@ class KVCache(Cache):
 
         ``allocated``/``used``/``waste`` are summed over layers; ``tokens`` counts tokens seen per
         batch row times rows, so ``bytes_per_token`` is what one sequence token costs in all layers.
+        With a shared pool, ``pool_allocated`` is the whole pool's bytes (all its caches and free
+        blocks included).
         """
         total = sum((layer.store.memory_report() for layer in self.layers), MemoryReport())
         seen = self.get_seq_length() * self.batch_size
-        return MemoryReport(total.allocated, total.used, seen).as_dict() | {"tokens_stored": total.tokens}
+        report = MemoryReport(total.allocated, total.used, seen).as_dict() | {"tokens_stored": total.tokens}
+        pool_report = getattr(self.shared, "memory_report", None)
+        if pool_report is not None:
+            report["pool_allocated"] = pool_report().allocated
+        return report
 
     # -- low-level interface (code outside transformers) -----------------------------------
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``."""
         if layer_idx == 0:
-            self._reserve(key.shape[-2])
+            self._reserve(key, value)
         self.layers[layer_idx].append(key, value)
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

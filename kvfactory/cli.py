@@ -21,18 +21,13 @@ app = typer.Typer(help="KV-cache management for Hugging Face transformers.", no_
 
 def load_config(model: str) -> Any:
     """The transformers config of ``model`` ("smollm2", a config.json or a model folder), no weights."""
-    from transformers import AutoConfig
-
     if model == models.EMBEDDED:
-        converted = models._cache_dir()
-        if (converted / "config.json").exists():  # reading the GGUF header takes seconds
-            return AutoConfig.from_pretrained(converted)
-        return AutoConfig.from_pretrained(models.embedded_model_dir(), gguf_file=models.GGUF_FILE)
+        return models.load_config()
     if not Path(model).exists():
         raise typer.BadParameter(f"{model!r} is neither {models.EMBEDDED!r} nor an existing config.json "
                                  f"or model folder", param_hint="--model")
     try:
-        return AutoConfig.from_pretrained(model, local_files_only=True)
+        return models.load_config(model)
     except (OSError, ValueError, KeyError) as exc:
         raise typer.BadParameter(f"cannot read a model config from {model!r}: {exc}",
                                  param_hint="--model") from exc

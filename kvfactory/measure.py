@@ -49,7 +49,7 @@ def timed_generate(model: Any, inputs: dict[str, torch.Tensor], cache: Any, max_
     clock = _StepClock()
     kwargs = {"do_sample": False, "min_new_tokens": max_new_tokens} | generate_kwargs
     start = time.perf_counter()
-    sequences = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens,
+    sequences = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens,
                                logits_processor=LogitsProcessorList([clock]), **kwargs)
     end = time.perf_counter()
     new_tokens = sequences.shape[1] - inputs["input_ids"].shape[1]

@@ -31,6 +31,18 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVFACTORY_CACHE_DIR", Path.home() / ".cache" / "kvfactory")) / "smollm2-fp32"
 
 
+def load_config(name: str = EMBEDDED) -> Any:
+    """The model's config without loading weights (fast once the embedded model was converted)."""
+    from transformers import AutoConfig
+
+    if name != EMBEDDED:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    converted = _cache_dir()
+    if (converted / "config.json").exists():
+        return AutoConfig.from_pretrained(converted)
+    return AutoConfig.from_pretrained(embedded_model_dir(), gguf_file=GGUF_FILE)
+
+
 def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``: the embedded model by default, or a local path / hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

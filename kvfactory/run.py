@@ -36,7 +36,7 @@ from kvfactory.cache import dynamic_cache_bytes
 from kvfactory.config import parse_config
 from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
-from kvfactory.measure import timed_generate
+from kvfactory.measure import GenerationTiming, timed_generate
 from kvfactory.models import load_model
 from kvfactory.sizing import format_bytes, kv_bytes
 
@@ -46,8 +46,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paged/16": {"type": "paged", "page_size": 16},
     "paged/256": {"type": "paged", "page_size": 256},
 }
-# Asked about the first article, about 4,000 tokens before the question at the default context.
 _SENTENCE_END = re.compile(r" \.(?= )|\n")  # WikiText writes "word . Next"
+# About the first article: some 4,000 tokens before the question at the default context.
 QUESTION = "\nQuestion: What is Robert Boulter's profession?\nAnswer: Robert Boulter is an English"
 
 
@@ -86,7 +86,7 @@ def parse_configs(values: list[str] | None) -> dict[str, dict[str, Any]]:
             config = json.loads(value)
         except json.JSONDecodeError:
             raise RunError(f"config {value!r}: expected one of {', '.join(PRESETS)} or a JSON cache "
-                             f"config such as '{{\"type\": \"paged\", \"page_size\": 64}}'") from None
+                           f"config such as '{{\"type\": \"paged\", \"page_size\": 64}}'") from None
         try:
             parse_config(config)
         except ConfigError as exc:
@@ -110,8 +110,8 @@ class ConfigResult:
 
 
 def _measure(model: Any, inputs: dict[str, torch.Tensor], config: dict[str, Any] | None,
-             new_tokens: int) -> tuple[torch.Tensor, int, int, Any]:
-    """Generate under one config: (new tokens, KV bytes, cached tokens, timing)."""
+             new_tokens: int) -> tuple[torch.Tensor, int, int, GenerationTiming]:
+    """Generate under one config: (generated tokens, KV bytes held, tokens cached, timing)."""
     if config is None:
         cache = DynamicCache(config=model.config)
     else:
@@ -130,8 +130,8 @@ def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = N
     """Run the comparison, print the table and the baseline's answer; return (and optionally save) it."""
     if context < 1 or new_tokens < 2 or threads < 1:
         raise RunError(f"context={context}, new_tokens={new_tokens}, threads={threads}: expected "
-                         f"context >= 1, new_tokens >= 2 (decode speed needs a step after the first), "
-                         f"threads >= 1")
+                       f"context >= 1, new_tokens >= 2 (decode speed needs a step after the first), "
+                       f"threads >= 1")
     named = {BASELINE: None} | parse_configs(configs)
     console = console or Console()
     previous_threads = torch.get_num_threads()
@@ -147,25 +147,25 @@ def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = N
             prompt_tokens = inputs["input_ids"].shape[1]
             if prompt_tokens + new_tokens > limit:
                 raise RunError(f"context {context}: the prompt ({prompt_tokens} tokens) plus {new_tokens} "
-                                 f"new tokens exceeds the model's {limit} positions")
+                               f"new tokens exceeds the model's {limit} positions")
             progress.update(task, advance=1, description="warm-up (short prompt, every config)")
             short = {k: v[:, :16] for k, v in inputs.items()}
             for config in named.values():
                 _measure(model, short, config, 2)
             progress.advance(task)
-            rows, reference, answer = [], None, ""
+            measured = {}
             for name, config in named.items():
                 progress.update(task, description=f"{name}: prefill {prompt_tokens} + decode {new_tokens}")
-                generated, held, tokens, timing = _measure(model, inputs, config, new_tokens)
-                if reference is None:
-                    reference, base_speed = generated, timing.decode_tokens_per_s
-                    answer = tokenizer.decode(generated[0], skip_special_tokens=True)
-                rows.append(ConfigResult(name, config, held, held / tokens, timing.prefill_s,
-                                         timing.decode_tokens_per_s, timing.decode_tokens_per_s / base_speed,
-                                         bool(torch.equal(generated, reference))))
+                measured[name] = _measure(model, inputs, config, new_tokens)
                 progress.advance(task)
     finally:
         torch.set_num_threads(previous_threads)
+    reference, _, tokens, base = measured[BASELINE]
+    rows = [ConfigResult(name, named[name], held, held / cached, timing.prefill_s, timing.decode_tokens_per_s,
+                         timing.decode_tokens_per_s / base.decode_tokens_per_s,
+                         bool(torch.equal(generated, reference)))
+            for name, (generated, held, cached, timing) in measured.items()]
+    answer = tokenizer.decode(reference[0], skip_special_tokens=True)
     report = {"model": "SmolLM2-135M-Instruct (embedded, fp32)", "threads": threads,
               "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cached_tokens": tokens,
               "fp16_dense_reference_bytes": kv_bytes(model.config, tokens, dtype="fp16"),
@@ -179,13 +179,15 @@ def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = N
 def _print(console: Console, report: dict[str, Any], rows: list[ConfigResult]) -> None:
     table = Table(title=f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new "
                         f"tokens, greedy, {report['threads']} thread(s)",
-                  caption=f"{report['cached_tokens']} tokens cached; an fp16 dense cache of them holds "
-                          f"{format_bytes(report['fp16_dense_reference_bytes'])}")
-    for header in ("config", "KV bytes", "bytes/token", "prefill s", "decode tok/s", f"× {BASELINE}",
-                   "same tokens"):
-        table.add_column(header, justify="left" if header == "config" else "right")
+                  caption=f"speed ratio: decode tok/s over {BASELINE}'s; same tokens: greedy tokens equal "
+                          f"{BASELINE}'s. {report['cached_tokens']} tokens cached; an fp16 dense cache of "
+                          f"them holds {format_bytes(report['fp16_dense_reference_bytes'])}.")
+    table.add_column("config", overflow="fold")
+    headers = ("KV bytes", "bytes/\ntoken", "prefill\ns", "decode\ntok/s", "speed\nratio", "same\ntokens")
+    for header in headers:
+        table.add_column(header, justify="right", no_wrap=True)
     for r in rows:
-        same = "baseline" if r.name == BASELINE else ("yes" if r.equal else "[red]NO[/red]")
+        same = "ref" if r.name == BASELINE else ("yes" if r.equal else "[red]NO[/red]")
         table.add_row(escape(r.name), format_bytes(r.kv_bytes), f"{r.bytes_per_token:,.0f}",
                       f"{r.prefill_s:.2f}", f"{r.decode_tokens_per_s:.2f}", f"{r.speed_ratio:.2f}", same)
     console.print(table)

@@ -44,7 +44,7 @@ def _run(arch: str, mode: str, cache) -> object:
     return generate(tiny_model(arch), inputs, cache, seed=seed, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(arch: str, mode: str):
     model = tiny_model(arch)
     cache = DynamicCache(config=model.config)
@@ -97,7 +97,8 @@ def test_sliding_layers_release_blocks(page_size: int) -> None:
     factory = KVCacheFactory(model.config, {"type": "paged", "page_size": page_size})
     cache = factory.create_cache()
     prompt = random_prompt(40)
-    generate(model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}, cache, max_new_tokens=20)
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    generate(model, inputs, cache, max_new_tokens=20)
     assert cache.get_seq_length() == 40 + 20 - 1
     assert all(cache.size(i) == MISTRAL_WINDOW - 1 for i in range(len(cache.layers)))
     block_bytes = page_size * kv_slot_bytes(model.config)
@@ -105,3 +106,50 @@ def test_sliding_layers_release_blocks(page_size: int) -> None:
     report = cache.memory_report()
     assert report["allocated"] <= max_blocks * block_bytes * len(cache.layers)
     assert report["used"] == report["tokens_stored"] * kv_slot_bytes(model.config)
+
+
+@pytest.mark.parametrize("config", ["dense", "paged4"])
+@pytest.mark.parametrize("arch", ["llama", "mistral-sw8", "gpt2"])
+def test_continuing_generation_with_the_same_cache(arch: str, config: str) -> None:
+    """A second ``generate`` call on the grown sequence reuses the cache (multi-turn chat)."""
+    model = tiny_model(arch)
+    caches = [DynamicCache(config=model.config),
+              KVCacheFactory(model.config, LOSSLESS[config]).create_cache()]
+    outs = []
+    for cache in caches:
+        prompt = random_prompt(12)
+        first = generate(model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}, cache,
+                         max_new_tokens=5)
+        turn = torch.cat([first.sequences, random_prompt(6, seed=4)], 1)
+        outs.append(generate(model, {"input_ids": turn, "attention_mask": torch.ones_like(turn)}, cache,
+                             max_new_tokens=5))
+    assert_same_generation(*outs)
+    assert caches[1].get_seq_length() == caches[0].get_seq_length() == 12 + 5 + 6 + 4
+
+
+@pytest.mark.parametrize("config", ["dense", "paged4"])
+@pytest.mark.parametrize("arch", ["llama", "mistral-sw8"])
+def test_prompt_lookup_decoding_matches_dynamic_cache(arch: str, config: str) -> None:
+    """Assisted (prompt-lookup) decoding crops rejected draft tokens; on sliding-window layers
+    DynamicCache records the past for that (``activate_past_recording``), so must we."""
+    model = tiny_model(arch)
+    prompt = random_prompt(PROMPT_LEN).repeat(1, 2)  # repeated text gives the lookup something to draft
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    kwargs = {"max_new_tokens": 12, "prompt_lookup_num_tokens": 3}
+    ref = generate(model, inputs, DynamicCache(config=model.config), **kwargs)
+    out = generate(model, inputs, KVCacheFactory(model.config, LOSSLESS[config]).create_cache(), **kwargs)
+    assert_same_generation(ref, out)
+
+
+@pytest.mark.parametrize("config", ["dense", "paged4"])
+def test_cache_keyword_of_generate(config: str) -> None:
+    """transformers 5 also takes the cache as ``generate(cache=...)`` (``past_key_values`` is deprecated)."""
+    model = tiny_model("qwen2")
+    inputs = left_padded_batch([PROMPT_LEN, 9], seed=40)
+    params = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        ref = model.generate(**inputs, cache=DynamicCache(config=model.config), **params)
+        cache = KVCacheFactory(model.config, LOSSLESS[config]).create_cache()
+        out = model.generate(**inputs, cache=cache, **params)
+    assert_same_generation(ref, out)
+    assert cache.get_seq_length() == PROMPT_LEN + 6 - 1

@@ -42,7 +42,7 @@ def tiny_config(name: str, **overrides):
     return AutoConfig.for_model(model_type, **(kwargs | overrides))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(name: str, overrides: tuple) -> torch.nn.Module:
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(tiny_config(name, **dict(overrides)))

@@ -115,9 +115,9 @@ class LayerStore(ABC):
     def memory_report(self) -> MemoryReport:
         """Bytes this store holds, from its tensors."""
 
-    def blocks_needed(self, new_tokens: int) -> int:
-        """Pool blocks an append of ``new_tokens`` would take (0 for stores without a pool)."""
+    def blocks_needed(self, new_tokens: int, batch: int) -> int:
+        """Pool blocks an append of ``new_tokens`` to ``batch`` rows would take (0 without a pool)."""
         return 0
 
-    def retain(self) -> None:
+    def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Decide what stays after a step read the cache. Default: keep everything."""

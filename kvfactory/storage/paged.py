@@ -23,13 +23,14 @@ from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 class BlockPool:
     """Fixed-size KV blocks of one layer, with a free list and refcounts.
 
-    ``num_blocks=None`` makes the pool growable: it doubles when a request does not fit.
+    ``num_blocks=None`` makes the pool growable: it starts with the first request and grows by
+    a quarter (at least what is asked) when a request does not fit.
     """
 
     def __init__(self, layer_idx: int, page_size: int, kv_heads: int, head_dim: int, v_head_dim: int,
                  dtype: torch.dtype, device: torch.device, num_blocks: int | None):
         self.layer_idx, self.page_size, self.growable = layer_idx, page_size, num_blocks is None
-        initial = num_blocks if num_blocks is not None else 64
+        initial = num_blocks if num_blocks is not None else 0
         with torch.inference_mode(False):  # the pool outlives any one inference_mode block
             self.k = torch.empty((kv_heads, initial, page_size, head_dim), dtype=dtype, device=device)
             self.v = torch.empty((kv_heads, initial, page_size, v_head_dim), dtype=dtype, device=device)
@@ -44,7 +45,8 @@ class BlockPool:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block, keys and values together."""
-        return (self.k.nbytes + self.v.nbytes) // self.num_blocks
+        return self.page_size * (self.k.shape[0] * self.k.shape[3] + self.v.shape[0] * self.v.shape[3]) \
+            * self.k.element_size()
 
     def check(self, needed: int) -> None:
         """Raise ``CacheFullError`` if ``needed`` blocks cannot be handed out (fixed pools only)."""
@@ -62,7 +64,7 @@ class BlockPool:
 
     def _grow(self, at_least: int) -> None:
         old = self.num_blocks
-        new = max(2 * old, at_least)
+        new = max(old + old // 4, at_least)
         with torch.inference_mode(False):
             for name in ("k", "v"):
                 t = getattr(self, name)
@@ -134,13 +136,13 @@ class PagedPool:
             self.layers[layer_idx] = pool
         return pool
 
-    def check(self, needs: dict[int, int]) -> None:
-        """Raise ``CacheFullError`` unless every layer can hand out the blocks in ``needs``."""
+    def check(self, needs: dict[int, int], key: torch.Tensor, value: torch.Tensor) -> None:
+        """Raise ``CacheFullError`` unless every layer can hand out the blocks in ``needs``.
+
+        Layer pools not allocated yet are allocated now, shaped like ``key``/``value``.
+        """
         for layer_idx, needed in needs.items():
-            if layer_idx in self.layers:
-                self.layers[layer_idx].check(needed)
-            elif self._blocks is not None and needed > self._blocks:
-                raise CacheFullError(layer_idx, needed, self._blocks, self._blocks, self.page_size)
+            self.layer(layer_idx, key, value).check(needed)
 
     def memory_report(self) -> MemoryReport:
         return sum((p.memory_report() for p in self.layers.values()), MemoryReport())
@@ -234,9 +236,9 @@ class PagedStore(LayerStore):
         have = 0 if self._ids is None else self._ids.shape[1]
         return max(self._blocks_for(self._start + self._len + new_tokens) - have, 0)
 
-    def blocks_needed(self, new_tokens: int) -> int:
+    def blocks_needed(self, new_tokens: int, batch: int) -> int:
         cow = self._cow_rows()
-        return (self.batch_size or 1) * self._growth(new_tokens) + (0 if cow is None else cow.numel())
+        return batch * self._growth(new_tokens) + (0 if cow is None else cow.numel())
 
     # -- LayerStore -----------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -256,7 +258,8 @@ class PagedStore(LayerStore):
             self._table.pool = block_pool
             self._table.ids = torch.empty((b, 0), dtype=torch.long)
         elif b != self._ids.shape[0]:
-            raise ShapeError(f"layer {self.layer_idx}: batch {b} appended to a store of batch {self._ids.shape[0]}")
+            raise ShapeError(f"layer {self.layer_idx}: batch {b} appended to a store of batch "
+                             f"{self._ids.shape[0]}")
         grow, cow = self._growth(t), self._cow_rows()
         if grow or cow is not None:
             # nothing is written unless every block this append needs can be handed out
@@ -290,17 +293,24 @@ class PagedStore(LayerStore):
         if self._ids is None:
             raise ShapeError(f"layer {self.layer_idx}: nothing stored yet")
         block_pool = self._table.pool
-        b, n = self._ids.shape
+        n = self._ids.shape[1]
         span = slice(self._start, self._start + self._len)
         run = self._table.run_start
         if run is not None:  # one row in consecutive blocks: a view, no copy
             keys = block_pool.k[:, run:run + n].reshape(block_pool.k.shape[0], n * self.page_size, -1)
             values = block_pool.v[:, run:run + n].reshape(block_pool.v.shape[0], n * self.page_size, -1)
             return keys[None, :, span], values[None, :, span]
-        ids = self._ids.flatten().to(block_pool.k.device)
-        keys = block_pool.k.index_select(1, ids).view(block_pool.k.shape[0], b, n * self.page_size, -1)
-        values = block_pool.v.index_select(1, ids).view(block_pool.v.shape[0], b, n * self.page_size, -1)
-        return keys[:, :, span].transpose(0, 1), values[:, :, span].transpose(0, 1)
+        return self._gather_rows(block_pool.k)[:, :, span], self._gather_rows(block_pool.v)[:, :, span]
+
+    def _gather_rows(self, pool_tensor: torch.Tensor) -> torch.Tensor:
+        """Copy each row's blocks into a contiguous ``[batch, heads, blocks * page, dim]`` tensor."""
+        b, n = self._ids.shape
+        h, _, ps, d = pool_tensor.shape
+        out = pool_tensor.new_empty((b, h, n, ps, d))
+        ids = self._ids.to(pool_tensor.device)
+        for row in range(b):  # one index_select per batch row writes the row's layout directly
+            torch.index_select(pool_tensor, 1, ids[row], out=out[row])
+        return out.view(b, h, n * ps, d)
 
     def size(self) -> int:
         return self._len
