@@ -35,7 +35,8 @@ class KVLayer(CacheLayerMixin):
 
     Follows transformers' layer rules: ``get_seq_length`` counts tokens seen, ``get_mask_sizes``
     reports what is stored (for sliding layers only the last ``window - 1`` tokens stay, exactly
-    as ``DynamicSlidingWindowLayer``), and positions of kept tokens never shift.
+    as ``DynamicSlidingWindowLayer``, including its past recording for assisted decoding), and
+    positions of kept tokens never shift.
     """
 
     is_compileable = False
@@ -45,8 +46,11 @@ class KVLayer(CacheLayerMixin):
         self.store = store
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        self.record_past = False
         self.seen = 0
         self.is_initialized = False
+        # a store that evicts in ``retain`` may rewrite memory a returned read still points at
+        self._copy_reads = type(store).retain is not LayerStore.retain
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -61,6 +65,10 @@ class KVLayer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
+    def activate_past_recording(self) -> None:
+        """Keep tokens past the window until ``crop`` (assisted decoding may roll drafts back)."""
+        self.record_past = True
+
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store new tokens without reading the cache back."""
         if not self.is_initialized:
@@ -74,21 +82,32 @@ class KVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.store.append(key_states, value_states)
         keys, values = self.store.gather()
+        if self.is_sliding and self.record_past:
+            visible = self.sliding_window - 1 + key_states.shape[-2]
+            keys, values = keys[:, :, -visible:], values[:, :, -visible:]
+        if self._copy_reads:
+            keys, values = keys.clone(), values.clone()
         self._after_write(key_states.shape[-2])
         return keys, values
 
     def _after_write(self, new_tokens: int) -> None:
         self.seen += new_tokens
-        if self.is_sliding:
-            excess = self.store.size() - (self.sliding_window - 1)
-            if excess > 0:
-                self.store.drop_front(excess)
+        if self.is_sliding and not self.record_past:
+            self._restrict_to_window()
         self.store.retain()
+
+    def _restrict_to_window(self) -> None:
+        excess = self.store.size() - (self.sliding_window - 1)
+        if excess > 0:
+            self.store.drop_front(excess)
 
     def get_seq_length(self) -> int:
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.is_sliding:  # transformers' sliding-window rule, which also covers past recording
+            visible = min(self.seen, self.sliding_window - 1)
+            return visible + query_length, self.seen - visible
         stored = self.store.size()
         return stored + query_length, self.seen - stored
 
@@ -101,16 +120,23 @@ class KVLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (rejected drafts of assisted decoding)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
-        if tokens_to_remove == 0 or not self.is_initialized:
+        if not self.is_initialized:
             return
         removed = -tokens_to_remove
-        if self.store.size() != self.seen:
+        evicted = self.store.size() < self.seen
+        if self.is_sliding and self.seen >= self.sliding_window and not self.record_past:
+            raise RuntimeError(f"crop({tokens_to_remove}): the sliding window ({self.sliding_window}) is "
+                               f"full and past recording is off; call activate_past_recording() first")
+        if evicted and not self.is_sliding and removed:
             raise RuntimeError(f"crop({tokens_to_remove}): this layer holds {self.store.size()} of "
                                f"{self.seen} tokens seen; evicted tokens cannot be rolled back")
         self.store.truncate(self.store.size() - removed)
         self.seen = max(0, self.seen - removed)
+        if self.is_sliding:
+            self._restrict_to_window()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.select_rows(beam_idx)

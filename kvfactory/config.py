@@ -29,8 +29,9 @@ def register_cache_strategy(name: str, cls: type) -> type:
 
     ``cls`` must be a dataclass subclass of ``LayerStore``; its fields are its config options.
     """
-    if not (isinstance(cls, type) and issubclass(cls, LayerStore) and dataclasses.is_dataclass(cls)):
-        raise ConfigError("strategy class", cls, "a @dataclass subclass of kvfactory.LayerStore")
+    if not (isinstance(cls, type) and issubclass(cls, LayerStore) and "__dataclass_fields__" in cls.__dict__):
+        raise ConfigError("strategy class", cls, "a subclass of kvfactory.LayerStore decorated with "
+                          "@dataclass itself (its fields are its config options)")
     if not isinstance(name, str) or not name or name == "composite":
         raise ConfigError("strategy name", name, "a non-empty string other than 'composite'")
     _REGISTRY[name] = cls
@@ -107,7 +108,10 @@ def parse_strategy(name: Any, options: dict[str, Any], where: str) -> StrategySp
         if not _type_ok(value, allowed[key]):
             raise ConfigError(f"{where}{key}", value, _describe(allowed[key]))
     spec = StrategySpec(name, cls, dict(options))
-    spec.build()  # runs the strategy's own value checks (__post_init__)
+    try:
+        spec.build()  # runs the strategy's own value checks (__post_init__)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
     return spec
 
 

@@ -43,6 +43,9 @@ class DenseStore(LayerStore):
                     f"layer {self.layer_idx}: cannot append key {tuple(key.shape)} / value "
                     f"{tuple(value.shape)} to a store of [batch={self._k.shape[0]}, kv_heads="
                     f"{self._k.shape[1]}, head_dim={self._k.shape[3]}/{self._v.shape[3]}]")
+            if key.dtype != self._k.dtype or key.device != self._k.device:
+                raise ShapeError(f"layer {self.layer_idx}: key is {key.dtype} on {key.device}, the store "
+                                 f"holds {self._k.dtype} on {self._k.device}")
         if self._k is None or self._start + self._len + t > self._k.shape[2]:
             self._reallocate(self._len + t, like=(key, value))
         end = self._start + self._len

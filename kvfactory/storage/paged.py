@@ -124,25 +124,35 @@ class PagedPool:
         """The pool of ``layer_idx``, allocated on first use with the dtype/device of ``key``."""
         pool = self.layers.get(layer_idx)
         if pool is None:
-            h, d, dv = key.shape[1], key.shape[3], value.shape[3]
-            blocks = self._blocks
-            if self._bytes is not None:
-                block_bytes = self.page_size * h * (d + dv) * key.element_size()
-                blocks = self._bytes // (block_bytes * self.num_layers)
-                if blocks < 1:
-                    raise ConfigError("pool_bytes", self._bytes,
-                                      f">= {block_bytes * self.num_layers} (one block in every layer)")
-            pool = BlockPool(layer_idx, self.page_size, h, d, dv, key.dtype, key.device, blocks)
+            pool = BlockPool(layer_idx, self.page_size, key.shape[1], key.shape[3], value.shape[3],
+                             key.dtype, key.device, self._capacity(key, value))
             self.layers[layer_idx] = pool
         return pool
+
+    def _capacity(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
+        """Blocks per layer (``None``: growable); ``pool_bytes`` is split evenly over the layers."""
+        if self._bytes is None:
+            return self._blocks
+        block_bytes = self.page_size * key.shape[1] * (key.shape[3] + value.shape[3]) * key.element_size()
+        blocks = self._bytes // (block_bytes * self.num_layers)
+        if blocks < 1:
+            raise ConfigError("pool_bytes", self._bytes, f">= {block_bytes * self.num_layers} (one block in "
+                              f"every layer)")
+        return blocks
 
     def check(self, needs: dict[int, int], key: torch.Tensor, value: torch.Tensor) -> None:
         """Raise ``CacheFullError`` unless every layer can hand out the blocks in ``needs``.
 
-        Layer pools not allocated yet are allocated now, shaped like ``key``/``value``.
+        A layer whose pool is not allocated yet is judged by the size it will get (shaped like
+        ``key``/``value``).
         """
         for layer_idx, needed in needs.items():
-            self.layer(layer_idx, key, value).check(needed)
+            if layer_idx in self.layers:
+                self.layers[layer_idx].check(needed)
+                continue
+            capacity = self._capacity(key, value)
+            if capacity is not None and needed > capacity:
+                raise CacheFullError(layer_idx, needed, capacity, capacity, self.page_size)
 
     def memory_report(self) -> MemoryReport:
         return sum((p.memory_report() for p in self.layers.values()), MemoryReport())
@@ -281,11 +291,15 @@ class PagedStore(LayerStore):
 
     def _copy_on_write(self, block_pool: BlockPool, rows: torch.Tensor) -> None:
         col = (self._start + self._len) // self.page_size
-        old = self._ids[rows, col]
+        self._unshare(block_pool, rows, torch.full_like(rows, col))
+
+    def _unshare(self, block_pool: BlockPool, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """Give this store private copies of the blocks at ``(rows, cols)`` of its table."""
+        old = self._ids[rows, cols]
         new = block_pool.allocate(rows.numel())
         block_pool.copy_blocks(old, new)
         ids = self._ids.clone()
-        ids[rows, col] = new
+        ids[rows, cols] = new
         self._table.ids = ids
         block_pool.decref(old)
 
@@ -324,19 +338,32 @@ class PagedStore(LayerStore):
         self._start = self._len = 0
 
     def keep(self, index: torch.Tensor) -> None:
-        """Compact into new blocks, then free the old ones (a gathered view stays intact)."""
-        keys, values = self.gather()
-        index = index.to(keys.device)
-        kept_k, kept_v = keys.index_select(2, index), values.index_select(2, index)
-        old, block_pool, start, length = self._ids, self._table.pool, self._start, self._len
-        self._table.ids = None
-        self._start = self._len = 0
-        try:
-            self.append(kept_k, kept_v)
-        except CacheFullError:
-            self._table.ids, self._start, self._len = old, start, length
-            raise
-        block_pool.decref(old)
+        """Compact in place: kept tokens move to the front of the row's own blocks, emptied blocks
+        go back to the pool. Shared blocks are copied before they are written, so forks never see it.
+        """
+        index = index.cpu()
+        kept, ps = index.numel(), self.page_size
+        if kept and (self._ids is None or int(index[-1]) >= self._len):
+            raise ShapeError(f"layer {self.layer_idx}: keep index up to {int(index[-1])} but "
+                             f"{self._len} tokens are stored")
+        if self._ids is None:
+            return
+        block_pool, kept_blocks = self._table.pool, self._blocks_for(kept)
+        if block_pool.any_shared and kept_blocks:
+            shared = torch.from_numpy(block_pool.refcount[self._ids[:, :kept_blocks].numpy()] > 1)
+            rows, cols = shared.nonzero(as_tuple=True)
+            if rows.numel():
+                block_pool.check(rows.numel())
+                self._unshare(block_pool, rows, cols)
+        src, dst = self._start + index, torch.arange(kept)
+        src_slots = (self._ids[:, src // ps] * ps + src % ps).flatten().to(block_pool.k.device)
+        dst_slots = (self._ids[:, dst // ps] * ps + dst % ps).flatten().to(block_pool.k.device)
+        for pool_tensor in (block_pool.k, block_pool.v):
+            flat = pool_tensor.view(pool_tensor.shape[0], -1, pool_tensor.shape[3])
+            flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
+        self._start, self._len = 0, kept
+        block_pool.decref(self._ids[:, kept_blocks:])
+        self._table.ids = self._ids[:, :kept_blocks]
 
     def drop_front(self, n: int) -> None:
         n = min(n, self._len)
