@@ -1,0 +1,43 @@
+"""What a cache holds after a task: bytes, tokens seen and stored, compression ratio."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfactory.cache import dynamic_cache_bytes
+
+
+@dataclass(frozen=True)
+class CacheFootprint:
+    """A cache's holdings for one batch row, from its tensors.
+
+    ``bytes``: kvfactory caches report ``memory_report()["allocated"]``, other transformers caches
+    the storage of their key/value tensors. ``tokens_stored`` is the mean over layers (sliding
+    layers and eviction keep fewer than seen); ``compression_ratio`` is kvpress's
+    ``1 - stored / seen``.
+    """
+
+    bytes: int
+    tokens_seen: int
+    tokens_stored: float
+    bytes_per_token: float
+    compression_ratio: float
+
+
+def cache_footprint(cache: Any) -> CacheFootprint:
+    """The footprint of a kvfactory cache or any transformers ``Cache`` of batch size 1."""
+    seen = cache.get_seq_length()
+    memory_report = getattr(cache, "memory_report", None)
+    if memory_report is not None:
+        report = memory_report()
+        held = int(report["allocated"])
+        stored = report["tokens_stored"] / (len(cache.layers) * max(cache.batch_size, 1))
+    else:
+        held = dynamic_cache_bytes(cache)
+        lengths = [layer.keys.shape[-2] for layer in cache.layers if isinstance(layer.keys, torch.Tensor)]
+        stored = sum(lengths) / len(lengths) if lengths else float(seen)
+    return CacheFootprint(held, seen, stored, held / seen if seen else 0.0,
+                          1.0 - stored / seen if seen else 0.0)

@@ -1,0 +1,170 @@
+"""Writing an evaluation: ``results.json``, a Markdown report (``report.md``) and PNG plots.
+
+One table per task; retrieval tasks also get accuracy per depth x context, and an accuracy heat
+map (depth x context) per config; perplexity gets a bar chart per context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from kvfactory.sizing import format_bytes
+
+TASK_TITLES = {"ppl": "Perplexity through the cache", "passkey": "Passkey retrieval",
+               "needle": "Needle in a haystack", "multiturn": "Multi-turn recall"}
+
+
+def slug(name: str) -> str:
+    """A file-name-safe form of a config name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "config"
+
+
+def write_results(results: dict[str, Any], out: Path) -> Path:
+    path = Path(out) / "results.json"
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def _f(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return format(value, spec)
+
+
+def _table(headers: list[str], lines: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return out + ["| " + " | ".join(cells) + " |" for cells in lines]
+
+
+def _cost_cells(r: dict[str, Any]) -> list[str]:
+    return [format_bytes(r["kv_bytes"]), _f(r["kv_bytes_ratio"], ".2f"), f"{r['bytes_per_token']:,.0f}",
+            _f(r["bytes_per_token_ratio"], ".2f"), _f(r["compression_ratio"], ".3f"),
+            _f(r["read_budget"], ".2f"), _f(r["prefill_s"], ".2f"), _f(r["prefill_ratio"], ".2f"),
+            _f(r["decode_tokens_per_s"], ".1f"), _f(r["decode_ratio"], ".2f")]
+
+
+COST_HEADERS = ["KV bytes", "× base", "bytes/token", "× base", "compression", "read budget", "prefill s",
+                "× base", "decode tok/s", "× base"]
+
+
+def _sizes(s: dict[str, Any]) -> str:
+    """The run's sample sizes, for the tasks it ran."""
+    parts = [f"Contexts {', '.join(map(str, s['contexts']))}"]
+    if {"passkey", "needle"} & set(s["tasks"]):
+        parts.append(f"depths {', '.join(map(str, s['depths']))}")
+    if "passkey" in s["tasks"]:
+        parts.append(f"{s['keys_per_depth']} passkey key(s) per depth")
+    if "needle" in s["tasks"]:
+        parts.append(f"{s['needles_per_depth']} needle haystack(s) per depth")
+    if "multiturn" in s["tasks"]:
+        parts.append(f"{s['conversations']} conversation(s) of {s['facts']} facts")
+    if "ppl" in s["tasks"]:
+        parts.append(f"perplexity over {s['ppl_continuation']} teacher-forced token(s) per window")
+    return "; ".join(parts) + "."
+
+
+def markdown(results: dict[str, Any], plots: list[Path]) -> str:
+    """The report as Markdown (plots linked by file name)."""
+    rows = results["rows"]
+    s = results["settings"]
+    lines = [f"# kvfactory eval: {results.get('model', 'model')}", "",
+             f"Command: `{results.get('command', '')}`", "",
+             f"Total wall time: {results.get('wall_s', float('nan')):.1f} s"
+             f" (started {results.get('started', '?')}). Corpus: {results.get('corpus', '?')}.", "",
+             _sizes(s) + " Ratios (× base) are to DynamicCache in this run; compression ratio = "
+             "1 − kept / seen tokens; read budget = tokens read per step / tokens stored.", "",
+             "## Configs", ""]
+    lines += _table(["config", "kind", "source", "config"],
+                    [[c["name"], c["kind"], c["source"],
+                      f"`{json.dumps(c['config'])}`" if c["config"] else "–"] for c in results["configs"]])
+    for task in s["tasks"]:
+        task_rows = [r for r in rows if r["task"] == task]
+        lines += ["", f"## {TASK_TITLES.get(task, task)}", ""]
+        if task == "ppl":
+            head = ["config", "context", "PPL", "ΔPPL"]
+            quality = [[r["config"], str(r["context"]), _f(r["ppl"], ".3f"), _f(r["delta_ppl"], "+.3f")]
+                       for r in task_rows]
+        else:
+            head = ["config", "context", "accuracy"]
+            quality = [[r["config"], str(r["context"]), _f(r["accuracy"], ".2f")] for r in task_rows]
+        lines += _table(head + COST_HEADERS, [q + _cost_cells(r) for q, r in zip(quality, task_rows,
+                                                                                   strict=True)])
+        if task in ("passkey", "needle"):
+            depths = [f"{d:g}" for d in s["depths"]]
+            lines += ["", f"Accuracy per depth × context ({task}):", ""]
+            lines += _table(["config", "context"] + [f"depth {d}" for d in depths],
+                            [[r["config"], str(r["context"])]
+                             + [_f(r["accuracy_by_depth"].get(d), ".2f") for d in depths] for r in task_rows])
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    """Accuracy heat maps (depth x context) per retrieval task and config, a PPL bar chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out, paths = Path(out), []
+    rows, s = results["rows"], results["settings"]
+    contexts, depths = list(s["contexts"]), [f"{d:g}" for d in s["depths"]]
+    for task in ("passkey", "needle"):
+        for config in [c["name"] for c in results["configs"]]:
+            cells = {r["context"]: r["accuracy_by_depth"] for r in rows
+                     if r["task"] == task and r["config"] == config}
+            if not cells:
+                continue
+            grid = [[cells.get(c, {}).get(d, float("nan")) for c in contexts] for d in depths]
+            fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(contexts), 1.2 + 0.5 * len(depths)))
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(contexts)), [str(c) for c in contexts])
+            ax.set_yticks(range(len(depths)), depths)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("depth")
+            ax.set_title(f"{task}: {config}", fontsize=9)
+            for y, line in enumerate(grid):
+                for x, value in enumerate(line):
+                    if not math.isnan(value):
+                        ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=8)
+            fig.colorbar(image, ax=ax)
+            fig.tight_layout()
+            path = out / f"heatmap_{task}_{slug(config)}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
+    ppl_rows = [r for r in rows if r["task"] == "ppl"]
+    if ppl_rows:
+        configs = list(dict.fromkeys(r["config"] for r in ppl_rows))
+        width = 0.8 / len(configs)
+        fig, ax = plt.subplots(figsize=(2 + 1.5 * len(contexts) + 0.3 * len(configs), 3.5))
+        for k, config in enumerate(configs):
+            values = {r["context"]: r["ppl"] for r in ppl_rows if r["config"] == config}
+            ax.bar([i + k * width for i in range(len(contexts))], [values.get(c, 0.0) for c in contexts],
+                   width, label=config)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(contexts))], [str(c) for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("perplexity")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "ppl.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(results: dict[str, Any], out: str | Path) -> dict[str, Path]:
+    """Write ``results.json``, the plots and ``report.md`` into ``out`` (created); return their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot(results, out)
+    report = out / "report.md"
+    report.write_text(markdown(results, plots), encoding="utf-8")
+    return {"results": write_results(results, out), "report": report,
+            **{p.stem: p for p in plots}}

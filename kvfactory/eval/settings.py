@@ -1,0 +1,67 @@
+"""Sample sizes of an evaluation run: the defaults, sized to a time budget, and DESIGN.md's protocol.
+
+The budget: a full default run (ppl, passkey, needle and multiturn at 2048 and 6144 tokens, for
+one config plus the ``DynamicCache`` baseline) must finish within 15 minutes on this project's
+2-core CPU machine, SmolLM2-135M in fp32 on one thread. Prefill dominates: every prompt is
+prefilled through a fresh cache (a compressing cache must see each prompt whole, so prompts that
+share a prefix cannot share a prefill), about 10 s at 2048 tokens and 45 s at 6144. Measured
+seconds per item (CPU time of ``kvfactory.eval.tasks`` on this machine, 1 thread; the machine was
+shared while measuring, which made wall times 1.3-2x longer than these):
+
+| item                                                   | 2048 | 6144 |
+|--------------------------------------------------------|------|------|
+| passkey prompt (prefill + 10 tokens)                   | 12.8 | 47.5 |
+| needle prompt (prefill + up to 24 tokens)              | 13.0 | 51.2 |
+| multi-turn conversation (prefill + 5 short replies)    | 12.8 | 57.5 |
+| perplexity window (prefill + 128 teacher-forced steps) | 21.7 | 67.5 |
+
+With ``n`` prompts per retrieval task and context (depths x samples), one config costs
+``(12.8 + 13.0) n + 34.5`` s at 2048 and ``(47.5 + 51.2) n + 125`` s at 6144, so about
+``124.5 n + 160`` s, and a run twice that (the baseline runs every task too):
+
+- ``n = 2`` (the defaults): 2 x 409 = 818 s, about 13.6 minutes, plus model load and warm-up.
+- ``n = 3`` (depths 0.1, 0.5, 0.9): 2 x 533 = 1066 s, about 18 minutes: over budget.
+- the protocol (25 passkey and 25 needle prompts per context, 2048 scored tokens, each teacher-
+  forced step about 0.1 s at 2048 and 0.2 s at 6144): about 3,850 s per config, over 2 hours a run.
+
+So the defaults deviate from DESIGN.md's protocol in: depths (0.1, 0.9), not (0.1, 0.3, 0.5, 0.7,
+0.9); one key (and one haystack) per depth, not five; 128 teacher-forced tokens after the prefill,
+not 2048. ``PROTOCOL`` holds the protocol's numbers. Retrieval answers of the baseline are a pure
+function of the prompts: a runner comparing several configs runs the baseline once for all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How many samples each task draws, per context length."""
+
+    contexts: tuple[int, ...] = (2048, 6144)
+    depths: tuple[float, ...] = (0.1, 0.9)
+    keys_per_depth: int = 1
+    needles_per_depth: int = 1
+    ppl_continuation: int = 128
+    ppl_windows: int = 1
+    facts: int = 5
+    conversations: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        counts = {"keys_per_depth": self.keys_per_depth, "needles_per_depth": self.needles_per_depth,
+                  "ppl_continuation": self.ppl_continuation, "ppl_windows": self.ppl_windows,
+                  "facts": self.facts, "conversations": self.conversations}
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{name}={value}: expected at least 1")
+        if not self.contexts or min(self.contexts) < 1:
+            raise ValueError(f"contexts={self.contexts}: expected positive token counts")
+        if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
+            raise ValueError(f"depths={self.depths}: expected fractions in [0, 1]")
+
+
+DEFAULT = EvalSettings()
+PROTOCOL = EvalSettings(depths=(0.1, 0.3, 0.5, 0.7, 0.9), keys_per_depth=5, needles_per_depth=5,
+                        ppl_continuation=2048)

@@ -1,0 +1,68 @@
+"""Passkey and needle retrieval: greedy generation after a long plain prompt, scored by ``scoring``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfactory.eval.data import RetrievalPrompt
+from kvfactory.eval.footprint import CacheFootprint, cache_footprint
+from kvfactory.eval.scoring import PASSKEY_TOKENS, needle_correct, passkey_correct
+from kvfactory.measure import timed_generate
+
+NEEDLE_NEW_TOKENS = 24  # the answer "eat a sandwich and sit in Dolores Park" takes about 12
+
+
+@dataclass(frozen=True)
+class RetrievalResult:
+    """One prompt's generated text, its verdict and its costs (``decode_steps`` after the first token)."""
+
+    task: str
+    context: int
+    depth: float
+    sample: int
+    prompt_tokens: int
+    expected: str
+    output: str
+    correct: bool
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    footprint: CacheFootprint
+
+
+def run_passkey(model: Any, tokenizer: Any, make_cache: Callable[[], Any], prompts: Sequence[RetrievalPrompt],
+                max_new_tokens: int = PASSKEY_TOKENS) -> list[RetrievalResult]:
+    """Greedy answers to passkey prompts; correct when the key is in the first 10 generated tokens."""
+
+    def score(generated: list[int], prompt: RetrievalPrompt) -> bool:
+        return passkey_correct(generated, prompt.answer, tokenizer.decode)
+
+    return [_retrieve(model, tokenizer, make_cache(), p, "passkey", max_new_tokens, score) for p in prompts]
+
+
+def run_needle(model: Any, tokenizer: Any, make_cache: Callable[[], Any], prompts: Sequence[RetrievalPrompt],
+               max_new_tokens: int = NEEDLE_NEW_TOKENS) -> list[RetrievalResult]:
+    """Greedy answers to needle prompts; correct when the answer holds ``scoring.NEEDLE_KEY_PHRASES``."""
+
+    def score(generated: list[int], prompt: RetrievalPrompt) -> bool:
+        return needle_correct(tokenizer.decode(generated, skip_special_tokens=True))
+
+    return [_retrieve(model, tokenizer, make_cache(), p, "needle", max_new_tokens, score) for p in prompts]
+
+
+@torch.inference_mode()
+def _retrieve(model: Any, tokenizer: Any, cache: Any, prompt: RetrievalPrompt, task: str, max_new_tokens: int,
+              score: Callable[[list[int], RetrievalPrompt], bool]) -> RetrievalResult:
+    if prompt.task != task:
+        raise ValueError(f"a {prompt.task} prompt given to the {task} task")
+    inputs = tokenizer(prompt.prompt, return_tensors="pt")
+    timing = timed_generate(model, dict(inputs), cache, max_new_tokens, min_new_tokens=0)
+    generated = timing.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return RetrievalResult(task, prompt.context, prompt.depth, prompt.sample, inputs["input_ids"].shape[1],
+                           prompt.answer, tokenizer.decode(generated, skip_special_tokens=True),
+                           score(generated, prompt), timing.prefill_s, timing.decode_s, timing.new_tokens - 1,
+                           cache_footprint(cache))

@@ -1,0 +1,36 @@
+"""``kvfactory eval`` output: results.json, report.md and the PNG plots from the tiny pipeline."""
+
+from __future__ import annotations
+
+import json
+
+from eval_pipeline import CONTEXTS, TASKS, pipeline_results
+
+from kvfactory.eval.report import TASK_TITLES, slug, write_report
+
+
+def test_report_files(tmp_path) -> None:
+    results = {k: v for k, v in pipeline_results().items() if k != "_units"}
+    paths = write_report(results, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(saved) >= {"command", "wall_s", "configs", "settings", "rows", "items"}
+    assert len(saved["rows"]) == len(results["rows"])
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "kvfactory eval (test)" in text and "Total wall time: 1.5 s" in text
+    for config in results["configs"]:
+        assert config["name"] in text
+    for task in TASKS:
+        assert f"## {TASK_TITLES[task]}" in text
+    for column in ("ΔPPL", "bytes/token", "compression", "read budget", "prefill s", "decode tok/s"):
+        assert column in text
+    for context in CONTEXTS:
+        assert f"| {context} |" in text
+    pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    names = [slug(c["name"]) for c in results["configs"]]
+    expected = {f"heatmap_{t}_{n}.png" for t in ("passkey", "needle") for n in names}
+    assert set(pngs) == expected | {"ppl.png"}
+    for name in pngs:
+        data = (tmp_path / "out" / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000
+        assert f"({name})" in text
+    assert paths["report"].name == "report.md"

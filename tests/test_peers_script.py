@@ -1,0 +1,127 @@
+"""The kvpress peer's scripts (benchmarks/peers/): prompt format, scoring, and that they stay apart.
+
+The peer itself runs in its own virtualenv (transformers<5.3); these tests need neither it nor kvpress.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
+FIELDS = {"task", "context", "depth", "prompt", "question", "answer", "id"}
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"peers_{name}", PEERS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_prompts_follow_the_passkey_format(tmp_path):
+    out = tmp_path / "prompts.jsonl"
+    subprocess.run([sys.executable, str(PEERS / "make_smoke_prompts.py"), str(out)], check=True,
+                   capture_output=True)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["depth"] for r in records] == [0.3, 0.7]
+    for r in records:
+        assert set(r) == FIELDS and r["task"] == "passkey" and r["context"] == 512
+        assert len(r["answer"]) == 5 and r["answer"].isdigit()
+        line = f"The pass key is {r['answer']}. Remember it. {r['answer']} is the pass key."
+        assert r["prompt"].count(line) == 1 and r["prompt"].endswith("\n")
+        assert r["question"] == "What is the pass key? The pass key is"
+        where = r["prompt"].index(line) / len(r["prompt"])
+        assert abs(where - r["depth"]) < 0.05
+        words = len((r["prompt"] + r["question"]).split())
+        assert 0.85 * 512 < words * _load("make_smoke_prompts").TOKENS_PER_WORD < 1.15 * 512
+
+
+def test_passkey_depth_edges():
+    smoke = _load("make_smoke_prompts")
+    first = smoke.passkey_record(256, 0.0, "12345")["prompt"]
+    last = smoke.passkey_record(256, 1.0, "12345")["prompt"]
+    assert first.startswith("The pass key is 12345.")
+    assert last.rstrip("\n").endswith("12345 is the pass key.")
+    with pytest.raises(ValueError):
+        smoke.passkey_record(256, 1.5, "12345")
+
+
+def test_scoring_rules():
+    run = _load("run_kvpress")
+    passkey = {"task": "passkey", "answer": "12345", "id": "p"}
+    assert run.score(passkey, " 12345. Remember it.")
+    assert not run.score(passkey, " 123456")  # the exact key, not a longer number holding it
+    assert not run.score(passkey, " the pass key.")
+    needle = {"task": "needle", "answer": "eat a sandwich in Dolores Park", "id": "n"}
+    assert run.score(needle, " Eat a Sandwich and sit in dolores park.")
+    assert run.score(needle, " a sandwich in Dolores\n Park")
+    assert not run.score(needle, " sit in Dolores Park")
+    with pytest.raises(ValueError):
+        run.score({"task": "other", "answer": "x", "id": "o"}, "x")
+
+
+def test_summary_groups_by_press_ratio_task_context():
+    run = _load("run_kvpress")
+    rows = [
+        {"press": "snapkv", "compression_ratio": 0.5, "task": "passkey", "context": 2048, "correct": c,
+         "seconds": s, "measured_compression_ratio": 0.5}
+        for c, s in ((True, 1.0), (False, 3.0), (True, 2.0))
+    ]
+    (summary,) = run.summarise(rows)
+    assert summary["n"] == 3 and summary["accuracy"] == pytest.approx(2 / 3)
+    assert summary["median_seconds"] == 2.0 and summary["peer"] == "kvpress"
+
+
+def test_peer_scripts_never_import_kvfactory():
+    # The peer's venv has transformers<5.3; kvfactory needs 5.24.
+    for path in PEERS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "kvfactory" for n in names), path
+
+
+@pytest.mark.parametrize("script", ["setup_kvpress.sh", "run.sh"])
+def test_shell_scripts_parse(script):
+    subprocess.run(["bash", "-n", str(PEERS / script)], check=True)
+
+
+def test_pins_are_exact():
+    lines = [line.strip() for line in (PEERS / "requirements-kvpress.txt").read_text().splitlines()]
+    pins = dict(line.split("==") for line in lines if line and not line.startswith("#"))
+    assert pins["kvpress"] == "0.5.5" and pins["torch"] == "2.13.0"
+    assert pins["transformers"].startswith("5.2.")
+
+
+def test_kvfactory_eval_records_are_split_into_context_and_question():
+    run = _load("run_kvpress")
+    whole = {"task": "passkey", "context": 2048, "depth": 0.5, "sample": 3, "answer": "12345",
+             "prompt": "Filler. The pass key is 12345.\nWhat is the pass key? The pass key is",
+             "prompt_tokens": 20}
+    record = run.normalise_record(whole)
+    assert record["prompt"] == "Filler. The pass key is 12345.\n"
+    assert record["question"] == "What is the pass key? The pass key is"
+    assert record["id"] == "passkey-2048-d0.5-3"
+    needle = dict(whole, task="needle", prompt="Hay . " + run.QUESTION_SUFFIXES["needle"])
+    assert run.normalise_record(needle)["prompt"] == "Hay . "
+    peers = {"task": "passkey", "context": 1, "depth": 0.1, "prompt": "p", "question": "q", "answer": "1",
+             "id": "x"}
+    assert run.normalise_record(peers) == peers
+    with pytest.raises(SystemExit):
+        run.normalise_record(dict(whole, prompt="no question here"))
+
+
+def test_question_suffixes_match_kvfactory_eval():
+    data = pytest.importorskip("kvfactory.eval.data")
+    run = _load("run_kvpress")
+    assert run.QUESTION_SUFFIXES == {"passkey": data.PASSKEY_QUESTION, "needle": data.NEEDLE_QUESTION}
