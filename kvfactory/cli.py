@@ -112,3 +112,99 @@ def run(
         run_job.run(context, new_tokens, configs, threads, json_path, Console())
     except run_job.RunError as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+
+def _csv(text: str, kind: type, option: str) -> tuple:
+    try:
+        values = tuple(kind(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise typer.BadParameter(f"{text!r}: expected comma-separated {kind.__name__}s", param_hint=option)
+    return values
+
+
+@app.command("eval")
+def eval_(
+    cache: Annotated[list[str] | None, typer.Option(
+        help="repeatable: a preset (kvfactory/presets), a peer (transformers/quanto-int4, -int2, "
+             "transformers/hqq-int4, -int2, transformers/sliding-window-W), a YAML file or an inline "
+             "JSON/YAML config. DynamicCache always runs as the baseline")] = None,
+    tasks: Annotated[str, typer.Option(help="comma-separated: ppl,passkey,needle,multiturn")]
+    = "ppl,passkey,needle,multiturn",
+    context: Annotated[str, typer.Option(help="comma-separated context lengths in tokens")] = "2048,6144",
+    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
+    = models.EMBEDDED,
+    out: Annotated[Path, typer.Option(help="output folder for results.json, report.md and PNG plots")]
+    = Path("results"),
+    depths: Annotated[str | None, typer.Option(help="comma-separated needle/passkey depths in [0, 1]")]
+    = None,
+    samples: Annotated[int | None, typer.Option(
+        min=1, help="passkey keys and needle haystacks per depth, and conversations")] = None,
+    ppl_tokens: Annotated[int | None, typer.Option(min=1, help="teacher-forced tokens scored for PPL")]
+    = None,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+) -> None:
+    """Evaluate caches on perplexity, passkey, needle and multi-turn recall against DynamicCache."""
+    import dataclasses
+    import shlex
+    import sys
+    import time
+    from datetime import datetime, timezone
+
+    import torch
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from transformers.utils import logging
+
+    from kvfactory.eval import report, runner
+    from kvfactory.eval.settings import DEFAULT
+
+    start, started = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    overrides: dict[str, Any] = {"contexts": _csv(context, int, "--context")}
+    if depths is not None:
+        overrides["depths"] = _csv(depths, float, "--depths")
+    if samples is not None:
+        overrides |= {"keys_per_depth": samples, "needles_per_depth": samples, "conversations": samples}
+    if ppl_tokens is not None:
+        overrides["ppl_continuation"] = ppl_tokens
+    try:
+        settings = dataclasses.replace(DEFAULT, **overrides)
+        task_list = runner.parse_tasks(tasks)
+        specs = runner.resolve_caches(cache or [])
+    except runner.EvalError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    logging.disable_progress_bar()
+    console = Console()
+    torch.set_num_threads(threads)
+    plan = runner.unit_plan(specs, task_list, settings.contexts)
+    weight = {c: c for c in settings.contexts}  # prefill cost grows with the context: weight ETA by it
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
+        bar = progress.add_task(f"loading {model}", total=sum(weight[c] for c, _, _ in plan))
+        loaded, tokenizer = models.load_model(model)
+
+        def on_unit(unit: tuple, done: bool) -> None:
+            c, t, name = unit
+            if done:
+                progress.advance(bar, weight[c])
+            else:
+                progress.update(bar, description=f"{t} @ {c}: {name}")
+
+        try:
+            results = runner.run_eval(loaded, tokenizer, specs, task_list, settings, on_unit=on_unit)
+        except runner.EvalError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    results = {"command": shlex.join(["kvfactory"] + sys.argv[1:]), "model": model, "threads": threads,
+               "started": started, "wall_s": time.perf_counter() - start} | results
+    paths = report.write_report(results, out)
+    console.print(f"wrote {paths['results']}, {paths['report']} and {len(paths) - 2} plot(s) "
+                  f"in {results['wall_s']:.1f} s")
