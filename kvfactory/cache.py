@@ -54,12 +54,13 @@ class KVLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor | None:
-        """Stored keys (a gathered copy for paged storage)."""
-        return self.store.gather()[0] if self.store.size() else None
+        """A copy of the stored keys."""
+        return self.store.gather()[0].clone() if self.store.size() else None
 
     @property
     def values(self) -> torch.Tensor | None:
-        return self.store.gather()[1] if self.store.size() else None
+        """A copy of the stored values."""
+        return self.store.gather()[1].clone() if self.store.size() else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -206,8 +207,9 @@ class KVCache(Cache):
         self.layers[layer_idx].append(key, value)
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All stored keys and values of layer ``layer_idx``."""
-        return self.layers[layer_idx].store.gather()
+        """A copy of all stored keys and values of layer ``layer_idx``."""
+        keys, values = self.layers[layer_idx].store.gather()
+        return keys.clone(), values.clone()
 
     def size(self, layer_idx: int = 0) -> int:
         """Tokens stored per batch row in layer ``layer_idx``."""

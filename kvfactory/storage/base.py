@@ -79,7 +79,8 @@ class LayerStore(ABC):
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored keys and values as ``[batch, kv_heads, size(), head_dim]`` tensors.
 
-        The result stays valid until the next ``append``; later mutations never overwrite it.
+        The result stays valid until the next ``append`` or ``gather`` of the same store or pool
+        (paged reads of several rows share a workspace); copy it to keep it longer.
         """
 
     @abstractmethod

@@ -119,6 +119,22 @@ class PagedPool:
             math.ceil(tokens / page_size) if tokens is not None else None)
         self._bytes = bytes
         self.layers: dict[int, BlockPool] = {}
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    def workspace(self, slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A reusable buffer for multi-row reads, shared by every layer and cache of this pool.
+
+        Writing fresh memory costs more than the copy itself (page faults), so reads reuse one
+        buffer per slot; a read stays valid until the next read of the same slot, which within
+        a forward pass is the next layer's, after this layer's attention is done.
+        """
+        need = math.prod(shape)
+        buf = self._workspace.get(slot)
+        if buf is None or buf.numel() < need or buf.dtype != like.dtype or buf.device != like.device:
+            with torch.inference_mode(False):
+                buf = like.new_empty(need + need // 4)
+            self._workspace[slot] = buf
+        return buf[:need].view(shape)
 
     def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> BlockPool:
         """The pool of ``layer_idx``, allocated on first use with the dtype/device of ``key``."""
@@ -155,7 +171,10 @@ class PagedPool:
                 raise CacheFullError(layer_idx, needed, capacity, capacity, self.page_size)
 
     def memory_report(self) -> MemoryReport:
-        return sum((p.memory_report() for p in self.layers.values()), MemoryReport())
+        """All layer pools plus the read workspace (allocated, never counted as used)."""
+        report = sum((p.memory_report() for p in self.layers.values()), MemoryReport())
+        workspace = sum(t.nbytes for t in self._workspace.values())
+        return MemoryReport(report.allocated + workspace, report.used, report.tokens)
 
     def free_blocks(self) -> dict[int, int]:
         return {i: len(p.free) for i, p in self.layers.items()}
@@ -314,16 +333,19 @@ class PagedStore(LayerStore):
             keys = block_pool.k[:, run:run + n].reshape(block_pool.k.shape[0], n * self.page_size, -1)
             values = block_pool.v[:, run:run + n].reshape(block_pool.v.shape[0], n * self.page_size, -1)
             return keys[None, :, span], values[None, :, span]
-        return self._gather_rows(block_pool.k)[:, :, span], self._gather_rows(block_pool.v)[:, :, span]
+        keys, values = self._gather_rows(block_pool.k, "k"), self._gather_rows(block_pool.v, "v")
+        return keys[:, :, span], values[:, :, span]
 
-    def _gather_rows(self, pool_tensor: torch.Tensor) -> torch.Tensor:
-        """Copy each row's blocks into a contiguous ``[batch, heads, blocks * page, dim]`` tensor."""
+    def _gather_rows(self, pool_tensor: torch.Tensor, slot: str) -> torch.Tensor:
+        """Copy each row's blocks into a contiguous ``[batch, heads, blocks * page, dim]`` tensor
+        (one ``index_select`` over ``[heads * blocks, page * dim]``, into the pool's workspace)."""
         b, n = self._ids.shape
-        h, _, ps, d = pool_tensor.shape
-        out = pool_tensor.new_empty((b, h, n, ps, d))
+        h, num_blocks, ps, d = pool_tensor.shape
         ids = self._ids.to(pool_tensor.device)
-        for row in range(b):  # one index_select per batch row writes the row's layout directly
-            torch.index_select(pool_tensor, 1, ids[row], out=out[row])
+        heads = torch.arange(h, device=pool_tensor.device) * num_blocks
+        index = (ids[:, None, :] + heads[None, :, None]).flatten()
+        out = self.pool.workspace(slot, (b * h * n, ps * d), pool_tensor)
+        torch.index_select(pool_tensor.view(h * num_blocks, ps * d), 0, index, out=out)
         return out.view(b, h, n * ps, d)
 
     def size(self) -> int:
