@@ -12,7 +12,6 @@ import gc
 import json
 import re
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from kvfactory.factory import KVCacheFactory
 from kvfactory.measure import GenerationTiming, timed_generate
 from kvfactory.models import load_model
 from kvfactory.sizing import format_bytes, kv_bytes
+from kvfactory.texts import shipped_text
 
 BASELINE = "DynamicCache"
 PRESETS: dict[str, dict[str, Any]] = {
@@ -53,11 +53,6 @@ QUESTION = "\nQuestion: What is Robert Boulter's profession?\nAnswer: Robert Bou
 
 class RunError(ValueError):
     """Settings the run cannot honour: an unknown config, or a context the text or model cannot hold."""
-
-
-def shipped_text() -> str:
-    """The WikiText-2 excerpt shipped in ``kvfactory/data`` (see its README for source and licence)."""
-    return resources.files("kvfactory").joinpath("data/wikitext2_excerpt.txt").read_text(encoding="utf-8")
 
 
 def build_prompt(tokenizer: Any, context: int, question: str = QUESTION) -> str:

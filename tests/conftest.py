@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfactory.run import shipped_text
+from kvfactory.texts import shipped_text
 
 # The suite runs on shared 2-core machines where a second thread mostly waits on the first: with
 # other jobs running, 2 threads made SmolLM2 generation 4-9x slower than 1. Override with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,3 +52,17 @@ def kv_slot_bytes(model_config: Any, dtype: torch.dtype = torch.float32) -> int:
 def layer_sizes(cache: Any) -> list[int]:
     """Tokens stored per batch row in every layer of a kvfactory cache."""
     return [cache.size(i) for i in range(len(cache.layers))]
+
+
+@dataclass(eq=False)
+class FirstLastRetain:
+    """A user eviction policy for tests, mixed into a storage class ahead of it: after each step
+    ``retain`` keeps the first ``first`` and the last ``last`` stored tokens (StreamingLLM-like)."""
+
+    first: int = 4
+    last: int = 8
+
+    def retain(self) -> None:
+        n = self.size()
+        if n > self.first + self.last:
+            self.keep(torch.cat([torch.arange(self.first), torch.arange(n - self.last, n)]))

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from kvfactory import models
 from kvfactory import run as run_job
 from kvfactory.cli import app
+from kvfactory.texts import shipped_text
 
 WIDE = {"COLUMNS": "200"}  # rich wraps tables to the terminal width
 
@@ -96,7 +97,7 @@ class _WordTokenizer:
 
 
 def test_build_prompt_holds_context_tokens_in_whole_sentences():
-    text = run_job.shipped_text()
+    text = shipped_text()
     assert text.startswith(" = Robert Boulter = ") and len(text) > 70_000
     prompt = run_job.build_prompt(_WordTokenizer(), 300)
     body = prompt.removesuffix(run_job.QUESTION)

@@ -19,7 +19,7 @@ from kvfactory.eval.data import (
     passkey_prompts,
     perplexity_windows,
 )
-from kvfactory.run import shipped_text
+from kvfactory.texts import shipped_text
 
 DEPTHS = [0.0, 0.1, 0.5, 0.9, 1.0]
 

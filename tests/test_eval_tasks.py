@@ -22,7 +22,7 @@ from kvfactory.eval.data import (
     perplexity_windows,
 )
 from kvfactory.eval.tasks import run_multiturn, run_needle, run_passkey, run_perplexity
-from kvfactory.run import shipped_text
+from kvfactory.texts import shipped_text
 
 CACHES = {"dynamic": None, "dense": {"type": "dense"}, "paged16": {"type": "paged", "page_size": 16}}
 TIMINGS = ("prefill_s", "decode_s")

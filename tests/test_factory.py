@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_same_generation, generate, layer_sizes
+from helpers import FirstLastRetain, assert_same_generation, generate, layer_sizes
 from tiny_models import random_prompt, tiny_config, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
@@ -105,16 +105,8 @@ def test_from_yaml_with_a_shared_pool(tmp_path) -> None:
 # -- a user strategy registered by name ---------------------------------------------------------
 
 @dataclass(eq=False)
-class FirstLastStore(DenseStore):
-    """Keeps the first ``first`` and the last ``last`` stored tokens (a StreamingLLM-like policy)."""
-
-    first: int = 4
-    last: int = 8
-
-    def retain(self) -> None:
-        n = self.size()
-        if n > self.first + self.last:
-            self.keep(torch.cat([torch.arange(self.first), torch.arange(n - self.last, n)]))
+class FirstLastStore(FirstLastRetain, DenseStore):
+    """Dense storage keeping the first ``first`` and the last ``last`` stored tokens."""
 
 
 register_cache_strategy("test_first_last", FirstLastStore)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import assert_same_generation, generate, kv_slot_bytes, layer_sizes
+from helpers import FirstLastRetain, assert_same_generation, generate, kv_slot_bytes, layer_sizes
 from tiny_models import TINY_IDS, left_padded_batch, random_prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 
@@ -133,16 +133,8 @@ def test_exhaustion_of_a_batched_prefill_writes_nothing() -> None:
 
 
 @dataclass(eq=False)
-class PagedFirstLast(PagedStore):
+class PagedFirstLast(FirstLastRetain, PagedStore):
     """An eviction policy over paged storage: keep the first 4 and the last 8 stored tokens."""
-
-    first: int = 4
-    last: int = 8
-
-    def retain(self) -> None:
-        n = self.size()
-        if n > self.first + self.last:
-            self.keep(torch.cat([torch.arange(self.first), torch.arange(n - self.last, n)]))
 
 
 register_cache_strategy("test_paged_first_last", PagedFirstLast)

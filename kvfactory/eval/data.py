@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvfactory.run import shipped_text
+from kvfactory.texts import shipped_text
 
 DATA_ENV = "KVFACTORY_DATA_DIR"
 WIKITEXT_FILE = "wikitext2_test.txt"
@@ -135,7 +135,7 @@ def load_wikitext(path: str | Path | None = None) -> Corpus:
 
     ``path`` is the file or a folder holding ``wikitext2_test.txt``. Without it: ``$KVFACTORY_DATA_DIR``,
     then ``shared/data`` next to a source checkout, then the excerpt shipped in the package
-    (``kvfactory.run.shipped_text()``, about 18k tokens). An explicit path or environment variable
+    (``kvfactory.texts.shipped_text()``, about 18k tokens). An explicit path or environment variable
     that does not hold the file raises ``FileNotFoundError``.
     """
     chosen = path if path is not None else os.environ.get(DATA_ENV)
