@@ -144,67 +144,44 @@ def eval_(
     ppl_tokens: Annotated[int | None, typer.Option(min=1, help="teacher-forced tokens scored for PPL")]
     = None,
     threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+    peer_results: Annotated[list[Path] | None, typer.Option(
+        help="repeatable: a peer's JSON-lines results on this run's prompts.jsonl (benchmarks/peers/run.sh), "
+             "merged into the report")] = None,
+    prompts_only: Annotated[bool, typer.Option(
+        help="only write OUT/prompts.jsonl (the prompts the run would use, for peers), then stop")] = False,
 ) -> None:
     """Evaluate caches on perplexity, passkey, needle and multi-turn recall against DynamicCache."""
-    import dataclasses
     import shlex
     import sys
-    import time
-    from datetime import datetime, timezone
 
-    import torch
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from transformers.utils import logging
+    from kvfactory.eval import command, exchange, runner
 
-    from kvfactory.eval import report, runner
-    from kvfactory.eval.settings import DEFAULT
-
-    start, started = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
-    overrides: dict[str, Any] = {"contexts": _csv(context, int, "--context")}
-    if depths is not None:
-        overrides["depths"] = _csv(depths, float, "--depths")
-    if samples is not None:
-        overrides |= {"keys_per_depth": samples, "needles_per_depth": samples, "conversations": samples}
-    if ppl_tokens is not None:
-        overrides["ppl_continuation"] = ppl_tokens
     try:
-        settings = dataclasses.replace(DEFAULT, **overrides)
+        settings = command.settings_from_options(
+            _csv(context, int, "--context"), None if depths is None else _csv(depths, float, "--depths"),
+            samples, ppl_tokens)
         task_list = runner.parse_tasks(tasks)
         specs = runner.resolve_caches(cache or [])
-    except runner.EvalError as exc:
-        raise typer.BadParameter(str(exc)) from exc
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    logging.disable_progress_bar()
-    console = Console()
-    torch.set_num_threads(threads)
-    plan = runner.unit_plan(specs, task_list, settings.contexts)
-    weight = {c: c for c in settings.contexts}  # prefill cost grows with the context: weight ETA by it
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
-        bar = progress.add_task(f"loading {model}", total=sum(weight[c] for c, _, _ in plan))
-        loaded, tokenizer = models.load_model(model)
+    try:
+        line = shlex.join(["kvfactory"] + sys.argv[1:])
+        command.evaluate(specs, task_list, settings, model, out, threads, line, peer_results or [],
+                         prompts_only, Console())
+    except (runner.EvalError, exchange.PeerResultsError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
-        def on_unit(unit: tuple, done: bool) -> None:
-            c, t, name = unit
-            if done:
-                progress.advance(bar, weight[c])
-            else:
-                progress.update(bar, description=f"{t} @ {c}: {name}")
 
-        try:
-            results = runner.run_eval(loaded, tokenizer, specs, task_list, settings, on_unit=on_unit)
-        except runner.EvalError as exc:
-            raise typer.BadParameter(str(exc)) from exc
-    results = {"command": shlex.join(["kvfactory"] + sys.argv[1:]), "model": model, "threads": threads,
-               "started": started, "wall_s": time.perf_counter() - start} | results
-    paths = report.write_report(results, out)
-    console.print(f"wrote {paths['results']}, {paths['report']} and {len(paths) - 2} plot(s) "
-                  f"in {results['wall_s']:.1f} s")
+@app.command("report")
+def report_(
+    out: Annotated[Path, typer.Argument(help="the output folder of a finished kvfactory eval run")],
+    peer_results: Annotated[list[Path], typer.Option(
+        help="repeatable: a peer's JSON-lines results on OUT/prompts.jsonl (benchmarks/peers/run.sh)")],
+) -> None:
+    """Merge peer results (NVIDIA kvpress) into a finished evaluation and write its report again."""
+    from kvfactory.eval import command, exchange
+
+    try:
+        command.rereport(out, peer_results, Console())
+    except exchange.PeerResultsError as exc:
+        raise typer.BadParameter(str(exc)) from exc

@@ -11,7 +11,7 @@ from tiny_tokenizer import VOCAB, tiny_tokenizer
 from kvfactory.eval.data import Corpus
 from kvfactory.eval.runner import resolve_caches, run_eval
 from kvfactory.eval.settings import EvalSettings
-from kvfactory.run import shipped_text
+from kvfactory.texts import shipped_text
 
 CONTEXTS = (400, 600)
 TASKS = ("ppl", "passkey", "needle", "multiturn")
@@ -24,13 +24,18 @@ if importlib.util.find_spec("hqq") is not None:
     CACHES.append("transformers/hqq-int2")
 
 
+SETTINGS = EvalSettings(contexts=CONTEXTS, depths=(0.2, 0.8), ppl_continuation=8, facts=1)
+
+
+def corpus() -> Corpus:
+    return Corpus(shipped_text(), "shipped excerpt")
+
+
 @functools.cache
 def pipeline_results() -> dict:
     model = tiny_model("llama", **MODEL_KWARGS)
-    settings = EvalSettings(contexts=CONTEXTS, depths=(0.2, 0.8), ppl_continuation=8, facts=1)
     units: list = []
-    corpus = Corpus(shipped_text(), "shipped excerpt")
-    results = run_eval(model, tiny_tokenizer(), resolve_caches(CACHES), TASKS, settings, corpus,
+    results = run_eval(model, tiny_tokenizer(), resolve_caches(CACHES), TASKS, SETTINGS, corpus(),
                        on_unit=lambda unit, done: units.append((unit, done)))
     return results | {"command": "kvfactory eval (test)", "model": "tiny llama", "started": "now",
                       "wall_s": 1.5, "_units": units}

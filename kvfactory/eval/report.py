@@ -1,7 +1,9 @@
 """Writing an evaluation: ``results.json``, a Markdown report (``report.md``) and PNG plots.
 
 One table per task; retrieval tasks also get accuracy per depth x context, and an accuracy heat
-map (depth x context) per config; perplexity gets a bar chart per context.
+map (depth x context) per config; perplexity gets a bar chart per context. With peer rows merged
+(``exchange``), a trade-off plot per task shows quality against compression ratio, one line per
+press, kvfactory's and transformers' configs as points.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvfactory.eval.exchange import EXTERNAL
 from kvfactory.sizing import format_bytes
 
 TASK_TITLES = {"ppl": "Perplexity through the cache", "passkey": "Passkey retrieval",
@@ -41,7 +44,7 @@ def _table(headers: list[str], lines: list[list[str]]) -> list[str]:
 
 
 def _cost_cells(r: dict[str, Any]) -> list[str]:
-    return [format_bytes(r["kv_bytes"]), _f(r["kv_bytes_ratio"], ".2f"), f"{r['bytes_per_token']:,.0f}",
+    return [format_bytes(r["kv_bytes"]), _f(r["kv_bytes_ratio"], ".2f"), _f(r["bytes_per_token"], ",.0f"),
             _f(r["bytes_per_token_ratio"], ".2f"), _f(r["compression_ratio"], ".3f"),
             _f(r["read_budget"], ".2f"), _f(r["prefill_s"], ".2f"), _f(r["prefill_ratio"], ".2f"),
             _f(r["decode_tokens_per_s"], ".1f"), _f(r["decode_ratio"], ".2f")]
@@ -81,6 +84,12 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
     lines += _table(["config", "kind", "source", "config"],
                     [[c["name"], c["kind"], c["source"],
                       f"`{json.dumps(c['config'])}`" if c["config"] else "–"] for c in results["configs"]])
+    if results.get("peer_results"):
+        lines += ["", f"Rows of kind `{EXTERNAL}` come from {', '.join(results['peer_results'])}: a peer "
+                  "run in another process on this run's `prompts.jsonl` (NVIDIA kvpress: "
+                  "`benchmarks/peers/run.sh`). Their ΔPPL, KV bytes and compression are against the peer's "
+                  "own no-press run (`/none`) from the same process; their speed is not compared across "
+                  "processes."]
     for task in s["tasks"]:
         task_rows = [r for r in rows if r["task"] == task]
         lines += ["", f"## {TASK_TITLES.get(task, task)}", ""]
@@ -115,7 +124,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     rows, s = results["rows"], results["settings"]
     contexts, depths = list(s["contexts"]), [f"{d:g}" for d in s["depths"]]
     for task in ("passkey", "needle"):
-        for config in [c["name"] for c in results["configs"]]:
+        for config in [c["name"] for c in results["configs"] if c["kind"] != EXTERNAL]:
             cells = {r["context"]: r["accuracy_by_depth"] for r in rows
                      if r["task"] == task and r["config"] == config}
             if not cells:
@@ -156,7 +165,43 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
+    external = {c["name"] for c in results["configs"] if c["kind"] == EXTERNAL}
+    paths += [_tradeoff(plt, results, task, out) for task in s["tasks"]
+              if any(r["task"] == task and r["config"] in external for r in rows)]
     return paths
+
+
+def _tradeoff(plt: Any, results: dict[str, Any], task: str, out: Path) -> Path:
+    """Quality against compression ratio per context: a line per external press, a point per config."""
+    kinds = {c["name"]: c["kind"] for c in results["configs"]}
+    rows = [r for r in results["rows"] if r["task"] == task]
+    contexts = sorted({r["context"] for r in rows})
+    metric, label = ("delta_ppl", "ΔPPL") if task == "ppl" else ("accuracy", "accuracy")
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 3.6), squeeze=False)
+    for ax, context in zip(axes[0], contexts, strict=True):
+        here = [r for r in rows if r["context"] == context]
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in here:
+            if kinds.get(r["config"]) == EXTERNAL:
+                press = r["config"].split("@")[0]
+                lines.setdefault(press, []).append((r["compression_ratio"], r[metric]))
+            else:
+                ax.scatter([r["compression_ratio"]], [r[metric]], marker="s", s=30, label=r["config"],
+                           zorder=3)
+        base = next((pts for press, pts in lines.items() if press.endswith("/none")), [])
+        for press, pts in lines.items():
+            if not press.endswith("/none"):
+                pts = sorted(base + pts)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=press)
+        ax.set_title(f"{TASK_TITLES.get(task, task)} @ {context}", fontsize=9)
+        ax.set_xlabel("compression ratio (1 − stored / seen)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = out / f"tradeoff_{task}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def write_report(results: dict[str, Any], out: str | Path) -> dict[str, Path]:

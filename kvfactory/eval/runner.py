@@ -24,6 +24,7 @@ from kvfactory.config import load_yaml, parse_config
 from kvfactory.errors import ConfigError
 from kvfactory.eval import data
 from kvfactory.eval.peers import PeerError, check_peer, is_peer, peer_footprint, peer_maker
+from kvfactory.eval.scoring import accuracy_by_depth, mean
 from kvfactory.eval.settings import EvalSettings
 from kvfactory.eval.tasks import run_multiturn, run_needle, run_passkey, run_perplexity
 from kvfactory.factory import KVCacheFactory
@@ -171,20 +172,16 @@ class _Recorder:
             self.current = None
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
 def _aggregate(unit: Unit) -> dict[str, Any]:
     items = unit.items
     prints = [i.footprint for i in items]
     steps, decode_s = sum(i.decode_steps for i in items), sum(i.decode_s for i in items)
     row: dict[str, Any] = {
         "context": unit.context, "task": unit.task, "config": unit.config, "items": len(items),
-        "tokens_seen": _mean([p.tokens_seen for p in prints]),
-        "kv_bytes": _mean([p.bytes for p in prints]),
-        "bytes_per_token": _mean([p.bytes_per_token for p in prints]),
-        "compression_ratio": _mean([p.compression_ratio for p in prints]),
+        "tokens_seen": mean([p.tokens_seen for p in prints]),
+        "kv_bytes": mean([p.bytes for p in prints]),
+        "bytes_per_token": mean([p.bytes_per_token for p in prints]),
+        "compression_ratio": mean([p.compression_ratio for p in prints]),
         "read_budget": READ_BUDGET,
         "prefill_s": statistics.median(i.prefill_s for i in items) if items else float("nan"),
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
@@ -193,13 +190,10 @@ def _aggregate(unit: Unit) -> dict[str, Any]:
         nll, tokens = sum(i.nll for i in items), sum(i.scored_tokens for i in items)
         row["ppl"] = math.exp(nll / tokens)
     elif unit.task in RETRIEVAL:
-        row["accuracy"] = _mean([float(i.correct) for i in items])
-        by_depth: dict[str, list[float]] = {}
-        for i in items:
-            by_depth.setdefault(f"{i.depth:g}", []).append(float(i.correct))
-        row["accuracy_by_depth"] = {d: _mean(v) for d, v in by_depth.items()}
+        row["accuracy"] = mean([float(i.correct) for i in items])
+        row["accuracy_by_depth"] = accuracy_by_depth((i.depth, i.correct) for i in items)
     else:
-        row["accuracy"] = _mean([i.accuracy for i in items])
+        row["accuracy"] = mean([i.accuracy for i in items])
     return row
 
 
@@ -231,39 +225,56 @@ def unit_plan(specs: Sequence[CacheSpec], tasks: Sequence[str], contexts: Sequen
     return [(c, t, s.name) for c in contexts for t in tasks for s in specs]
 
 
-def run_eval(model: Any, tokenizer: Any, specs: Sequence[CacheSpec], tasks: Sequence[str],
-             settings: EvalSettings, corpus: data.Corpus | None = None,
-             on_unit: Callable[[tuple, bool], None] | None = None) -> dict[str, Any]:
-    """Run every unit; ``on_unit(unit, done)`` is called before (``False``) and after (``True``) each.
-
-    Returns ``{"configs", "settings", "rows", "items"}``, JSON-ready.
-    """
-    if not specs or specs[0].name != BASELINE:
-        specs = [BASELINE_SPEC] + [s for s in specs if s.name != BASELINE]
-    tasks = parse_tasks(",".join(tasks))
+def check_contexts(model: Any, tasks: Sequence[str], settings: EvalSettings) -> None:
+    """Every context plus the tokens a task adds after it must fit the model's positions."""
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    if limit is not None:
-        for context in settings.contexts:
-            extra = settings.ppl_continuation if "ppl" in tasks else 64
-            if context + extra > limit:
-                raise EvalError(f"context {context}: with {extra} more tokens it exceeds the model's "
-                                f"{limit} positions")
-    corpus = corpus or data.load_wikitext()
-    makers = {s.name: s.maker(model) for s in specs}
-    for make in makers.values():
-        _warm_up(model, make)
-    units, prompt_sets = [], {}
-    for context, task, name in unit_plan(specs, tasks, settings.contexts):
-        if on_unit:
-            on_unit((context, task, name), False)
-        if (task, context) not in prompt_sets:
+    if limit is None:
+        return
+    for context in settings.contexts:
+        extra = settings.ppl_continuation if "ppl" in tasks else 64
+        if context + extra > limit:
+            raise EvalError(f"context {context}: with {extra} more tokens it exceeds the model's "
+                            f"{limit} positions")
+
+
+def build_prompts(tokenizer: Any, tasks: Sequence[str], settings: EvalSettings,
+                  corpus: data.Corpus) -> dict[tuple[str, int], list[Any]]:
+    """The prompts of every (task, context) of a run, in run order; a pure function of its arguments."""
+    prompt_sets = {}
+    for context in settings.contexts:
+        for task in parse_tasks(",".join(tasks)):
             try:
                 prompt_sets[(task, context)] = _prompts(task, context, tokenizer, corpus, settings)
             except ValueError as exc:
                 raise EvalError(f"{task} at context {context}: {exc}") from exc
-        prompts = prompt_sets[(task, context)]
+    return prompt_sets
+
+
+def run_eval(model: Any, tokenizer: Any, specs: Sequence[CacheSpec], tasks: Sequence[str],
+             settings: EvalSettings, corpus: data.Corpus | None = None,
+             on_unit: Callable[[tuple, bool], None] | None = None,
+             prompt_sets: dict[tuple[str, int], list[Any]] | None = None) -> dict[str, Any]:
+    """Run every unit; ``on_unit(unit, done)`` is called before (``False``) and after (``True``) each.
+
+    ``prompt_sets`` (from ``build_prompts``) are built here when not given. Returns ``{"configs",
+    "settings", "corpus", "rows", "items"}``, JSON-ready.
+    """
+    if not specs or specs[0].name != BASELINE:
+        specs = [BASELINE_SPEC] + [s for s in specs if s.name != BASELINE]
+    tasks = parse_tasks(",".join(tasks))
+    check_contexts(model, tasks, settings)
+    corpus = corpus or data.load_wikitext()
+    if prompt_sets is None:
+        prompt_sets = build_prompts(tokenizer, tasks, settings, corpus)
+    makers = {s.name: s.maker(model) for s in specs}
+    for make in makers.values():
+        _warm_up(model, make)
+    units = []
+    for context, task, name in unit_plan(specs, tasks, settings.contexts):
+        if on_unit:
+            on_unit((context, task, name), False)
         recorder = _Recorder(makers[name])
-        items = _run_task(task, model, tokenizer, recorder, prompts)
+        items = _run_task(task, model, tokenizer, recorder, prompt_sets[(task, context)])
         recorder.finish()
         items = [replace(i, footprint=f) for i, f in zip(items, recorder.footprints, strict=True)]
         unit = Unit(context, task, name, items)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 PASSKEY_TOKENS = 10  # DESIGN.md: the key must appear within the first 10 generated tokens
 # Both parts of the needle's answer must appear; either alone is what a model can guess or half-recall.
@@ -36,3 +36,16 @@ def perplexity(nll_sum: float, tokens: int) -> float:
     if tokens < 1:
         raise ValueError(f"perplexity of {tokens} tokens: expected at least one")
     return math.exp(nll_sum / tokens)
+
+
+def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean, NaN for no values (an empty table cell, not an error)."""
+    return sum(values) / len(values) if values else float("nan")
+
+
+def accuracy_by_depth(verdicts: Iterable[tuple[float, bool]]) -> dict[str, float]:
+    """Accuracy per depth from ``(depth, correct)`` pairs, keyed ``f"{depth:g}"`` in first-seen order."""
+    by_depth: dict[str, list[float]] = {}
+    for depth, correct in verdicts:
+        by_depth.setdefault(f"{depth:g}", []).append(float(correct))
+    return {d: mean(v) for d, v in by_depth.items()}

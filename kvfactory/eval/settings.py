@@ -20,6 +20,8 @@ With ``n`` prompts per retrieval task and context (depths x samples), one config
 ``124.5 n + 160`` s, and a run twice that (the baseline runs every task too):
 
 - ``n = 2`` (the defaults): 2 x 409 = 818 s, about 13.6 minutes, plus model load and warm-up.
+  Measured: ``kvfactory eval --cache paged16`` took 822.5 s (13 min 51 s for the whole process)
+  on this machine on 2026-11-29, with another job on the second core.
 - ``n = 3`` (depths 0.1, 0.5, 0.9): 2 x 533 = 1066 s, about 18 minutes: over budget.
 - the protocol (25 passkey and 25 needle prompts per context, 2048 scored tokens, each teacher-
   forced step about 0.1 s at 2048 and 0.2 s at 6144): about 3,850 s per config, over 2 hours a run.

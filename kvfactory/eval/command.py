@@ -1,0 +1,110 @@
+"""``kvfactory eval`` and ``kvfactory report``: settings from options, a progress bar, files out.
+
+``evaluate`` loads the model, writes the prompts it will use (``prompts.jsonl``, for peers that
+run in another process), runs ``runner.run_eval`` under a progress bar weighted by context length
+(prefill dominates, so the ETA follows tokens, not units) and writes ``results.json``,
+``report.md`` and the plots. ``rereport`` merges peer results into a finished run and writes the
+report again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from kvfactory import models
+from kvfactory.eval import data, exchange, report, runner
+from kvfactory.eval.settings import DEFAULT, EvalSettings
+
+
+def settings_from_options(contexts: tuple[int, ...], depths: tuple[float, ...] | None, samples: int | None,
+                          ppl_tokens: int | None) -> EvalSettings:
+    """The default settings with the command line's overrides; ``ValueError`` names a bad one."""
+    overrides: dict[str, Any] = {"contexts": contexts}
+    if depths is not None:
+        overrides["depths"] = depths
+    if samples is not None:
+        overrides |= {"keys_per_depth": samples, "needles_per_depth": samples, "conversations": samples}
+    if ppl_tokens is not None:
+        overrides["ppl_continuation"] = ppl_tokens
+    return dataclasses.replace(DEFAULT, **overrides)
+
+
+def _merge_peers(results: dict[str, Any], out: Path, peers: Sequence[Path]) -> dict[str, Any]:
+    for path in peers:
+        results = exchange.merge_peer_rows(results, path, out / exchange.PROMPTS_FILE)
+    return results
+
+
+def _say_written(console: Console, paths: dict[str, Path], results: dict[str, Any]) -> None:
+    console.print(f"wrote {paths['results']}, {paths['report']} and {len(paths) - 2} plot(s); "
+                  f"the run took {results['wall_s']:.1f} s")
+
+
+def evaluate(specs: Sequence[runner.CacheSpec], tasks: Sequence[str], settings: EvalSettings, model_name: str,
+             out: Path, threads: int, command: str, peers: Sequence[Path] = (), prompts_only: bool = False,
+             console: Console | None = None) -> dict[str, Path]:
+    """Run the evaluation (or only write its prompts) into ``out``; return the written files."""
+    from transformers.utils import logging
+
+    console = console or Console()
+    start, started = time.perf_counter(), datetime.now(timezone.utc).isoformat(timespec="seconds")
+    logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = data.load_wikitext()
+    plan = runner.unit_plan(specs, tasks, settings.contexts)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
+        bar = progress.add_task(f"loading {model_name}", total=sum(c for c, _, _ in plan))
+        model, tokenizer = models.load_model(model_name)
+        runner.check_contexts(model, tasks, settings)
+        progress.update(bar, description="building prompts")
+        prompt_sets = runner.build_prompts(tokenizer, tasks, settings, corpus)
+        prompts = exchange.write_prompts(prompt_sets, out / exchange.PROMPTS_FILE)
+        if prompts_only:
+            console.print(f"wrote {prompts}")
+            return {"prompts": prompts}
+
+        def on_unit(unit: tuple, done: bool) -> None:
+            context, task, name = unit
+            if done:
+                progress.advance(bar, context)
+            else:
+                progress.update(bar, description=f"{task} @ {context}: {name}")
+
+        results = runner.run_eval(model, tokenizer, specs, tasks, settings, corpus, on_unit, prompt_sets)
+    results = {"command": command, "model": model_name, "threads": threads, "started": started,
+               "wall_s": time.perf_counter() - start} | results
+    paths = report.write_report(_merge_peers(results, out, peers), out)
+    _say_written(console, paths, results)
+    return paths | {"prompts": prompts}
+
+
+def rereport(out: Path, peers: Sequence[Path], console: Console | None = None) -> dict[str, Path]:
+    """Merge peer results into the finished run in ``out`` and write its report again."""
+    console = console or Console()
+    path = out / "results.json"
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise exchange.PeerResultsError(f"{path}: not a finished kvfactory eval run ({exc})") from exc
+    paths = report.write_report(_merge_peers(results, out, peers), out)
+    _say_written(console, paths, results)
+    return paths
