@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,34 @@ def test_summary_groups_by_press_ratio_task_context():
     assert summary["median_seconds"] == 2.0 and summary["peer"] == "kvpress"
 
 
+def test_summary_pools_perplexity_and_keeps_accuracy_for_retrieval():
+    run = _load("run_kvpress")
+    common = {"press": "tova", "compression_ratio": 0.5, "context": 2048, "measured_compression_ratio": 0.5,
+              "seconds": 1.0}
+    ppl = [dict(common, task="ppl", nll=nll, scored_tokens=128) for nll in (256.0, 384.0)]
+    passkey = [dict(common, task="passkey", correct=True)]
+    by_task = {s["task"]: s for s in run.summarise(ppl + passkey)}
+    assert by_task["ppl"]["ppl"] == pytest.approx(math.exp(640 / 256)) and "accuracy" not in by_task["ppl"]
+    assert by_task["ppl"]["n"] == 2
+    assert by_task["passkey"]["accuracy"] == 1.0 and "ppl" not in by_task["passkey"]
+
+
+def test_rows_carry_the_records_id_and_sha256():
+    run = _load("run_kvpress")
+    assert run.identity_fields({"id": "a", "sha256": "f00d", "prompt": "p"}) == {"id": "a", "sha256": "f00d"}
+    assert run.identity_fields({"id": "a"}) == {"id": "a"}
+
+
+def test_timing_and_kept_fields():
+    run = _load("run_kvpress")
+    prefilled = run.Prefilled("snapkv", 0.5, None, None, 2.0, True, None)
+    assert run.timing_fields(prefilled, 0.5) == {"seconds": 2.5, "prefill_s": 2.0, "answer_s": 0.5,
+                                                 "prefill_shared": True}
+    kept = run.kept_fields([64, 100, 136], 200)
+    assert kept == {"kept_tokens_mean": 100.0, "kept_tokens_min": 64, "kept_tokens_max": 136,
+                    "measured_compression_ratio": 0.5}
+
+
 def test_peer_scripts_never_import_kvfactory():
     # The peer's venv has transformers<5.3; kvfactory needs 5.24.
     for path in PEERS.glob("*.py"):
@@ -119,6 +148,18 @@ def test_kvfactory_eval_records_are_split_into_context_and_question():
     assert run.normalise_record(peers) == peers
     with pytest.raises(SystemExit):
         run.normalise_record(dict(whole, prompt="no question here"))
+
+
+def test_ppl_records_are_checked_and_get_an_id():
+    run = _load("run_kvpress")
+    window = {"task": "ppl", "context": 4, "sample": 2, "input_ids": [5, 6, 7, 8, 9, 10], "prefill": 4,
+              "sha256": "abc"}
+    record = run.normalise_record(window)
+    assert record == dict(window, id="ppl-4-2")
+    assert run.normalise_record(dict(window, id="mine"))["id"] == "mine"
+    for bad in ({"prefill": 6}, {"prefill": 0}, {"input_ids": None}, {"prefill": "4"}):
+        with pytest.raises(SystemExit):
+            run.normalise_record(dict(window, **bad))
 
 
 def test_question_suffixes_match_kvfactory_eval():
