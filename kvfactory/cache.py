@@ -161,9 +161,9 @@ class KVCache(Cache):
     """A transformers ``Cache`` built by ``KVCacheFactory``; see the module docstring."""
 
     def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
-                 config: Any = None):
+                 config: Any = None, workspace: Any = None):
         super().__init__(layers=layers)
-        self.shared, self.seq_id, self.config = shared, seq_id, config
+        self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +189,9 @@ class KVCache(Cache):
         ``allocated``/``used``/``waste`` are summed over layers; ``tokens`` counts tokens seen per
         batch row times rows, so ``bytes_per_token`` is what one sequence token costs in all layers.
         With a shared pool, ``pool_allocated`` is the whole pool's bytes (all its caches and free
-        blocks included).
+        blocks included). Quantized caches add ``workspace``: the floating-point buffer that reads
+        decode into, one layer's K/V at a time, shared by every cache of the factory, and
+        ``residual``: the part of ``allocated`` in the full-precision window of recent tokens.
         """
         total = sum((layer.store.memory_report() for layer in self.layers), MemoryReport())
         seen = self.get_seq_length() * self.batch_size
@@ -197,6 +199,10 @@ class KVCache(Cache):
         pool_report = getattr(self.shared, "memory_report", None)
         if pool_report is not None:
             report["pool_allocated"] = pool_report().allocated
+        if self.workspace is not None:
+            report["workspace"] = self.workspace.nbytes
+            report["residual"] = sum(layer.store.residual_bytes() for layer in self.layers
+                                     if hasattr(layer.store, "residual_bytes"))
         return report
 
     # -- low-level interface (code outside transformers) -----------------------------------

@@ -16,12 +16,14 @@ from typing import Any
 
 import yaml
 
+from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.errors import ConfigError
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
 
 _REGISTRY: dict[str, type] = {}
+QUANTIZED = "quantized"  # the composite entry that sets quantization (kvfactory.codecs.spec)
 
 
 def register_cache_strategy(name: str, cls: type) -> type:
@@ -64,6 +66,7 @@ class CacheConfig:
 
     storage: StrategySpec
     raw: dict[str, Any]
+    quantization: QuantizationSpec | None = None
 
 
 def options_of(cls: type) -> dict[str, Any]:
@@ -131,8 +134,9 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
         raise ConfigError("type", None, f"one of {registered_strategies()} or 'composite'")
     kind = config["type"]
     if kind != "composite":
-        options = {k: v for k, v in config.items() if k != "type"}
-        return CacheConfig(parse_strategy(kind, options, ""), dict(config))
+        options = {k: v for k, v in config.items() if k not in ("type", "quantization")}
+        return CacheConfig(parse_strategy(kind, options, ""), dict(config),
+                           QuantizationSpec.parse(config.get("quantization")))
     extra = set(config) - {"type", "strategies"}
     if extra:
         key = sorted(extra)[0]
@@ -140,17 +144,26 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
     strategies = config.get("strategies")
     if not isinstance(strategies, list) or not strategies:
         raise ConfigError("strategies", strategies, "a non-empty list of {name: ..., options...}")
-    storage = None
+    storage, quantization = None, None
     for i, entry in enumerate(strategies):
         where = f"strategies[{i}]."
         if not isinstance(entry, dict) or "name" not in entry:
             raise ConfigError(f"strategies[{i}]", entry, "a mapping with a 'name' key")
-        spec = parse_strategy(entry["name"], {k: v for k, v in entry.items() if k != "name"}, where)
+        options = {k: v for k, v in entry.items() if k != "name"}
+        if entry["name"] == QUANTIZED:
+            if quantization is not None:
+                raise ConfigError(f"{where}name", QUANTIZED, "one quantized strategy per config")
+            quantization = QuantizationSpec.parse(options, where)
+            continue
+        spec = parse_strategy(entry["name"], options, where)
         if storage is not None:
             raise ConfigError(f"{where}name", entry["name"],
                               f"one storage strategy per config; '{storage.name}' is already given")
         storage = spec
-    return CacheConfig(storage, dict(config))
+    if storage is None:
+        raise ConfigError("strategies", [e["name"] for e in strategies],
+                          f"a storage strategy ({registered_strategies()}) besides '{QUANTIZED}'")
+    return CacheConfig(storage, dict(config), quantization)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from typing import Any
 
 from kvfactory.cache import KVCache, KVLayer, attention_layout
 from kvfactory.config import CacheConfig, load_yaml, parse_config
+from kvfactory.storage.quantized import QuantizedStore
+from kvfactory.storage.workspace import ReadWorkspace
 
 
 class KVCacheFactory:
@@ -26,6 +28,7 @@ class KVCacheFactory:
         if pool is None and make_shared is not None:
             pool = make_shared(storage.options, len(self.windows))
         self.pool = pool
+        self.workspace = ReadWorkspace() if self.config.quantization is not None else None
 
     @classmethod
     def from_yaml(cls, path: str | Path, model_config: Any, pool: Any = None) -> KVCacheFactory:
@@ -34,10 +37,15 @@ class KVCacheFactory:
     def create_cache(self, seq_id: str | None = None) -> KVCache:
         """A new, empty cache (a ``transformers.Cache``) for one sequence or batch."""
         layers = []
+        quantization = self.config.quantization
         for layer_idx, window in enumerate(self.windows):
             store = self.config.storage.build()
+            codecs = quantization.codecs(layer_idx, len(self.windows)) if quantization else None
+            if codecs is not None:
+                residual = quantization.residual_for(quantization.codec_name(layer_idx, len(self.windows)))
+                store = QuantizedStore(store, *codecs, residual, self.workspace)
             store.bind(layer_idx)
             if self.pool is not None:
                 store.attach(self.pool)
             layers.append(KVLayer(store, sliding_window=window))
-        return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config)
+        return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace)

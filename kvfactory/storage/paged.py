@@ -18,6 +18,7 @@ import torch
 
 from kvfactory.errors import CacheFullError, ConfigError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
+from kvfactory.storage.workspace import ReadWorkspace
 
 
 class BlockPool:
@@ -119,22 +120,11 @@ class PagedPool:
             math.ceil(tokens / page_size) if tokens is not None else None)
         self._bytes = bytes
         self.layers: dict[int, BlockPool] = {}
-        self._workspace: dict[str, torch.Tensor] = {}
+        self._workspace = ReadWorkspace()
 
     def workspace(self, slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A reusable buffer for multi-row reads, shared by every layer and cache of this pool.
-
-        Writing fresh memory costs more than the copy itself (page faults), so reads reuse one
-        buffer per slot; a read stays valid until the next read of the same slot, which within
-        a forward pass is the next layer's, after this layer's attention is done.
-        """
-        need = math.prod(shape)
-        buf = self._workspace.get(slot)
-        if buf is None or buf.numel() < need or buf.dtype != like.dtype or buf.device != like.device:
-            with torch.inference_mode(False):
-                buf = like.new_empty(need + need // 4)
-            self._workspace[slot] = buf
-        return buf[:need].view(shape)
+        """A reusable buffer for multi-row reads, shared by every layer and cache of this pool."""
+        return self._workspace.buffer(slot, shape, like)
 
     def layer(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> BlockPool:
         """The pool of ``layer_idx``, allocated on first use with the dtype/device of ``key``."""
@@ -173,8 +163,7 @@ class PagedPool:
     def memory_report(self) -> MemoryReport:
         """All layer pools plus the read workspace (allocated, never counted as used)."""
         report = sum((p.memory_report() for p in self.layers.values()), MemoryReport())
-        workspace = sum(t.nbytes for t in self._workspace.values())
-        return MemoryReport(report.allocated + workspace, report.used, report.tokens)
+        return MemoryReport(report.allocated + self._workspace.nbytes, report.used, report.tokens)
 
     def free_blocks(self) -> dict[int, int]:
         return {i: len(p.free) for i, p in self.layers.items()}

@@ -1,0 +1,109 @@
+"""What a config asks of quantization: the codec, its options, the residual window and per-layer precision.
+
+``{"type": "paged", "page_size": 16, "quantization": "int4"}`` (a codec name) or a mapping
+(``{"codec": "int4", "group_size": 32, "residual": 128}``), or in a composite config a
+``{"name": "quantized", ...}`` entry with the same options (``bits: 4`` is short for ``codec: int4``).
+
+Per-layer precision (seed 002): ``full_precision_first`` / ``full_precision_last`` keep that many
+layers at each end unquantized, or ``layers`` names a codec per layer explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvfactory.codecs import CODECS, Codec, make_codec
+from kvfactory.errors import ConfigError
+
+KIVI = ("int4", "int2")
+LOSSLESS = ("none", "identity")
+KIVI_RESIDUAL = 128  # KIVI's full-precision window of recent tokens
+BITS = {8: "int8", 4: "int4", 2: "int2"}
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """Validated quantization options; ``codecs(layer, layers)`` builds one layer's key/value codecs."""
+
+    codec: str = "int8"
+    group_size: int = 32
+    residual: int | None = None  # default: 128 for KIVI (int4/int2), 0 otherwise
+    granularity: str = "token"  # int8 only: "token" or "head"
+    full_precision_first: int = 0
+    full_precision_last: int = 0
+    layers: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in (self.codec, *(self.layers or ())):
+            if name not in CODECS:
+                raise ConfigError("quantization" if name == self.codec else "layers", name,
+                                  ", ".join(CODECS))
+        for key in ("group_size",):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ConfigError(key, getattr(self, key), "an integer >= 1")
+        for key in ("full_precision_first", "full_precision_last"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 0:
+                raise ConfigError(key, getattr(self, key), "an integer >= 0")
+        if self.residual is not None and (not isinstance(self.residual, int) or self.residual < 0):
+            raise ConfigError("residual", self.residual, "an integer >= 0 (tokens kept in full precision)")
+        if self.granularity not in ("token", "head"):
+            raise ConfigError("granularity", self.granularity, "'token' or 'head' (int8)")
+        if self.layers is not None and (self.full_precision_first or self.full_precision_last):
+            raise ConfigError("layers", list(self.layers),
+                              "either an explicit per-layer list or full_precision_first/last, not both")
+        self.codecs(0, max(1, len(self.layers or ())))  # the codecs' own option checks
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "") -> QuantizationSpec | None:
+        """A spec from a codec name, a mapping of options (``bits`` allowed), or None."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = {"codec": value}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}quantization", value, "a codec name or a mapping of options")
+        options = dict(value)
+        if "bits" in options:
+            bits = options.pop("bits")
+            if bits not in BITS or "codec" in options:
+                raise ConfigError(f"{where}bits", bits, f"one of {sorted(BITS)}, without 'codec'")
+            options["codec"] = BITS[bits]
+        allowed = {f.name for f in fields(cls)}
+        for key in options:
+            if key not in allowed:
+                raise ConfigError(f"{where}{key}", options[key], f"quantization options: {sorted(allowed)}")
+        if isinstance(options.get("layers"), list):
+            options["layers"] = tuple(options["layers"])
+        try:
+            return cls(**options)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
+
+    def codec_name(self, layer: int, num_layers: int) -> str:
+        """The codec of layer ``layer`` of ``num_layers``."""
+        if self.layers is not None:
+            if len(self.layers) != num_layers:
+                raise ConfigError("layers", list(self.layers), f"one codec per layer: {num_layers} names")
+            return self.layers[layer]
+        if layer < self.full_precision_first or layer >= num_layers - self.full_precision_last:
+            return "none"
+        return self.codec
+
+    def residual_for(self, name: str) -> int:
+        """Tokens kept in full precision after the newest one (KIVI's window; 0 for per-token codecs)."""
+        if self.residual is not None:
+            return self.residual
+        return KIVI_RESIDUAL if name in KIVI else 0
+
+    def codecs(self, layer: int, num_layers: int) -> tuple[Codec, Codec] | None:
+        """New key and value codecs for one layer, or None where the layer stays in full precision."""
+        name = self.codec_name(layer, num_layers)
+        if name in LOSSLESS:
+            return None
+        options: dict[str, Any] = {}
+        if name in KIVI:
+            options["group_size"] = self.group_size
+        elif name == "int8":
+            options["granularity"] = self.granularity
+        return make_codec(name, "key", **options), make_codec(name, "value", **options)

@@ -1,0 +1,220 @@
+"""Quantized storage: configs, the residual window, packed bytes, edits and generation (no trained model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import generate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
+from transformers import DynamicCache
+
+from kvfactory import ConfigError, DenseStore, KVCacheFactory, PagedStore
+from kvfactory.codecs import make_codec
+from kvfactory.codecs.spec import QuantizationSpec
+from kvfactory.storage.quantized import QuantizedStore
+from kvfactory.storage.workspace import ReadWorkspace
+
+B, H, D = 2, 3, 64
+CODECS = ["int8", "int4", "int2", "fp8", "fp8_e5m2"]
+
+
+def kv(tokens: int, batch: int = B, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, H, tokens, D, generator=gen), torch.randn(batch, H, tokens, D, generator=gen)
+
+
+def store(codec: str, residual: int = 8, inner: str = "dense", group_size: int = 4) -> QuantizedStore:
+    spec = QuantizationSpec(codec=codec, residual=residual, group_size=group_size)
+    base = DenseStore() if inner == "dense" else PagedStore(page_size=4)
+    built = QuantizedStore(base, *spec.codecs(0, 1), residual, ReadWorkspace())
+    built.bind(0)
+    if inner == "paged":
+        built.attach(PagedStore.make_shared({"page_size": 4}, 1))
+    return built
+
+
+def expected(codec: str, keys: torch.Tensor, values: torch.Tensor, quantized: int):
+    """What a store must return: the first ``quantized`` tokens through the codecs, the rest exact."""
+    kc, vc = make_codec(codec, "key", **_opts(codec)), make_codec(codec, "value", **_opts(codec))
+    ek = kc.decode(kc.encode(keys[:, :, :quantized])) if quantized else keys[:, :, :0]
+    ev = vc.decode(vc.encode(values[:, :, :quantized])) if quantized else values[:, :, :0]
+    return torch.cat([ek, keys[:, :, quantized:]], 2), torch.cat([ev, values[:, :, quantized:]], 2)
+
+
+def _opts(codec: str) -> dict:
+    return {"group_size": 4} if codec in ("int4", "int2") else {}
+
+
+# -- configs --------------------------------------------------------------------------------------
+
+def test_config_forms_build_quantized_stores() -> None:
+    config = tiny_config("llama")
+    forms = [{"type": "paged", "page_size": 16, "quantization": "int4"},
+             {"type": "dense", "quantization": {"codec": "int2", "group_size": 16, "residual": 32}},
+             {"type": "composite", "strategies": [{"name": "paged", "page_size": 16},
+                                                  {"name": "quantized", "bits": 4}]}]
+    for form in forms:
+        cache = KVCacheFactory(config, form).create_cache()
+        stores = [layer.store for layer in cache.layers]
+        assert all(isinstance(s, QuantizedStore) for s in stores), form
+    spec = KVCacheFactory(config, forms[1]).config.quantization
+    assert (spec.codec, spec.group_size, spec.residual) == ("int2", 16, 32)
+    assert KVCacheFactory(config, forms[2]).config.quantization.codec == "int4"
+
+
+def test_residual_defaults_follow_kivi() -> None:
+    assert QuantizationSpec("int4").residual_for("int4") == 128
+    assert QuantizationSpec("int8").residual_for("int8") == 0
+    assert QuantizationSpec("int4", residual=0).residual_for("int4") == 0
+
+
+def test_per_layer_precision() -> None:
+    config = tiny_config("llama", num_hidden_layers=6)
+    cache = KVCacheFactory(config, {"type": "dense", "quantization": {
+        "codec": "int4", "full_precision_first": 2, "full_precision_last": 1}}).create_cache()
+    kinds = [type(layer.store).__name__ for layer in cache.layers]
+    assert kinds == ["DenseStore"] * 2 + ["QuantizedStore"] * 3 + ["DenseStore"]
+    cache = KVCacheFactory(config, {"type": "dense", "quantization": {
+        "layers": ["none", "int8", "int4", "int2", "fp8", "none"]}}).create_cache()
+    names = [getattr(layer.store, "key_codec", None) for layer in cache.layers]
+    assert [n.name if n else None for n in names] == [None, "int8", "int4", "int2", "fp8", None]
+    with pytest.raises(ConfigError, match="one codec per layer: 6 names"):
+        KVCacheFactory(config, {"type": "dense", "quantization": {"layers": ["int8"] * 5}}).create_cache()
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"type": "dense", "quantization": "int3"}, "quantization"),
+    ({"type": "dense", "quantization": {"codec": "int4", "group_size": 0}}, "group_size"),
+    ({"type": "dense", "quantization": {"codec": "int4", "residual": -1}}, "residual"),
+    ({"type": "dense", "quantization": {"codec": "int4", "colour": 1}}, "colour"),
+    ({"type": "dense", "quantization": 4}, "quantization"),
+    ({"type": "composite", "strategies": [{"name": "dense"}, {"name": "quantized", "bits": 3}]},
+     "strategies[1].bits"),
+    ({"type": "composite", "strategies": [{"name": "quantized", "bits": 4}]}, "strategies"),
+    ({"type": "composite", "strategies": [{"name": "dense"}, {"name": "quantized"}, {"name": "quantized"}]},
+     "strategies[2].name"),
+    ({"type": "dense", "quantization": {"codec": "int4", "layers": ["int4"], "full_precision_first": 1}},
+     "layers"),
+])
+def test_bad_quantization_configs(config: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVCacheFactory(tiny_config("llama"), config)
+    assert info.value.key == key
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("inner", ["dense", "paged"])
+def test_window_keeps_recent_tokens_exact_and_encodes_whole_units(codec: str, inner: str) -> None:
+    s = store(codec, residual=8, inner=inner)
+    keys, values = kv(0)
+    for step, n in enumerate([13, 1, 1, 5, 2, 9]):
+        k, v = kv(n, seed=step + 1)
+        s.append(k, v)
+        keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+        total = keys.shape[2]
+        quantized = max(0, (total - 8) // s.unit * s.unit)
+        assert s.size() == total and s.packed_k.tokens == quantized
+        assert 8 <= s.inner.size() < 8 + s.unit or total < 8 + s.unit
+        got_k, got_v = s.gather()
+        want_k, want_v = expected(codec, keys, values, quantized)
+        torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-6)
+        assert torch.equal(got_k[:, :, quantized:], keys[:, :, quantized:])  # the window is exact
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_packed_bytes_are_real(codec: str) -> None:
+    s = store(codec, residual=0, group_size=32)
+    s.append(*kv(4096))
+    report = s.memory_report()
+    codec_bytes = sum(make_codec(codec, r).bytes_per_token(H, D) for r in ("key", "value"))
+    assert report.used == pytest.approx(B * 4096 * codec_bytes, rel=0.01)
+    assert report.allocated < 1.02 * report.used + 2 * D * H * B * 4 * s.unit  # headroom of under a unit
+    fp16 = B * 4096 * 2 * H * D * 2
+    assert report.allocated / fp16 < (0.53 if codec == "int8" else 0.30)
+
+
+def test_select_rows_and_clear() -> None:
+    s = store("int4", residual=4)
+    keys, values = kv(23, batch=3)
+    s.append(keys, values)
+    before_k, before_v = (t.clone() for t in s.gather())
+    s.select_rows(torch.tensor([2, 0]))
+    got_k, got_v = s.gather()
+    assert torch.equal(got_k, before_k[[2, 0]]) and torch.equal(got_v, before_v[[2, 0]])
+    assert s.batch_size == 2
+    s.clear()
+    assert s.size() == 0 and s.memory_report().allocated == 0
+
+
+_EDITS = st.lists(st.one_of(st.tuples(st.just("append"), st.integers(1, 12)),
+                            st.tuples(st.just("drop_front"), st.integers(0, 9)),
+                            st.tuples(st.just("truncate"), st.integers(0, 40)),
+                            st.tuples(st.just("keep"), st.integers(0, 2 ** 16 - 1))), min_size=1, max_size=12)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_EDITS, codec=st.sampled_from(["int8", "int4"]))
+def test_edits_match_edits_of_the_decoded_tensors(ops, codec: str) -> None:
+    """Evicting from quantized data re-encodes what stays; the result equals the edit applied to what
+    the store returned before, within the codec's own round-trip error."""
+    s = store(codec, residual=4)
+    s.append(*kv(6))
+    for step, (op, arg) in enumerate(ops):
+        ref_k, ref_v = (t.clone() for t in s.gather())
+        n = ref_k.shape[2]
+        if op == "append":
+            k, v = kv(arg, seed=step + 1)
+            s.append(k, v)
+            ref_k, ref_v = torch.cat([ref_k, k], 2), torch.cat([ref_v, v], 2)
+        elif op == "drop_front":
+            s.drop_front(arg)
+            ref_k, ref_v = ref_k[:, :, arg:], ref_v[:, :, arg:]
+        elif op == "truncate":
+            s.truncate(arg)
+            ref_k, ref_v = ref_k[:, :, :arg], ref_v[:, :, :arg]
+        else:
+            index = torch.tensor([i for i in range(n) if arg >> (i % 16) & 1], dtype=torch.long)
+            s.keep(index)
+            ref_k, ref_v = ref_k.index_select(2, index), ref_v.index_select(2, index)
+        assert s.size() == ref_k.shape[2]
+        if s.size():
+            got_k, got_v = s.gather()
+            scale = max(ref_k.abs().max().item(), ref_v.abs().max().item())
+            bound = scale * (1 / 127 if codec == "int8" else 1 / 7)
+            assert (got_k - ref_k).abs().max() <= bound and (got_v - ref_v).abs().max() <= bound
+
+
+# -- generation -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_generation_stays_close_to_dynamic_cache(codec: str) -> None:
+    model = tiny_model("llama")
+    inputs = {"input_ids": random_prompt(40)}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    ref = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=6)
+    cache = KVCacheFactory(model.config, {"type": "dense", "quantization": codec}).create_cache()
+    out = generate(model, inputs, cache, max_new_tokens=6)
+    first = (ref.logits[0] - out.logits[0]).abs().max().item()
+    assert 0 < first < 0.05  # lossy, but close
+    assert cache.memory_report()["workspace"] > 0
+
+
+@pytest.mark.parametrize("config", [
+    {"type": "dense", "quantization": {"codec": "int4", "residual": 4, "group_size": 8}},
+    {"type": "paged", "page_size": 4, "quantization": {"codec": "int2", "residual": 0, "group_size": 8}},
+])
+def test_left_padded_batch_and_beam_search_run(config: dict) -> None:
+    model = tiny_model("llama")
+    inputs = left_padded_batch([30, 22, 17])
+    cache = KVCacheFactory(model.config, config).create_cache()
+    out = generate(model, inputs, cache, max_new_tokens=10)
+    assert out.sequences.shape[0] == inputs["input_ids"].shape[0]
+    assert cache.get_seq_length() == inputs["input_ids"].shape[1] + 9
+    cache = KVCacheFactory(model.config, config).create_cache()
+    beams = generate(model, inputs, cache, max_new_tokens=6, num_beams=3, num_return_sequences=2)
+    assert beams.sequences.shape[0] == 2 * inputs["input_ids"].shape[0]
