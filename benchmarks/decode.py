@@ -7,7 +7,9 @@ prefill, median of >= 3 runs, ratio to DynamicCache measured in the same run.
 Each batch row is a different WikiText window. The prompt is prefilled once through the model
 (DynamicCache) and its keys/values are copied into every cache under test, so all configs decode
 from identical states; runs of the configs are interleaved so machine noise hits them alike.
-Prints JSON; also checks every config generates the same tokens as DynamicCache.
+Prints JSON; also reports whether every config generates the same tokens as DynamicCache (and for
+how many leading tokens), and the KV bytes each holds after decoding. ``benchmarks/quant.py`` runs
+the same measurement on quantized configs and transformers' ``QuantizedCache``.
 
     python benchmarks/decode.py [--lengths 2048,6144] [--batches 1,8] [--runs 3] [--out FILE]
 """
@@ -20,13 +22,17 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from kvfactory import KVCacheFactory
+from kvfactory.eval.peers import is_peer, peer_footprint, peer_maker
 from kvfactory.models import load_model
+from kvfactory.sizing import kv_bytes
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
 CONFIGS = {
@@ -58,9 +64,27 @@ def prefill(model, rows: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.T
     return layers, torch.stack(first)
 
 
-def filled_cache(name: str, model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-    cache = DynamicCache(config=model.config) if name == "dynamic" else \
-        KVCacheFactory(model.config, CONFIGS[name]).create_cache()
+def cache_maker(model, config: dict[str, Any] | str) -> Callable[[], Any]:
+    """Fresh caches of a kvfactory config, or of a transformers peer named as in ``kvfactory eval``."""
+    if isinstance(config, str) and is_peer(config):
+        return peer_maker(config, model)
+    return KVCacheFactory(model.config, config).create_cache
+
+
+def held_bytes(cache) -> dict[str, float]:
+    """KV bytes a cache holds; for kvfactory caches also the full-precision residual window."""
+    if not hasattr(cache, "memory_report"):
+        return {"bytes": peer_footprint(cache).bytes}
+    report = cache.memory_report()
+    held = {"bytes": report["allocated"]}
+    if "residual" in report:
+        held |= {"residual_bytes": report["residual"], "residual_tokens": report["residual_tokens"],
+                 "tokens_stored": report["tokens_stored"], "workspace_bytes": report["workspace"]}
+    return held
+
+
+def filled_cache(make_cache: Callable[[], Any], kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    cache = make_cache()
     for layer_idx, (k, v) in enumerate(kv):
         cache.update(k.clone(), v.clone(), layer_idx)
     return cache
@@ -79,47 +103,76 @@ def decode(model, cache, first: torch.Tensor, steps: int) -> tuple[float, torch.
     return steps * first.shape[0] / elapsed, torch.cat(out, dim=1)
 
 
-def main() -> None:
+def same_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
+    """Leading generated tokens equal to the reference's in every row."""
+    differs = (tokens != reference).any(0).nonzero()
+    return int(differs[0, 0]) if differs.numel() else tokens.shape[1]
+
+
+def measure(model, tokenizer, configs: dict[str, dict[str, Any] | str], length: int, batch: int, runs: int,
+            new_tokens: int) -> dict[str, Any]:
+    """One (length, batch) point: every config's decode speed, ratio to DynamicCache, tokens and bytes."""
+    torch.set_num_threads(2)  # the one-off prefill is not what is measured
+    kv, first = prefill(model, prompt_rows(tokenizer, length, batch))
+    torch.set_num_threads(1)
+    makers = {"dynamic": lambda: DynamicCache(config=model.config)}
+    makers |= {name: cache_maker(model, config) for name, config in configs.items()}
+    speeds: dict[str, list[float]] = {n: [] for n in makers}
+    tokens: dict[str, torch.Tensor] = {}
+    held: dict[str, dict[str, float]] = {}
+    for _ in range(runs):
+        for name, make in makers.items():
+            cache = filled_cache(make, kv)
+            speed, tokens[name] = decode(model, cache, first, new_tokens)
+            speeds[name].append(speed)
+            held[name] = held_bytes(cache)
+            del cache
+    base = statistics.median(speeds["dynamic"])
+    cached = batch * (length + new_tokens)
+    row = {"prompt_tokens": length, "batch": batch, "new_tokens": new_tokens, "runs": runs,
+           "dynamic_tokens_per_s": round(base, 3), "dynamic_bytes": held["dynamic"]["bytes"],
+           "fp16_dense_bytes": kv_bytes(model.config, cached, dtype="fp16")}
+    for name in configs:
+        med = statistics.median(speeds[name])
+        row[name] = {"tokens_per_s": round(med, 3), "ratio_to_dynamic": round(med / base, 3),
+                     "same_tokens": bool(torch.equal(tokens[name], tokens["dynamic"])),
+                     "same_prefix": same_prefix(tokens[name], tokens["dynamic"]),
+                     "bytes_ratio_to_fp16": round(held[name]["bytes"] / row["fp16_dense_bytes"], 4),
+                     **held[name]}
+    return row
+
+
+def run(configs: dict[str, dict[str, Any] | str], name: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse the command line, measure every (length, batch) point, print and return the JSON report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="2048,6144")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--configs", help=f"comma-separated subset of {','.join(configs)}")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.configs:
+        unknown = set(args.configs.split(",")) - set(configs)
+        if unknown:
+            sys.exit(f"--configs: unknown {sorted(unknown)}; choose from {','.join(configs)}")
+        configs = {n: configs[n] for n in args.configs.split(",")}
 
     model, tokenizer = load_model()
     results = []
     for length in map(int, args.lengths.split(",")):
         for batch in map(int, args.batches.split(",")):
-            torch.set_num_threads(2)  # the one-off prefill is not what is measured
-            kv, first = prefill(model, prompt_rows(tokenizer, length, batch))
-            torch.set_num_threads(1)
-            names = ["dynamic", *CONFIGS]
-            speeds: dict[str, list[float]] = {n: [] for n in names}
-            tokens: dict[str, torch.Tensor] = {}
-            for _ in range(args.runs):
-                for name in names:
-                    cache = filled_cache(name, model, kv)
-                    speed, tokens[name] = decode(model, cache, first, args.new_tokens)
-                    speeds[name].append(speed)
-                    del cache
-            base = statistics.median(speeds["dynamic"])
-            row = {"prompt_tokens": length, "batch": batch, "new_tokens": args.new_tokens,
-                   "runs": args.runs, "dynamic_tokens_per_s": round(base, 3)}
-            for name in CONFIGS:
-                med = statistics.median(speeds[name])
-                row[name] = {"tokens_per_s": round(med, 3), "ratio_to_dynamic": round(med / base, 3),
-                             "same_tokens": bool(torch.equal(tokens[name], tokens["dynamic"]))}
-            results.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    report = {"benchmark": "decode", "model": "SmolLM2-135M-Instruct (fp32, CPU)", "threads": 1,
-              "torch": torch.__version__, "machine": platform.machine(), "results": results}
+            results.append(measure(model, tokenizer, configs, length, batch, args.runs, args.new_tokens))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    report = {"benchmark": name, "model": "SmolLM2-135M-Instruct (fp32, CPU)", "threads": 1,
+              "torch": torch.__version__, "machine": platform.machine(), "configs": configs,
+              "results": results}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    return report
 
 
 if __name__ == "__main__":
-    main()
+    run(CONFIGS, "decode")

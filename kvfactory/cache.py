@@ -191,7 +191,8 @@ class KVCache(Cache):
         With a shared pool, ``pool_allocated`` is the whole pool's bytes (all its caches and free
         blocks included). Quantized caches add ``workspace``: the floating-point buffer that reads
         decode into, one layer's K/V at a time, shared by every cache of the factory, and
-        ``residual``: the part of ``allocated`` in the full-precision window of recent tokens.
+        ``residual`` / ``residual_tokens``: the part of ``allocated`` / ``tokens_stored`` in the
+        full-precision window of recent tokens.
         """
         total = sum((layer.store.memory_report() for layer in self.layers), MemoryReport())
         seen = self.get_seq_length() * self.batch_size
@@ -201,8 +202,9 @@ class KVCache(Cache):
             report["pool_allocated"] = pool_report().allocated
         if self.workspace is not None:
             report["workspace"] = self.workspace.nbytes
-            report["residual"] = sum(layer.store.residual_bytes() for layer in self.layers
-                                     if hasattr(layer.store, "residual_bytes"))
+            residual = sum((layer.store.residual_report() for layer in self.layers
+                            if hasattr(layer.store, "residual_report")), MemoryReport())
+            report |= {"residual": residual.allocated, "residual_tokens": residual.tokens}
         return report
 
     # -- low-level interface (code outside transformers) -----------------------------------

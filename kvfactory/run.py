@@ -2,8 +2,10 @@
 
 The embedded model reads at least ``context`` tokens of shipped WikiText-2 text plus a question
 about it (plain prompt, no chat template) and decodes greedily under transformers' ``DynamicCache``
-(the baseline, always run first) and each kvfactory config. The table shows KV bytes held after
-generation, prefill time, decode speed against the baseline, and whether the tokens match it.
+(the baseline, always run first) and each kvfactory config, lossless (dense, paged) and quantized
+(int8, int4). The table shows KV bytes held after generation, prefill time, decode speed against
+the baseline, whether the tokens match it (for quantized configs: how many leading tokens do) and
+the start of each config's answer.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dense": {"type": "dense"},
     "paged/16": {"type": "paged", "page_size": 16},
     "paged/256": {"type": "paged", "page_size": 256},
+    "int8": {"type": "dense", "quantization": "int8"},
+    "paged/16+int4": {"type": "paged", "page_size": 16, "quantization": "int4"},
 }
 _SENTENCE_END = re.compile(r" \.(?= )|\n")  # WikiText writes "word . Next"
 # About the first article: some 4,000 tokens before the question at the default context.
@@ -102,6 +106,8 @@ class ConfigResult:
     decode_tokens_per_s: float
     speed_ratio: float
     equal: bool
+    same_prefix: int  # leading generated tokens equal to the baseline's (lossy configs drift later)
+    answer: str
 
 
 def _measure(model: Any, inputs: dict[str, torch.Tensor], config: dict[str, Any] | None,
@@ -158,7 +164,8 @@ def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = N
     reference, _, tokens, base = measured[BASELINE]
     rows = [ConfigResult(name, named[name], held, held / cached, timing.prefill_s, timing.decode_tokens_per_s,
                          timing.decode_tokens_per_s / base.decode_tokens_per_s,
-                         bool(torch.equal(generated, reference)))
+                         bool(torch.equal(generated, reference)), _same_prefix(generated, reference),
+                         tokenizer.decode(generated[0], skip_special_tokens=True))
             for name, (generated, held, cached, timing) in measured.items()]
     answer = tokenizer.decode(reference[0], skip_special_tokens=True)
     report = {"model": "SmolLM2-135M-Instruct (embedded, fp32)", "threads": threads,
@@ -171,6 +178,16 @@ def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = N
     return report
 
 
+def _same_prefix(generated: torch.Tensor, reference: torch.Tensor) -> int:
+    """Generated tokens (of the first row) equal to the reference's before the first difference."""
+    differs = (generated[0] != reference[0]).nonzero()
+    return int(differs[0, 0]) if differs.numel() else generated.shape[1]
+
+
+def _lossy(config: dict[str, Any] | None) -> bool:
+    return config is not None and parse_config(config).quantization is not None
+
+
 def _print(console: Console, report: dict[str, Any], rows: list[ConfigResult]) -> None:
     table = Table(title=f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new "
                         f"tokens, greedy, {report['threads']} thread(s)",
@@ -181,10 +198,17 @@ def _print(console: Console, report: dict[str, Any], rows: list[ConfigResult]) -
     headers = ("KV bytes", "bytes/\ntoken", "prefill\ns", "decode\ntok/s", "speed\nratio", "same\ntokens")
     for header in headers:
         table.add_column(header, justify="right", no_wrap=True)
+    table.add_column("answer (first words)", overflow="ellipsis", no_wrap=True, max_width=28)
     for r in rows:
-        same = "ref" if r.name == BASELINE else ("yes" if r.equal else "[red]NO[/red]")
+        if r.name == BASELINE:
+            same = "ref"
+        elif r.equal:
+            same = "yes"
+        else:  # lossy configs may drift: say after how many tokens; lossless ones must not
+            same = f"{r.same_prefix}/{report['new_tokens']}" if _lossy(r.config) else "[red]NO[/red]"
         table.add_row(escape(r.name), format_bytes(r.kv_bytes), f"{r.bytes_per_token:,.0f}",
-                      f"{r.prefill_s:.2f}", f"{r.decode_tokens_per_s:.2f}", f"{r.speed_ratio:.2f}", same)
+                      f"{r.prefill_s:.2f}", f"{r.decode_tokens_per_s:.2f}", f"{r.speed_ratio:.2f}", same,
+                      escape(" ".join(r.answer.split())))
     console.print(table)
     console.print(Panel(Text.assemble(report["question"], (report["answer"], "bold")),
                         title=f"{BASELINE}: end of the prompt and the generated tokens (bold)"))

@@ -186,9 +186,9 @@ class QuantizedStore(LayerStore):
         if self._like is not None:
             self._like = tuple(t.index_select(0, rows.to(t.device)) for t in self._like)
 
-    def residual_bytes(self) -> int:
-        """Bytes of the full-precision window (reported apart from the packed bytes)."""
-        return self.inner.memory_report().allocated
+    def residual_report(self) -> MemoryReport:
+        """The full-precision window's share (reported apart from the packed bytes)."""
+        return self.inner.memory_report()
 
     def memory_report(self) -> MemoryReport:
         inner = self.inner.memory_report()
