@@ -1,19 +1,13 @@
 """KV-cache memory calculator: bytes per token, totals, and the longest context a budget holds.
 
 An estimate from the model's shape, not a measurement (caches report their real bytes through
-``memory_report()``). Per layer and token, with ``H`` KV heads of ``D`` channels, for K and V:
-
-========  ====================================================================================
-codec     bytes per KV head per token (K + V)
-========  ====================================================================================
-none      ``2 * D * dtype_bytes`` (fp32 4, fp16 / bf16 2)
-int8      ``2 * (D + 2)``: one byte per element plus one fp16 scale per token and head
-fp8       ``2 * D``: one byte per element; the one fp32 scale per head and layer is ignored
-int4/int2 KIVI: elements packed 2 (int4) or 4 (int2) per byte, so ``2 * D * bits / 8``; keys are
-          quantised per channel over groups of 32 tokens (fp16 scale + zero per channel and group:
-          ``4 * D / 32`` per token), values per token over groups of 32 channels (fp16 scale +
-          zero per group: ``4 * ceil(D / 32)``); the full-precision residual window is ignored
-========  ====================================================================================
+``memory_report()``). Per layer and token, with ``H`` KV heads of ``D`` channels, K and V together
+cost ``2 * D * dtype_bytes`` per head unquantized (fp32 4, fp16 / bf16 2); a codec costs what its
+``kvfactory.codecs`` class says it stores (``Codec.bytes_per_token``: packed codes, scales and zero
+points), independent of the model dtype: int8 and fp8 one byte per element plus an fp16 scale per
+token and head; KIVI int4 / int2 elements packed 2 / 4 per byte, keys with an E4M3 scale and an
+fp16 zero point per channel and group of 32 tokens, values with E4M3 scale and zero per token and
+group of 32 channels. The full-precision residual window of recent tokens is not counted.
 
 Sliding-window layers hold at most their window (``kvfactory.cache.attention_layout``).
 """
@@ -29,12 +23,12 @@ from typing import Literal, get_args
 from transformers import PretrainedConfig
 
 from kvfactory.cache import attention_layout
+from kvfactory.codecs import make_codec
 
 DType = Literal["fp32", "fp16", "bf16"]
 Codec = Literal["none", "int8", "fp8", "int4", "int2"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2}
 CODECS: tuple[str, ...] = get_args(Codec)
-KIVI_GROUP = 32
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -81,14 +75,7 @@ def _head_token_bytes(head_dim: int, dtype: DType, codec: Codec) -> Fraction:
     _check(dtype, codec)
     if codec == "none":
         return Fraction(2 * head_dim * DTYPE_BYTES[dtype])
-    if codec == "int8":
-        return Fraction(2 * (head_dim + 2))
-    if codec == "fp8":
-        return Fraction(2 * head_dim)
-    packed = Fraction(head_dim * (4 if codec == "int4" else 2), 8)
-    key = packed + Fraction(4 * head_dim, KIVI_GROUP)
-    value = packed + 4 * math.ceil(head_dim / KIVI_GROUP)
-    return key + value
+    return sum(Fraction(make_codec(codec, role).bytes_per_token(1, head_dim)) for role in ("key", "value"))
 
 
 def bytes_per_token_per_layer(model: Model, dtype: DType = "fp16", codec: Codec = "none") -> float:

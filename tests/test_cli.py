@@ -43,8 +43,8 @@ def test_size_codec_batch_dtype(smollm2_shape):
     result = invoke("size", "--model", str(smollm2_shape), "--codec", "int4", "--batch", "4",
                     "--context", "1000", "--dtype", "fp32", "--memory", "512MiB")
     assert result.exit_code == 0, result.output
-    assert "7,200 B" in result.output and f"{7200 * 1000 * 4:,} B" in result.output
-    assert f"{512 * 2**20 // (7200 * 4):,} tokens" in result.output
+    assert "6,660 B" in result.output and f"{6660 * 1000 * 4:,} B" in result.output
+    assert f"{512 * 2**20 // (6660 * 4):,} tokens" in result.output
 
 
 def test_size_sliding_window_model(tmp_path):

@@ -34,9 +34,9 @@ def test_shape_falls_back_to_attention_heads_and_hidden_size():
 @pytest.mark.parametrize(("codec", "per_layer"), [
     ("none", 768),                             # 3 heads * 2 * 64 * 2 bytes
     ("int8", 3 * 2 * (64 + 2)),                # int8 elements + fp16 scale per token and head
-    ("fp8", 3 * 2 * 64),                       # per-layer scales ignored
-    ("int4", 3 * ((32 + 8) + (32 + 8))),       # packed 64/2 + K: 4*64/32, V: 4*ceil(64/32)
-    ("int2", 3 * ((16 + 8) + (16 + 8))),
+    ("fp8", 3 * 2 * (64 + 2)),                 # fp8 elements + fp16 scale per token and head
+    ("int4", 3 * ((32 + 6) + (32 + 4))),       # packed 64/2 + K: (1+2)*64/32, V: (1+1)*ceil(64/32)
+    ("int2", 3 * ((16 + 6) + (16 + 4))),
 ])
 def test_codec_bytes(codec, per_layer):
     assert sizing.bytes_per_token_per_layer(SMOLLM2, "fp16", codec) == per_layer
@@ -46,17 +46,17 @@ def test_codec_bytes(codec, per_layer):
 def test_codec_ratios_and_dtype_independence():
     fp16 = sizing.bytes_per_token(SMOLLM2, "fp16")
     ratios = {c: sizing.bytes_per_token(SMOLLM2, "fp16", c) / fp16 for c in sizing.CODECS}
-    assert ratios == {"none": 1.0, "int8": 0.515625, "fp8": 0.5, "int4": 0.3125, "int2": 0.1875}
+    assert ratios == {"none": 1.0, "int8": 0.515625, "fp8": 0.515625, "int4": 0.2890625, "int2": 0.1640625}
     for codec in ("int8", "fp8", "int4", "int2"):  # quantised sizes do not depend on the model dtype
         assert sizing.bytes_per_token(SMOLLM2, "fp32", codec) == sizing.bytes_per_token(SMOLLM2, codec=codec)
 
 
 def test_kivi_fractional_bytes_round_up_in_totals():
     shape = sizing.KVShape(kv_heads=1, head_dim=20, windows=(None,))
-    # int4: K = 20/2 + 4*20/32 = 12.5, V = 20/2 + 4*ceil(20/32) = 14
-    assert sizing.bytes_per_token_per_layer(shape, codec="int4") == 26.5
-    assert sizing.kv_bytes(shape, 3, codec="int4") == 80  # ceil(79.5)
-    assert sizing.kv_bytes(shape, 2, codec="int4") == 53
+    # int4: K = 20/2 + 3*20/32 = 11.875, V = 20/2 + 2*ceil(20/32) = 12
+    assert sizing.bytes_per_token_per_layer(shape, codec="int4") == 23.875
+    assert sizing.kv_bytes(shape, 3, codec="int4") == 72  # ceil(71.625)
+    assert sizing.kv_bytes(shape, 2, codec="int4") == 48  # ceil(47.75)
 
 
 def test_sliding_window_layers_hold_at_most_their_window():
@@ -72,7 +72,7 @@ def test_sliding_window_layers_hold_at_most_their_window():
 
 def test_max_context_inverts_kv_bytes():
     assert sizing.max_context(SMOLLM2, 8 * 2**30) == 8 * 2**30 // 23040 == 372827
-    assert sizing.max_context(SMOLLM2, 8 * 2**30, batch=8, codec="int4") == 8 * 2**30 // (7200 * 8)
+    assert sizing.max_context(SMOLLM2, 8 * 2**30, batch=8, codec="int4") == 8 * 2**30 // (6660 * 8)
     assert sizing.max_context(SMOLLM2, 23039) == 0
     assert sizing.max_context(SMOLLM2, 23040) == 1
 
