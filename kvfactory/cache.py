@@ -207,6 +207,11 @@ class KVCache(Cache):
             report |= {"residual": residual.allocated, "residual_tokens": residual.tokens}
         return report
 
+    def quantization_error(self) -> dict[int, dict[str, float]]:
+        """Per quantized layer: the relative MSE of its stored keys and values (sampled on writes)."""
+        return {i: layer.store.quantization_error() for i, layer in enumerate(self.layers)
+                if hasattr(layer.store, "quantization_error")}
+
     # -- low-level interface (code outside transformers) -----------------------------------
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``."""

@@ -17,7 +17,8 @@ CONTEXTS = (400, 600)
 TASKS = ("ppl", "passkey", "needle", "multiturn")
 # head_dim 64 as SmolLM2's: quanto's groups of 64 must divide the quantized axis
 MODEL_KWARGS = dict(vocab_size=VOCAB, max_position_embeddings=4096, head_dim=64)
-CACHES = ["dense", '{"type": "paged", "page_size": 16}', "transformers/sliding-window-64"]
+CACHES = ["dense", '{"type": "paged", "page_size": 16}', "transformers/sliding-window-64",
+          '{"type": "dense", "quantization": {"codec": "int8", "residual": 16}}']
 if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None:
     CACHES.append("transformers/quanto-int4")
 if importlib.util.find_spec("hqq") is not None:

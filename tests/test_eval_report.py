@@ -34,3 +34,7 @@ def test_report_files(tmp_path) -> None:
         assert data.startswith(b"\x89PNG") and len(data) > 1000
         assert f"({name})" in text
     assert paths["report"].name == "report.md"
+    assert "## Quantization error" in text  # the int8 config's sampled relative MSE
+    int8 = [r for r in results["rows"] if "int8" in r["config"]]
+    assert int8 and all(0 < r["key_rel_mse"] < 1e-3 and 0 < r["value_rel_mse"] < 1e-3 for r in int8)
+    assert not any("key_rel_mse" in r for r in results["rows"] if "int8" not in r["config"])

@@ -138,6 +138,22 @@ def test_packed_bytes_are_real(codec: str) -> None:
     assert report.allocated / fp16 < (0.53 if codec == "int8" else 0.30)
 
 
+@pytest.mark.parametrize(("codec", "bound"), [("int8", 1e-4), ("fp8", 2e-3), ("int4", 0.02), ("int2", 0.3)])
+def test_quantization_error_is_sampled_from_what_was_stored(codec: str, bound: float) -> None:
+    s = store(codec, residual=0, group_size=32)
+    assert all(v != v for v in s.quantization_error().values())  # NaN before anything was encoded
+    keys, values = kv(64)
+    s.append(keys, values)  # one flush of 64 tokens: sampled whole
+    error = s.quantization_error()
+    for role, x in (("key", keys), ("value", values)):
+        c = make_codec(codec, role)
+        exact = (c.decode(c.encode(x)).double() - x.double()).square().sum() / x.double().square().sum()
+        assert error[role] == pytest.approx(exact.item(), rel=1e-9) and 0 < error[role] < bound
+    cache = KVCacheFactory(tiny_config("llama"), {"type": "dense", "quantization": {
+        "codec": codec, "full_precision_first": 1}}).create_cache()
+    assert list(cache.quantization_error()) == [1]  # layer 0 stays in full precision
+
+
 def test_select_rows_and_clear() -> None:
     s = store("int4", residual=4)
     keys, values = kv(23, batch=3)

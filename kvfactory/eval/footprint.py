@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,8 @@ class CacheFootprint:
     ``bytes``: kvfactory caches report ``memory_report()["allocated"]``, other transformers caches
     the storage of their key/value tensors. ``tokens_stored`` is the mean over layers (sliding
     layers and eviction keep fewer than seen); ``compression_ratio`` is kvpress's
-    ``1 - stored / seen``.
+    ``1 - stored / seen``. Quantized kvfactory caches add the relative MSE of their stored keys and
+    values, averaged over quantized layers (``KVCache.quantization_error``); None elsewhere.
     """
 
     bytes: int
@@ -25,6 +27,8 @@ class CacheFootprint:
     tokens_stored: float
     bytes_per_token: float
     compression_ratio: float
+    key_rel_mse: float | None = None
+    value_rel_mse: float | None = None
 
 
 def cache_footprint(cache: Any) -> CacheFootprint:
@@ -39,5 +43,9 @@ def cache_footprint(cache: Any) -> CacheFootprint:
         held = dynamic_cache_bytes(cache)
         lengths = [layer.keys.shape[-2] for layer in cache.layers if isinstance(layer.keys, torch.Tensor)]
         stored = sum(lengths) / len(lengths) if lengths else float(seen)
+    errors = list(cache.quantization_error().values()) if hasattr(cache, "quantization_error") else []
+    errors = [e for e in errors if not math.isnan(e["key"])]
+    key_mse = sum(e["key"] for e in errors) / len(errors) if errors else None
+    value_mse = sum(e["value"] for e in errors) / len(errors) if errors else None
     return CacheFootprint(held, seen, stored, held / seen if seen else 0.0,
-                          1.0 - stored / seen if seen else 0.0)
+                          1.0 - stored / seen if seen else 0.0, key_mse, value_mse)

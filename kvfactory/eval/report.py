@@ -108,6 +108,14 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
             lines += _table(["config", "context"] + [f"depth {d}" for d in depths],
                             [[r["config"], str(r["context"])]
                              + [_f(r["accuracy_by_depth"].get(d), ".2f") for d in depths] for r in task_rows])
+    quantized = [r for r in rows if "key_rel_mse" in r]
+    if quantized:
+        lines += ["", "## Quantization error", "",
+                  "Relative MSE of the keys and values quantized caches stored (sampled writes, mean over "
+                  "quantized layers and prompts):", ""]
+        lines += _table(["config", "task", "context", "keys", "values"],
+                        [[r["config"], r["task"], str(r["context"]), _f(r["key_rel_mse"], ".2e"),
+                          _f(r["value_rel_mse"], ".2e")] for r in quantized])
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -186,6 +186,10 @@ def _aggregate(unit: Unit) -> dict[str, Any]:
         "prefill_s": statistics.median(i.prefill_s for i in items) if items else float("nan"),
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
     }
+    for field_name in ("key_rel_mse", "value_rel_mse"):
+        values = [getattr(p, field_name) for p in prints if getattr(p, field_name) is not None]
+        if values:
+            row[field_name] = mean(values)
     if unit.task == "ppl":
         nll, tokens = sum(i.nll for i in items), sum(i.scored_tokens for i in items)
         row["ppl"] = math.exp(nll / tokens)

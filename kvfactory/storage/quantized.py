@@ -7,6 +7,10 @@ buffers; nothing else is kept in floating point. A read decodes the packed part 
 residual into one workspace shared by every layer (``ReadWorkspace``), so decode allocates no
 fresh full-size tensor per step and holds at most one layer's K/V in floating point.
 
+Telemetry: every ``sample_every``-th flush (and the first) also decodes what it encoded and adds
+the squared error and squared norm of K and V to running sums: ``quantization_error()`` gives the
+relative MSE of this layer's keys and values so far, measured on what was really stored.
+
 Eviction on quantized data (``keep``, ``drop_front``, ``truncate``) decodes, selects and encodes
 again; per-token codecs and KIVI's min/max groups reproduce their codes, so this is near-lossless.
 """
@@ -77,9 +81,11 @@ class QuantizedStore(LayerStore):
     """One layer's K/V: codec-packed runs plus up to ``residual`` + one unit newest tokens in ``inner``."""
 
     def __init__(self, inner: LayerStore, key_codec: Codec, value_codec: Codec, residual: int,
-                 workspace: ReadWorkspace) -> None:
+                 workspace: ReadWorkspace, sample_every: int = 16) -> None:
         self.inner, self.key_codec, self.value_codec = inner, key_codec, value_codec
-        self.residual, self.workspace = residual, workspace
+        self.residual, self.workspace, self.sample_every = residual, workspace, sample_every
+        self._flushes = 0
+        self._error = torch.zeros(4, dtype=torch.float64)  # K error, K norm, V error, V norm (squared sums)
         self.unit = math.lcm(key_codec.unit, value_codec.unit)
         if isinstance(inner, DenseStore):  # the window never holds more than residual + one unit
             inner.reserve_tokens = min(inner.reserve_tokens, self.unit)
@@ -122,11 +128,28 @@ class QuantizedStore(LayerStore):
         if held:
             old_k, old_v = self.inner.gather()
             key, value = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
-        self.packed_k.append(self.key_codec.encode(key[:, :, :flush]), flush // self.key_codec.unit)
-        self.packed_v.append(self.value_codec.encode(value[:, :, :flush]), flush // self.value_codec.unit)
+        ek, ev = self.key_codec.encode(key[:, :, :flush]), self.value_codec.encode(value[:, :, :flush])
+        if self._flushes % self.sample_every == 0:
+            self._sample_error(key[:, :, :flush], value[:, :, :flush], ek, ev)
+        self._flushes += 1
+        self.packed_k.append(ek, flush // self.key_codec.unit)
+        self.packed_v.append(ev, flush // self.value_codec.unit)
         self.inner.clear()
         if key.shape[2] > flush:
             self.inner.append(key[:, :, flush:].contiguous(), value[:, :, flush:].contiguous())
+
+    def _sample_error(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded) -> None:
+        sums = []
+        for x, codec, enc in ((key, self.key_codec, ek), (value, self.value_codec, ev)):
+            x = x.double()
+            sums += [(codec.decode(enc).double() - x).square().sum(), x.square().sum()]
+        self._error += torch.stack(sums).cpu()
+
+    def quantization_error(self) -> dict[str, float]:
+        """Relative MSE of the keys and values encoded so far (sampled flushes), NaN before any."""
+        k_err, k_norm, v_err, v_norm = self._error.tolist()
+        return {"key": k_err / k_norm if k_norm else float("nan"),
+                "value": v_err / v_norm if v_norm else float("nan")}
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         quantized, held = self.packed_k.tokens, self.inner.size()
