@@ -185,3 +185,41 @@ def report_(
         command.rereport(out, peer_results, Console())
     except exchange.PeerResultsError as exc:
         raise typer.BadParameter(str(exc)) from exc
+
+
+@app.command()
+def calibrate(
+    text: Annotated[Path, typer.Option(help="a UTF-8 text file to calibrate on (not your evaluation text)")],
+    out: Annotated[Path, typer.Option(help="the safetensors file to write")] = Path("kv_scales.safetensors"),
+    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
+    = models.EMBEDDED,
+    tokens: Annotated[int, typer.Option(min=16, help="tokens of the text to run through the model")] = 2048,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+) -> None:
+    """Collect per-layer, per-head K/V magnitudes on text: static scales for fp8 and int8 configs
+    (quantization: {codec: fp8, scales: FILE})."""
+    import torch
+
+    from kvfactory.codecs import calibration
+
+    try:
+        body = text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"{text}: cannot read it as UTF-8 text ({exc})",
+                                 param_hint="--text") from exc
+    torch.set_num_threads(threads)
+    console = Console()
+    with console.status(f"loading {model}"):
+        loaded, tokenizer = models.load_model(model)
+    ids = tokenizer(body, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
+    if ids.shape[1] < 16:
+        raise typer.BadParameter(f"{text}: {ids.shape[1]} tokens; calibration needs at least 16",
+                                 param_hint="--text")
+    with console.status(f"running {ids.shape[1]} tokens through {model}"):
+        scales = calibration.collect(loaded, ids)
+    layers, heads = scales[calibration.KEYS].shape
+    path = calibration.save(scales, out, {"model": model, "text": text.name, "tokens": str(ids.shape[1]),
+                                          "layers": str(layers), "kv_heads": str(heads)})
+    console.print(f"wrote {path}: |K| and |V| maxima of {layers} layers x {heads} KV heads over "
+                  f"{ids.shape[1]} tokens of {text.name}. Use it as "
+                  f"{{\"quantization\": {{\"codec\": \"fp8\", \"scales\": \"{path}\"}}}}")

@@ -6,6 +6,10 @@
 
 Per-layer precision (seed 002): ``full_precision_first`` / ``full_precision_last`` keep that many
 layers at each end unquantized, or ``layers`` names a codec per layer explicitly.
+
+Static scales (seed 004): ``scales`` names a file from ``kvfactory calibrate``; fp8 then stores
+codes with one calibrated scale per KV head (``absmax / 448``, E5M2 ``/ 57344``), int8 likewise
+(``absmax / 127``, per-head granularity), with no per-token scale bytes.
 """
 
 from __future__ import annotations
@@ -13,13 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvfactory.codecs import CODECS, Codec, make_codec
+import torch
+
+from kvfactory.codecs import CODECS, Codec, calibration, make_codec
 from kvfactory.errors import ConfigError
 
 KIVI = ("int4", "int2")
 LOSSLESS = ("none", "identity")
 KIVI_RESIDUAL = 128  # KIVI's full-precision window of recent tokens
 BITS = {8: "int8", 4: "int4", 2: "int2"}
+STATIC_LIMITS = {"int8": 127.0, "fp8": torch.finfo(torch.float8_e4m3fn).max,
+                 "fp8_e5m2": torch.finfo(torch.float8_e5m2).max}
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class QuantizationSpec:
     full_precision_first: int = 0
     full_precision_last: int = 0
     layers: tuple[str, ...] | None = None
+    scales: str | None = None  # a calibration file (kvfactory calibrate) for static fp8 / int8 scales
 
     def __post_init__(self) -> None:
         for name in (self.codec, *(self.layers or ())):
@@ -52,7 +61,13 @@ class QuantizationSpec:
         if self.layers is not None and (self.full_precision_first or self.full_precision_last):
             raise ConfigError("layers", list(self.layers),
                               "either an explicit per-layer list or full_precision_first/last, not both")
-        self.codecs(0, max(1, len(self.layers or ())))  # the codecs' own option checks
+        if self.scales is not None:
+            unscaled = sorted({n for n in (self.codec, *(self.layers or ())) if n in KIVI})
+            if unscaled:
+                raise ConfigError("scales", self.scales, f"static scales serve fp8 and int8, not {unscaled}")
+            calibration.load(self.scales)  # a missing or damaged file fails now, naming the file
+        else:
+            self.codecs(0, max(1, len(self.layers or ())))  # the codecs' own option checks
 
     @classmethod
     def parse(cls, value: Any, where: str = "") -> QuantizationSpec | None:
@@ -105,5 +120,12 @@ class QuantizationSpec:
         if name in KIVI:
             options["group_size"] = self.group_size
         elif name == "int8":
-            options["granularity"] = self.granularity
-        return make_codec(name, "key", **options), make_codec(name, "value", **options)
+            options["granularity"] = "head" if self.scales else self.granularity
+        if self.scales is None:
+            return make_codec(name, "key", **options), make_codec(name, "value", **options)
+        limit = STATIC_LIMITS[name]
+        if name.startswith("fp8"):
+            options["scale"] = "static"
+        key_max, value_max = calibration.layer_absmax(self.scales, layer, num_layers)
+        return (make_codec(name, "key", static_scale=key_max / limit, **options),
+                make_codec(name, "value", static_scale=value_max / limit, **options))
