@@ -13,34 +13,28 @@ from typing import Any
 import torch
 
 from kvfactory.eval.data import ChatPrompt
-from kvfactory.eval.footprint import CacheFootprint, cache_footprint
+from kvfactory.eval.footprint import cache_footprint
 from kvfactory.eval.scoring import recall_correct
+from kvfactory.eval.tasks.result import TaskResult
 from kvfactory.measure import timed_generate
 
 REPLY_TOKENS = 24
 
 
 @dataclass(frozen=True)
-class MultiTurnResult:
-    """One conversation: a reply and a verdict per fact, and its costs summed over the turns.
+class MultiTurnResult(TaskResult):
+    """One conversation: a reply and a verdict per fact, costs summed over the turns.
 
     ``prefill_s`` sums every turn's time to its first token (the first turn's long prefill dominates);
     ``total_tokens`` is the conversation's length at the end.
     """
 
-    task: str
-    context: int
-    sample: int
     prompt_tokens: int
     total_tokens: int
     expected: tuple[str, ...]
     replies: tuple[str, ...]
     correct: tuple[bool, ...]
     accuracy: float
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    footprint: CacheFootprint
 
 
 def run_multiturn(model: Any, tokenizer: Any, make_cache: Callable[[], Any], prompts: Sequence[ChatPrompt],
@@ -81,6 +75,8 @@ def _converse(model: Any, tokenizer: Any, cache: Any, prompt: ChatPrompt,
         prefill_s += timing.prefill_s
         decode_s += timing.decode_s
         steps += len(reply) - 1
-    return MultiTurnResult(prompt.task, prompt.context, prompt.sample, prompt.prompt_tokens, ids.shape[1],
-                           prompt.answers, tuple(replies), tuple(correct), sum(correct) / len(correct),
-                           prefill_s, decode_s, steps, cache_footprint(cache))
+    return MultiTurnResult(task=prompt.task, context=prompt.context, sample=prompt.sample,
+                           prefill_s=prefill_s, decode_s=decode_s, decode_steps=steps,
+                           footprint=cache_footprint(cache), prompt_tokens=prompt.prompt_tokens,
+                           total_tokens=ids.shape[1], expected=prompt.answers, replies=tuple(replies),
+                           correct=tuple(correct), accuracy=sum(correct) / len(correct))

@@ -16,29 +16,20 @@ from typing import Any
 import torch
 
 from kvfactory.eval.data import PerplexityWindow
-from kvfactory.eval.footprint import CacheFootprint, cache_footprint
+from kvfactory.eval.footprint import cache_footprint
 from kvfactory.eval.scoring import perplexity
+from kvfactory.eval.tasks.result import TaskResult
 
 
 @dataclass(frozen=True)
-class PerplexityResult:
-    """One window: summed NLL (nats) of ``scored_tokens`` tokens after ``prefill_tokens``, and costs.
+class PerplexityResult(TaskResult):
+    """One window: summed NLL (nats) of ``scored_tokens`` tokens after ``prefill_tokens`` (the first
+    scored token is predicted by the prefill, each later one by a decode step)."""
 
-    ``decode_steps`` forward passes of one token took ``decode_s`` (the first scored token is
-    predicted by the prefill).
-    """
-
-    task: str
-    context: int
-    sample: int
     prefill_tokens: int
     scored_tokens: int
     nll: float
     ppl: float
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    footprint: CacheFootprint
 
 
 @torch.inference_mode()
@@ -68,5 +59,7 @@ def _score_window(model: Any, cache: Any, window: PerplexityWindow) -> Perplexit
     decode_s = time.perf_counter() - start - prefill_s
     nll = -torch.stack(log_probs).sum().item()
     scored = total - prefill
-    return PerplexityResult(window.task, window.context, window.sample, prefill, scored, nll,
-                            perplexity(nll, scored), prefill_s, decode_s, scored - 1, cache_footprint(cache))
+    return PerplexityResult(task=window.task, context=window.context, sample=window.sample,
+                            prefill_s=prefill_s, decode_s=decode_s, decode_steps=scored - 1,
+                            footprint=cache_footprint(cache), prefill_tokens=prefill, scored_tokens=scored,
+                            nll=nll, ppl=perplexity(nll, scored))

@@ -9,29 +9,23 @@ from typing import Any
 import torch
 
 from kvfactory.eval.data import RetrievalPrompt
-from kvfactory.eval.footprint import CacheFootprint, cache_footprint
+from kvfactory.eval.footprint import cache_footprint
 from kvfactory.eval.scoring import PASSKEY_TOKENS, needle_correct, passkey_correct
+from kvfactory.eval.tasks.result import TaskResult
 from kvfactory.measure import timed_generate
 
 NEEDLE_NEW_TOKENS = 24  # the answer "eat a sandwich and sit in Dolores Park" takes about 12
 
 
 @dataclass(frozen=True)
-class RetrievalResult:
-    """One prompt's generated text, its verdict and its costs (``decode_steps`` after the first token)."""
+class RetrievalResult(TaskResult):
+    """One prompt's generated text and its verdict."""
 
-    task: str
-    context: int
     depth: float
-    sample: int
     prompt_tokens: int
     expected: str
     output: str
     correct: bool
-    prefill_s: float
-    decode_s: float
-    decode_steps: int
-    footprint: CacheFootprint
 
 
 def run_passkey(model: Any, tokenizer: Any, make_cache: Callable[[], Any], prompts: Sequence[RetrievalPrompt],
@@ -62,7 +56,9 @@ def _retrieve(model: Any, tokenizer: Any, cache: Any, prompt: RetrievalPrompt, t
     inputs = tokenizer(prompt.prompt, return_tensors="pt")
     timing = timed_generate(model, dict(inputs), cache, max_new_tokens, min_new_tokens=0)
     generated = timing.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    return RetrievalResult(task, prompt.context, prompt.depth, prompt.sample, inputs["input_ids"].shape[1],
-                           prompt.answer, tokenizer.decode(generated, skip_special_tokens=True),
-                           score(generated, prompt), timing.prefill_s, timing.decode_s, timing.new_tokens - 1,
-                           cache_footprint(cache))
+    return RetrievalResult(task=task, context=prompt.context, sample=prompt.sample,
+                           prefill_s=timing.prefill_s, decode_s=timing.decode_s,
+                           decode_steps=timing.new_tokens - 1, footprint=cache_footprint(cache),
+                           depth=prompt.depth, prompt_tokens=inputs["input_ids"].shape[1],
+                           expected=prompt.answer, correct=score(generated, prompt),
+                           output=tokenizer.decode(generated, skip_special_tokens=True))
