@@ -66,3 +66,28 @@ class FirstLastRetain:
         n = self.size()
         if n > self.first + self.last:
             self.keep(torch.cat([torch.arange(self.first), torch.arange(n - self.last, n)]))
+
+
+def apply_edit(store: Any, op: str, arg: Any, ref_k: torch.Tensor, ref_v: torch.Tensor,
+               fresh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply one random-test edit to ``store`` and the same edit to the reference K/V; return the new
+    references. ``fresh(tokens, rows)`` makes the K/V an ``append`` adds; ``keep``'s ``arg`` is a
+    16-bit mask over positions, ``select_rows``'s a list of rows (taken modulo the batch)."""
+    rows, n = ref_k.shape[0], ref_k.shape[2]
+    if op == "append":
+        k, v = fresh(arg, rows)
+        store.append(k, v)
+        return torch.cat([ref_k, k], 2), torch.cat([ref_v, v], 2)
+    if op == "drop_front":
+        store.drop_front(arg)
+        return ref_k[:, :, arg:], ref_v[:, :, arg:]
+    if op == "truncate":
+        store.truncate(arg)
+        return ref_k[:, :, :arg], ref_v[:, :, :arg]
+    if op == "keep":
+        index = torch.tensor([i for i in range(n) if arg >> (i % 16) & 1], dtype=torch.long)
+        store.keep(index)
+        return ref_k.index_select(2, index), ref_v.index_select(2, index)
+    index = torch.tensor([r % rows for r in arg])
+    store.select_rows(index)
+    return ref_k[index], ref_v[index]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import generate
+from helpers import apply_edit, generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
@@ -182,21 +182,8 @@ def test_edits_match_edits_of_the_decoded_tensors(ops, codec: str) -> None:
     s.append(*kv(6))
     for step, (op, arg) in enumerate(ops):
         ref_k, ref_v = (t.clone() for t in s.gather())
-        n = ref_k.shape[2]
-        if op == "append":
-            k, v = kv(arg, seed=step + 1)
-            s.append(k, v)
-            ref_k, ref_v = torch.cat([ref_k, k], 2), torch.cat([ref_v, v], 2)
-        elif op == "drop_front":
-            s.drop_front(arg)
-            ref_k, ref_v = ref_k[:, :, arg:], ref_v[:, :, arg:]
-        elif op == "truncate":
-            s.truncate(arg)
-            ref_k, ref_v = ref_k[:, :, :arg], ref_v[:, :, :arg]
-        else:
-            index = torch.tensor([i for i in range(n) if arg >> (i % 16) & 1], dtype=torch.long)
-            s.keep(index)
-            ref_k, ref_v = ref_k.index_select(2, index), ref_v.index_select(2, index)
+        ref_k, ref_v = apply_edit(s, op, arg, ref_k, ref_v,
+                                  lambda t, rows, i=step: kv(t, batch=rows, seed=i + 1))
         assert s.size() == ref_k.shape[2]
         if s.size():
             got_k, got_v = s.gather()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import apply_edit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -412,25 +413,8 @@ def test_random_operations_match_a_tensor_model(kind: str, ops) -> None:
     ref_k, ref_v = kv(4, seed=0)
     store.append(ref_k, ref_v)
     for step, (op, arg) in enumerate(ops):
-        rows, n = ref_k.shape[0], ref_k.shape[2]
-        if op == "append":
-            k, v = kv(arg, batch=rows, seed=step + 1)
-            store.append(k, v)
-            ref_k, ref_v = torch.cat([ref_k, k], 2), torch.cat([ref_v, v], 2)
-        elif op == "drop_front":
-            store.drop_front(arg)
-            ref_k, ref_v = ref_k[:, :, arg:], ref_v[:, :, arg:]
-        elif op == "truncate":
-            store.truncate(arg)
-            ref_k, ref_v = ref_k[:, :, :arg], ref_v[:, :, :arg]
-        elif op == "keep":
-            index = torch.tensor([i for i in range(n) if arg >> (i % 16) & 1], dtype=torch.long)
-            store.keep(index)
-            ref_k, ref_v = ref_k.index_select(2, index), ref_v.index_select(2, index)
-        else:
-            index = torch.tensor([r % rows for r in arg])
-            store.select_rows(index)
-            ref_k, ref_v = ref_k[index], ref_v[index]
+        ref_k, ref_v = apply_edit(store, op, arg, ref_k, ref_v,
+                                  lambda t, rows, i=step: kv(t, batch=rows, seed=i + 1))
         assert_holds(store, ref_k, ref_v)
         if isinstance(store, PagedStore):
             pool = block_pool(store)
