@@ -176,8 +176,8 @@ class KVCache(Cache):
         check = getattr(self.shared, "check", None)
         if check is not None:
             batch, new_tokens = key_states.shape[0], key_states.shape[-2]
-            check({i: layer.store.blocks_needed(new_tokens, batch) for i, layer in enumerate(self.layers)},
-                  key_states, value_states)
+            check([request for layer in self.layers
+                   for request in layer.store.block_requests(new_tokens, batch, key_states, value_states)])
 
     @property
     def batch_size(self) -> int:

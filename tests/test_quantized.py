@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
 from transformers import DynamicCache
 
-from kvfactory import ConfigError, DenseStore, KVCacheFactory, PagedStore
+from kvfactory import CacheFullError, ConfigError, DenseStore, KVCacheFactory, PagedStore
 from kvfactory.codecs import make_codec
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.storage.quantized import QuantizedStore
@@ -25,26 +25,24 @@ def kv(tokens: int, batch: int = B, seed: int = 0):
     return torch.randn(batch, H, tokens, D, generator=gen), torch.randn(batch, H, tokens, D, generator=gen)
 
 
-def store(codec: str, residual: int = 8, inner: str = "dense", group_size: int = 4) -> QuantizedStore:
+def store(codec: str, residual: int = 8, inner: str = "dense", group_size: int = 4,
+          page_size: int = 4, **pool: int) -> QuantizedStore:
     spec = QuantizationSpec(codec=codec, residual=residual, group_size=group_size)
-    base = DenseStore() if inner == "dense" else PagedStore(page_size=4)
+    base = DenseStore() if inner == "dense" else PagedStore(page_size=page_size)
     built = QuantizedStore(base, *spec.codecs(0, 1), residual, ReadWorkspace())
     built.bind(0)
     if inner == "paged":
-        built.attach(PagedStore.make_shared({"page_size": 4}, 1))
+        built.attach(PagedStore.make_shared({"page_size": page_size, **pool}, 1))
     return built
 
 
-def expected(codec: str, keys: torch.Tensor, values: torch.Tensor, quantized: int):
+def expected(codec: str, keys: torch.Tensor, values: torch.Tensor, quantized: int, group_size: int = 4):
     """What a store must return: the first ``quantized`` tokens through the codecs, the rest exact."""
-    kc, vc = make_codec(codec, "key", **_opts(codec)), make_codec(codec, "value", **_opts(codec))
+    opts = {"group_size": group_size} if codec in ("int4", "int2") else {}
+    kc, vc = make_codec(codec, "key", **opts), make_codec(codec, "value", **opts)
     ek = kc.decode(kc.encode(keys[:, :, :quantized])) if quantized else keys[:, :, :0]
     ev = vc.decode(vc.encode(values[:, :, :quantized])) if quantized else values[:, :, :0]
     return torch.cat([ek, keys[:, :, quantized:]], 2), torch.cat([ev, values[:, :, quantized:]], 2)
-
-
-def _opts(codec: str) -> dict:
-    return {"group_size": 4} if codec in ("int4", "int2") else {}
 
 
 # -- configs --------------------------------------------------------------------------------------
@@ -117,7 +115,7 @@ def test_window_keeps_recent_tokens_exact_and_encodes_whole_units(codec: str, in
         keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
         total = keys.shape[2]
         quantized = max(0, (total - 8) // s.unit * s.unit)
-        assert s.size() == total and s.packed_k.tokens == quantized
+        assert s.size() == total and s.quantized_tokens == quantized
         assert 8 <= s.inner.size() < 8 + s.unit or total < 8 + s.unit
         got_k, got_v = s.gather()
         want_k, want_v = expected(codec, keys, values, quantized)
@@ -127,8 +125,9 @@ def test_window_keeps_recent_tokens_exact_and_encodes_whole_units(codec: str, in
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
-def test_packed_bytes_are_real(codec: str) -> None:
-    s = store(codec, residual=0, group_size=32)
+@pytest.mark.parametrize("inner", ["dense", "paged"])
+def test_packed_bytes_are_real(codec: str, inner: str) -> None:
+    s = store(codec, residual=0, group_size=32, inner=inner, page_size=16)
     s.append(*kv(4096))
     report = s.memory_report()
     codec_bytes = sum(make_codec(codec, r).bytes_per_token(H, D) for r in ("key", "value"))
@@ -174,11 +173,11 @@ _EDITS = st.lists(st.one_of(st.tuples(st.just("append"), st.integers(1, 12)),
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=_EDITS, codec=st.sampled_from(["int8", "int4"]))
-def test_edits_match_edits_of_the_decoded_tensors(ops, codec: str) -> None:
+@given(ops=_EDITS, codec=st.sampled_from(["int8", "int4"]), inner=st.sampled_from(["dense", "paged"]))
+def test_edits_match_edits_of_the_decoded_tensors(ops, codec: str, inner: str) -> None:
     """Evicting from quantized data re-encodes what stays; the result equals the edit applied to what
     the store returned before, within the codec's own round-trip error."""
-    s = store(codec, residual=4)
+    s = store(codec, residual=4, inner=inner, page_size=8)
     s.append(*kv(6))
     for step, (op, arg) in enumerate(ops):
         ref_k, ref_v = (t.clone() for t in s.gather())
@@ -190,6 +189,59 @@ def test_edits_match_edits_of_the_decoded_tensors(ops, codec: str) -> None:
             scale = max(ref_k.abs().max().item(), ref_v.abs().max().item())
             bound = scale * (1 / 127 if codec == "int8" else 1 / 7)
             assert (got_k - ref_k).abs().max() <= bound and (got_v - ref_v).abs().max() <= bound
+
+
+# -- quantized pages ------------------------------------------------------------------------------
+
+def test_paged_quantization_keeps_packed_bytes_in_pool_blocks() -> None:
+    s = store("int4", residual=8, inner="paged", group_size=32, page_size=16)
+    keys, values = kv(200)
+    s.append(keys, values)
+    pool = s.inner.pool
+    packed, window = pool.pools[("packed", 0)], pool.pools[("window", 0)]
+    assert packed.page_size == 32  # lcm of the 16-token page and KIVI's 32-token key groups
+    assert packed.tensors["k.codes"].dtype == torch.uint8 and packed.tensors["k.codes"].shape[-1] == D // 2
+    used = packed.num_blocks - len(packed.free)
+    assert used == B * 192 // 32 and s.quantized_tokens == 192
+    assert window.num_blocks - len(window.free) == B * 1  # the 8 exact tokens: one 16-token page per row
+    assert pool.memory_report().used == s.memory_report().allocated  # the blocks this store holds
+    want_k, want_v = expected("int4", keys, values, 192, group_size=32)
+    got_k, got_v = s.gather()
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-6)
+    s.clear()
+    assert len(packed.free) == packed.num_blocks and len(window.free) == window.num_blocks
+
+
+def test_quantized_pages_are_bounded_by_the_pool_and_fail_before_writing() -> None:
+    factory = KVCacheFactory(tiny_config("llama"), {"type": "paged", "page_size": 16, "pool_tokens": 256,
+                                                    "quantization": {"codec": "int4", "residual": 32}})
+    cache = factory.create_cache()
+    key, value = kv(224, batch=1)
+    for layer in range(len(cache.layers)):
+        cache.append(layer, key, value)
+    before = cache.memory_report()
+    with pytest.raises(CacheFullError) as info:
+        cache.append(0, *kv(96, batch=1, seed=3))  # 320 tokens: 288 to encode, 9 blocks of 32; 8 exist
+    assert (info.value.needed_blocks, info.value.page_size) == (3, 32)
+    assert cache.memory_report() == before and cache.size(0) == 224
+
+
+def test_forked_rows_share_quantized_pages_and_copy_on_write() -> None:
+    s = store("int4", residual=0, inner="paged", group_size=8, page_size=32)
+    keys, values = kv(40, batch=1)
+    s.append(keys, values)  # 40 tokens encoded: one full 32-token page and one partial page
+    s.select_rows(torch.tensor([0, 0]))
+    packed = s.inner.pool.pools[("packed", 0)]
+    assert packed.num_blocks - len(packed.free) == 2  # both rows share both pages
+    k2, v2 = kv(8, batch=2, seed=5)
+    s.append(k2, v2)  # writes into the shared partial page: each row gets its own copy first
+    assert packed.num_blocks - len(packed.free) == 3
+    want_k, want_v = expected("int4", torch.cat([keys.expand(2, -1, -1, -1), k2], 2),
+                              torch.cat([values.expand(2, -1, -1, -1), v2], 2), 48, group_size=8)
+    got_k, got_v = s.gather()
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-6)
 
 
 # -- generation -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfactory import CacheFullError, ConfigError, DenseStore, PagedPool, PagedStore, ShapeError
+from kvfactory.storage.blocks import PoolSpec
 
 B, H, D = 2, 3, 8  # batch rows, kv heads, head dim
 SLOT = 2 * H * D * 4  # bytes of one token's K and V in one layer (fp32)
@@ -304,8 +305,8 @@ def test_sized_pool(options: dict, blocks: int) -> None:
 def test_pool_bytes_are_split_over_layers() -> None:
     pool = PagedPool(page_size=16, bytes=6 * 16 * SLOT, num_layers=3)
     k, v = kv(1)
-    assert pool.layer(0, k, v).num_blocks == 2
-    assert pool.layer(2, k, v).num_blocks == 2
+    assert pool.block_pool(PoolSpec.for_kv("kv", 0, 16, k, v)).num_blocks == 2
+    assert pool.block_pool(PoolSpec.for_kv("kv", 2, 16, k, v)).num_blocks == 2
 
 
 def test_pool_bytes_below_one_block_per_layer() -> None:

@@ -147,10 +147,10 @@ class KiviValueCodec(_Kivi):
         full = d // self.group_size
         if full:
             groups = out[..., :full * self.group_size].unflatten(-1, (full, self.group_size))
-            groups.mul_(scale[..., :full, :]).add_(zero[..., :full, :])
+            torch.addcmul(zero[..., :full, :], groups, scale[..., :full, :], out=groups)
         if full * self.group_size < d:
             tail = out[..., full * self.group_size:]
-            tail.mul_(scale[..., -1, :]).add_(zero[..., -1, :])
+            torch.addcmul(zero[..., -1, :], tail, scale[..., -1, :], out=tail)
         return out
 
     def bytes_per_token(self, heads: int, head_dim: int) -> float:

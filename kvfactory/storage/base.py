@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfactory.errors import ShapeError
+
+if TYPE_CHECKING:
+    from kvfactory.storage.blocks import PoolSpec
 
 
 @dataclass(frozen=True)
@@ -116,9 +120,11 @@ class LayerStore(ABC):
     def memory_report(self) -> MemoryReport:
         """Bytes this store holds, from its tensors."""
 
-    def blocks_needed(self, new_tokens: int, batch: int) -> int:
-        """Pool blocks an append of ``new_tokens`` to ``batch`` rows would take (0 without a pool)."""
-        return 0
+    def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor,
+                       value: torch.Tensor) -> list[tuple[PoolSpec, int]]:
+        """Pool blocks (per block pool) that appending ``new_tokens`` shaped like ``key`` / ``value`` to
+        ``batch`` rows would take; none without a pool."""
+        return []
 
     def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Decide what stays after a step read the cache. Default: keep everything."""

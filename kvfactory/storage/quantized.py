@@ -3,7 +3,8 @@
 ``QuantizedStore`` wraps the config's storage (dense or paged) and uses it for the full-precision
 residual window (KIVI's recent tokens, which are still being grouped). When the window overflows
 by whole codec units, the oldest units are encoded (``kvfactory.codecs``) and appended to packed
-buffers; nothing else is kept in floating point. A read decodes the packed part and copies the
+buffers (dense) or to the pool's quantized pages (paged: ``PagedRuns``); nothing else is kept in
+floating point. A read decodes the packed part and copies the
 residual into one workspace shared by every layer (``ReadWorkspace``), so decode allocates no
 fresh full-size tensor per step and holds at most one layer's K/V in floating point.
 
@@ -18,63 +19,131 @@ again; per-token codecs and KIVI's min/max groups reproduce their codes, so this
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 from kvfactory.codecs import Codec, Encoded
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
+from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
 from kvfactory.storage.dense import DenseStore
+from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
 
-class PackedRuns:
-    """Encoded tensors appended along the unit axis (dim 2) into buffers with ``reserve_tokens`` headroom.
+def _streams(ek: Encoded, ev: Encoded) -> dict[str, torch.Tensor]:
+    """Keys' and values' encoded tensors under one namespace (``k.codes``, ``v.scale``, ...)."""
+    return {f"k.{n}": t for n, t in ek.tensors.items()} | {f"v.{n}": t for n, t in ev.tensors.items()}
 
-    Packed data is small, so growing by a fixed headroom (a copy every ``reserve_tokens`` tokens)
-    costs little and keeps the waste under ``reserve_tokens`` instead of a growth factor's 25 %.
+
+def _split(streams: dict[str, torch.Tensor], tokens: int) -> tuple[Encoded, Encoded]:
+    """``_streams``' inverse: the keys' and the values' ``Encoded``."""
+    return tuple(Encoded({n[2:]: t for n, t in streams.items() if n[0] == side}, tokens) for side in "kv")
+
+
+class PackedRuns:
+    """Encoded keys and values appended along the unit axis (dim 2) into buffers with headroom.
+
+    Packed data is small, so growing by a fixed headroom of ``reserve_tokens`` (a copy every
+    ``reserve_tokens`` tokens) costs little and keeps the waste under it instead of a growth
+    factor's 25 %. The storage of quantized dense caches.
     """
 
-    def __init__(self, unit: int, reserve_tokens: int = 64) -> None:
-        self.reserve_units = math.ceil(reserve_tokens / unit)
+    def __init__(self, key_codec: Codec, value_codec: Codec, reserve_tokens: int = 64) -> None:
+        self.units = {"k": key_codec.unit, "v": value_codec.unit}
+        unit = math.lcm(key_codec.unit, value_codec.unit)
+        self.reserve = math.ceil(reserve_tokens / unit) * unit
         self._buffers: dict[str, torch.Tensor] = {}
-        self.units = 0
-        self.tokens = 0
+        self.tokens = self.capacity = 0
 
-    def append(self, enc: Encoded, units: int) -> None:
-        if not self._buffers or self.units + units > next(iter(self._buffers.values())).shape[2]:
-            self._grow(self.units + units, enc)
-        for name, tensor in enc.tensors.items():
-            self._buffers[name][:, :, self.units:self.units + units] = tensor
-        self.units += units
-        self.tokens += enc.tokens
+    def append(self, ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]) -> None:
+        streams, new = _streams(ek, ev), ek.tokens
+        if self.tokens + new > self.capacity:
+            self._grow(self.tokens + new + (self.reserve if self._buffers else 0), streams)
+        for name, tensor in streams.items():
+            unit = self.units[name[0]]
+            self._buffers[name][:, :, self.tokens // unit:(self.tokens + new) // unit] = tensor
+        self.tokens += new
 
-    def _grow(self, needed: int, like: Encoded) -> None:
-        capacity = needed + self.reserve_units if self._buffers else needed
+    def _grow(self, capacity: int, like: dict[str, torch.Tensor]) -> None:
         grown = {}
         with torch.inference_mode(False):  # buffers outlive any one inference_mode block
-            for name, tensor in like.tensors.items():
-                shape = (*tensor.shape[:2], capacity, *tensor.shape[3:])
-                grown[name] = tensor.new_empty(shape)
-                if name in self._buffers and self.units:
-                    grown[name][:, :, :self.units] = self._buffers[name][:, :, :self.units]
-        self._buffers = grown
+            for name, tensor in like.items():
+                unit = self.units[name[0]]
+                grown[name] = tensor.new_empty((*tensor.shape[:2], capacity // unit, *tensor.shape[3:]))
+                if name in self._buffers and self.tokens:
+                    grown[name][:, :, :self.tokens // unit] = self._buffers[name][:, :, :self.tokens // unit]
+        self._buffers, self.capacity = grown, capacity
 
-    def encoded(self) -> Encoded:
+    def encoded(self) -> tuple[Encoded, Encoded]:
         """Everything stored, as views."""
-        return Encoded({n: t[:, :, :self.units] for n, t in self._buffers.items()}, self.tokens)
+        return _split({n: t[:, :, :self.tokens // self.units[n[0]]] for n, t in self._buffers.items()},
+                      self.tokens)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._buffers = {n: t.index_select(0, rows.to(t.device)) for n, t in self._buffers.items()}
 
     def clear(self) -> None:
-        self._buffers, self.units, self.tokens = {}, 0, 0
+        self._buffers, self.tokens, self.capacity = {}, 0, 0
 
-    def report(self) -> tuple[int, int]:
-        """``(allocated, used)`` bytes."""
+    def memory_report(self) -> MemoryReport:
         allocated = sum(t.nbytes for t in self._buffers.values())
-        capacity = next(iter(self._buffers.values())).shape[2] if self._buffers else 1
-        return allocated, allocated * self.units // capacity
+        return MemoryReport(allocated, allocated * self.tokens // max(self.capacity, 1))
+
+    def block_requests(self, tokens: int, batch: int,
+                       like: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[PoolSpec, int]]:
+        return []
+
+
+class PagedRuns:
+    """Encoded keys and values in the pool's ``packed`` blocks: quantized pages.
+
+    A block holds ``lcm(page_size, codec units)`` tokens (32 for KIVI's 32-token key groups on
+    16-token pages) of packed codes, scales and zero points, so the pool's blocks hold the bytes
+    a quantized cache really keeps; one row in consecutive blocks is read as a view.
+    """
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, layer_idx: int, pool: PagedPool) -> None:
+        self.key_codec, self.value_codec, self.layer_idx, self.pool = key_codec, value_codec, layer_idx, pool
+        self.block_tokens = math.lcm(pool.page_size, key_codec.unit, value_codec.unit)
+        self.table = BlockTable(self.block_tokens)
+        self._spec: PoolSpec | None = None
+        weakref.finalize(self, self.table.release)
+
+    @property
+    def tokens(self) -> int:
+        return self.table.length
+
+    def spec(self, like: tuple[torch.Tensor, torch.Tensor]) -> PoolSpec:
+        """The block layout: what the codecs make of one block of tokens shaped like ``like``."""
+        if self._spec is None:
+            blank = [x.new_zeros((1, x.shape[1], self.block_tokens, x.shape[3])) for x in like]
+            streams = _streams(self.key_codec.encode(blank[0]), self.value_codec.encode(blank[1]))
+            self._spec = PoolSpec("packed", self.layer_idx, self.block_tokens, tuple(
+                (name, tuple(t.shape[1:]), t.dtype) for name, t in streams.items()), like[0].device)
+        return self._spec
+
+    def append(self, ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.table.append(self.pool.block_pool(self.spec(like)), _streams(ek, ev), ek.tokens)
+
+    def encoded(self) -> tuple[Encoded, Encoded]:
+        """Everything stored: views for one row in consecutive blocks, else gathered copies."""
+        names = [name for name, _, _ in self.table.pool.spec.tensors]
+        return _split({name: self.table.read(name, self.pool) for name in names}, self.tokens)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.table.select_rows(rows)
+
+    def clear(self) -> None:
+        self.table.release()
+
+    def memory_report(self) -> MemoryReport:
+        return self.table.memory_report()
+
+    def block_requests(self, tokens: int, batch: int,
+                       like: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[PoolSpec, int]]:
+        return [(self.spec(like), self.table.blocks_needed(tokens, batch))] if tokens else []
 
 
 class QuantizedStore(LayerStore):
@@ -89,7 +158,9 @@ class QuantizedStore(LayerStore):
         self.unit = math.lcm(key_codec.unit, value_codec.unit)
         if isinstance(inner, DenseStore):  # the window never holds more than residual + one unit
             inner.reserve_tokens = min(inner.reserve_tokens, self.unit)
-        self.packed_k, self.packed_v = PackedRuns(key_codec.unit), PackedRuns(value_codec.unit)
+        if isinstance(inner, PagedStore):
+            inner.kind = "window"
+        self._packed: PackedRuns | PagedRuns | None = None  # made on first use (paged: once a pool is known)
         self._like: tuple[torch.Tensor, torch.Tensor] | None = None  # empty [B, H, 0, D] K and V
 
     def bind(self, layer_idx: int) -> None:
@@ -97,8 +168,23 @@ class QuantizedStore(LayerStore):
         self.inner.bind(layer_idx)
 
     def attach(self, pool: object) -> None:
-        """Give the inner store its pool (paged storage)."""
+        """Give the inner store its pool (paged storage); quantized pages come from the same pool."""
         self.inner.attach(pool)
+
+    @property
+    def packed(self) -> PackedRuns | PagedRuns:
+        """Where encoded tokens live: the pool's quantized pages over paged storage, else buffers."""
+        if self._packed is None:
+            if isinstance(self.inner, PagedStore):
+                self._packed = PagedRuns(self.key_codec, self.value_codec, self.layer_idx,
+                                         self.inner.ensure_pool())
+            else:
+                self._packed = PackedRuns(self.key_codec, self.value_codec)
+        return self._packed
+
+    @property
+    def quantized_tokens(self) -> int:
+        return 0 if self._packed is None else self._packed.tokens
 
     def _flush_count(self, total: int) -> int:
         """Tokens to encode when ``total`` sit in the window: whole units beyond ``residual``."""
@@ -132,8 +218,7 @@ class QuantizedStore(LayerStore):
         if self._flushes % self.sample_every == 0:
             self._sample_error(key[:, :, :flush], value[:, :, :flush], ek, ev)
         self._flushes += 1
-        self.packed_k.append(ek, flush // self.key_codec.unit)
-        self.packed_v.append(ev, flush // self.value_codec.unit)
+        self.packed.append(ek, ev, self._like)
         self.inner.clear()
         if key.shape[2] > flush:
             self.inner.append(key[:, :, flush:].contiguous(), value[:, :, flush:].contiguous())
@@ -152,7 +237,7 @@ class QuantizedStore(LayerStore):
                 "value": v_err / v_norm if v_norm else float("nan")}
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        quantized, held = self.packed_k.tokens, self.inner.size()
+        quantized, held = self.quantized_tokens, self.inner.size()
         if quantized + held == 0 and self._like is not None:
             return self._like  # everything was removed: empty, with the stored shape
         if quantized == 0:
@@ -161,8 +246,9 @@ class QuantizedStore(LayerStore):
         b, h, _, dk = k.shape
         keys = self.workspace.buffer("quantized_keys", (b, h, quantized + held, dk), k)
         values = self.workspace.buffer("quantized_values", (b, h, quantized + held, v.shape[3]), v)
-        self.key_codec.decode(self.packed_k.encoded(), out=keys[:, :, :quantized])
-        self.value_codec.decode(self.packed_v.encoded(), out=values[:, :, :quantized])
+        ek, ev = self.packed.encoded()
+        self.key_codec.decode(ek, out=keys[:, :, :quantized])
+        self.value_codec.decode(ev, out=values[:, :, :quantized])
         if held:
             rk, rv = self.inner.gather()
             keys[:, :, quantized:].copy_(rk)
@@ -170,15 +256,15 @@ class QuantizedStore(LayerStore):
         return keys, values
 
     def size(self) -> int:
-        return self.packed_k.tokens + self.inner.size()
+        return self.quantized_tokens + self.inner.size()
 
     @property
     def batch_size(self) -> int:
         return 0 if self._like is None else self._like[0].shape[0]
 
     def clear(self) -> None:
-        self.packed_k.clear()
-        self.packed_v.clear()
+        if self._packed is not None:
+            self._packed.clear()
         self.inner.clear()
         self._like = None
 
@@ -197,14 +283,14 @@ class QuantizedStore(LayerStore):
         self.keep(torch.arange(min(n, self.size()), self.size()))
 
     def truncate(self, n: int) -> None:
-        if n >= self.packed_k.tokens:
-            self.inner.truncate(n - self.packed_k.tokens)
+        if n >= self.quantized_tokens:
+            self.inner.truncate(n - self.quantized_tokens)
         else:
             self.keep(torch.arange(max(0, n)))
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.packed_k.select_rows(rows)
-        self.packed_v.select_rows(rows)
+        if self._packed is not None:
+            self._packed.select_rows(rows)
         self.inner.select_rows(rows)
         if self._like is not None:
             self._like = tuple(t.index_select(0, rows.to(t.device)) for t in self._like)
@@ -215,15 +301,18 @@ class QuantizedStore(LayerStore):
 
     def memory_report(self) -> MemoryReport:
         inner = self.inner.memory_report()
-        k_alloc, k_used = self.packed_k.report()
-        v_alloc, v_used = self.packed_v.report()
-        return MemoryReport(allocated=inner.allocated + k_alloc + v_alloc, used=inner.used + k_used + v_used,
+        packed = MemoryReport() if self._packed is None else self._packed.memory_report()
+        return MemoryReport(allocated=inner.allocated + packed.allocated, used=inner.used + packed.used,
                             tokens=self.batch_size * self.size())
 
-    def blocks_needed(self, new_tokens: int, batch: int) -> int:
-        """Blocks the inner store takes for what stays in full precision after the append."""
+    def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor,
+                       value: torch.Tensor) -> list[tuple[PoolSpec, int]]:
+        """Window blocks for what stays in full precision after the append, quantized pages for the rest."""
         held = self.inner.size()
         flush = self._flush_count(held + new_tokens)
-        if flush == 0:
-            return self.inner.blocks_needed(new_tokens, batch)
-        return self.inner.blocks_needed(held + new_tokens - flush, batch)
+        stays = held + new_tokens - flush if flush else new_tokens
+        window = self.inner.block_requests(stays, batch, key, value)
+        if not flush:
+            return window
+        like = self._like or (key[:, :, :0], value[:, :, :0])
+        return window + self.packed.block_requests(flush, batch, like)

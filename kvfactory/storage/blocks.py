@@ -1,0 +1,381 @@
+"""Block pools and block tables: the memory under paged storage.
+
+A ``BlockPool`` holds one kind of fixed-size block for one layer: named tensors laid out
+``[kv_heads, num_blocks, units_per_block, ...]`` (plain K/V: a unit is a token; packed K/V: a
+unit is a codec unit, ``kvfactory.codecs``), with a free list (least recently freed first) and
+refcounts. A ``PagedPool`` holds every block pool its caches use, by kind and layer. A
+``BlockTable`` is one store's block ids per batch row over one block pool: it grows, writes and
+reads them, shares blocks between rows and copies a shared block before writing into it, as in
+vLLM's block manager and nano-vllm's ``block_manager.py``.
+
+Block kinds: ``kv`` (plain paged K/V), ``packed`` (quantized pages: codec codes, scales and zero
+points) and ``window`` (the full-precision window of recent tokens in front of quantized pages).
+Pool sizes (``pool_tokens`` / ``pool_blocks`` / ``pool_bytes``) bound the ``kv`` and ``packed``
+blocks, where the tokens are; ``window`` blocks hold at most the codec's residual window plus one
+unit per sequence row, so they grow on demand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvfactory.errors import CacheFullError, ConfigError, ShapeError
+from kvfactory.storage.base import MemoryReport
+from kvfactory.storage.workspace import ReadWorkspace
+
+BLOCK_KINDS = ("kv", "packed", "window")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+BOUNDED_KINDS = ("kv", "packed")  # the kinds that pool_tokens / pool_blocks / pool_bytes size
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One block pool's layout: ``tensors`` holds ``(name, (kv_heads, units_per_block, *rest), dtype)``."""
+
+    kind: str
+    layer_idx: int
+    page_size: int  # tokens per block
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+    device: torch.device
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.tensors)
+
+    @classmethod
+    def for_kv(cls, kind: str, layer_idx: int, page_size: int, key: torch.Tensor,
+               value: torch.Tensor) -> PoolSpec:
+        """Plain K/V blocks shaped like ``key`` / ``value`` ``[batch, kv_heads, tokens, head_dim]``."""
+        return cls(kind, layer_idx, page_size, (
+            ("k", (key.shape[1], page_size, key.shape[3]), key.dtype),
+            ("v", (value.shape[1], page_size, value.shape[3]), value.dtype)), key.device)
+
+
+class BlockPool:
+    """Fixed-size blocks of one kind and layer, with a free list and refcounts.
+
+    ``num_blocks=None`` makes the pool growable: it starts with the first request and grows by
+    a quarter (at least what is asked) when a request does not fit.
+    """
+
+    def __init__(self, spec: PoolSpec, num_blocks: int | None):
+        self.spec, self.layer_idx, self.page_size = spec, spec.layer_idx, spec.page_size
+        self.growable = num_blocks is None
+        initial = num_blocks if num_blocks is not None else 0
+        with torch.inference_mode(False):  # the pool outlives any one inference_mode block
+            self.tensors = {name: torch.empty((shape[0], initial, *shape[1:]), dtype=dtype,
+                                              device=spec.device) for name, shape, dtype in spec.tensors}
+        self.refcount = np.zeros(initial, dtype=np.int32)
+        self.any_shared = False  # some block has refcount > 1: writes must check copy-on-write
+        self.free: deque[int] = deque(range(initial))
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.tensors["k"]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.tensors["v"]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.refcount.size
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, every tensor together."""
+        return self.spec.block_bytes
+
+    def check(self, needed: int) -> None:
+        """Raise ``CacheFullError`` if ``needed`` blocks cannot be handed out (fixed pools only)."""
+        if needed > len(self.free) and not self.growable:
+            raise CacheFullError(self.layer_idx, needed, len(self.free), self.num_blocks, self.page_size)
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """Take ``n`` free blocks (least recently freed first), refcount 1 each."""
+        self.check(n)
+        if n > len(self.free):
+            self._grow(self.num_blocks + n - len(self.free))
+        ids = [self.free.popleft() for _ in range(n)]
+        self.refcount[ids] = 1
+        return torch.tensor(ids, dtype=torch.long)
+
+    def _grow(self, at_least: int) -> None:
+        old = self.num_blocks
+        new = max(old + old // 4, at_least)
+        with torch.inference_mode(False):
+            for name, t in self.tensors.items():
+                grown = t.new_empty((t.shape[0], new, *t.shape[2:]))
+                grown[:, :old] = t
+                self.tensors[name] = grown
+        self.refcount = np.concatenate([self.refcount, np.zeros(new - old, dtype=np.int32)])
+        self.free.extend(range(old, new))
+
+    def incref(self, ids: torch.Tensor) -> None:
+        np.add.at(self.refcount, ids.flatten().cpu().numpy(), 1)
+        self.any_shared = bool((self.refcount > 1).any())
+
+    def decref(self, ids: torch.Tensor) -> None:
+        ids = ids.flatten().cpu().numpy()
+        if ids.size == 0:
+            return
+        np.add.at(self.refcount, ids, -1)
+        touched = np.unique(ids)
+        if (self.refcount[touched] < 0).any():
+            raise RuntimeError(f"layer {self.layer_idx}: block freed more often than referenced")
+        self.free.extend(touched[self.refcount[touched] == 0].tolist())
+        self.any_shared = bool((self.refcount > 1).any())
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy block contents ``src[i] -> dst[i]`` (copy-on-write)."""
+        for t in self.tensors.values():
+            raw(t)[:, dst] = raw(t)[:, src]
+
+    def memory_report(self) -> MemoryReport:
+        used_blocks = self.num_blocks - len(self.free)
+        return MemoryReport(allocated=sum(t.nbytes for t in self.tensors.values()),
+                            used=used_blocks * self.block_bytes, tokens=used_blocks * self.page_size)
+
+
+class PagedPool:
+    """Block pools for every layer (and block kind) of a model; many caches (sequences) share one.
+
+    Size it with exactly one of ``tokens``, ``blocks`` or ``bytes`` (per layer for tokens and
+    blocks, in total for bytes); with none, each layer pool grows on demand. ``blocks`` counts
+    blocks of ``page_size`` tokens; quantized pages, whose blocks may hold more tokens, get the
+    same number of tokens.
+    """
+
+    def __init__(self, page_size: int = 16, *, tokens: int | None = None, blocks: int | None = None,
+                 bytes: int | None = None, num_layers: int = 1):
+        given = {k: v for k, v in (("pool_tokens", tokens), ("pool_blocks", blocks), ("pool_bytes", bytes))
+                 if v is not None}
+        if len(given) > 1:
+            raise ConfigError(", ".join(given), tuple(given.values()), "at most one of pool_tokens, "
+                              "pool_blocks, pool_bytes")
+        self.page_size, self.num_layers = page_size, num_layers
+        self._tokens = blocks * page_size if blocks is not None else tokens
+        self._bytes = bytes
+        self.pools: dict[tuple[str, int], BlockPool] = {}
+        self._workspace = ReadWorkspace()
+
+    @property
+    def layers(self) -> dict[int, BlockPool]:
+        """The plain K/V block pool of each layer that has one."""
+        return {layer: pool for (kind, layer), pool in self.pools.items() if kind == "kv"}
+
+    def workspace(self, slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A reusable buffer for multi-row reads, shared by every layer and cache of this pool."""
+        return self._workspace.buffer(slot, shape, like)
+
+    def block_pool(self, spec: PoolSpec) -> BlockPool:
+        """The pool of ``spec``'s kind and layer, allocated on first use; a later spec must match it."""
+        pool = self.pools.get((spec.kind, spec.layer_idx))
+        if pool is None:
+            pool = BlockPool(spec, self.capacity(spec))
+            self.pools[(spec.kind, spec.layer_idx)] = pool
+        elif pool.spec != spec:
+            raise ShapeError(f"layer {spec.layer_idx}: {spec.kind} blocks of {describe(spec)} do not fit the "
+                             f"pool's {describe(pool.spec)}")
+        return pool
+
+    def capacity(self, spec: PoolSpec) -> int | None:
+        """Blocks of ``spec`` per layer (``None``: growable); ``pool_bytes`` is split evenly over layers."""
+        if spec.kind not in BOUNDED_KINDS:
+            return None
+        if self._bytes is not None:
+            blocks = self._bytes // (spec.block_bytes * self.num_layers)
+            if blocks < 1:
+                raise ConfigError("pool_bytes", self._bytes, f">= {spec.block_bytes * self.num_layers} (one "
+                                  f"block in every layer)")
+            return blocks
+        return None if self._tokens is None else math.ceil(self._tokens / spec.page_size)
+
+    def check(self, requests: list[tuple[PoolSpec, int]]) -> None:
+        """Raise ``CacheFullError`` unless every pool can hand out the blocks requested of it.
+
+        A pool that is not allocated yet is judged by the size it will get.
+        """
+        for spec, needed in requests:
+            pool = self.pools.get((spec.kind, spec.layer_idx))
+            if pool is not None:
+                pool.check(needed)
+                continue
+            capacity = self.capacity(spec)
+            if capacity is not None and needed > capacity:
+                raise CacheFullError(spec.layer_idx, needed, capacity, capacity, spec.page_size)
+
+    def memory_report(self) -> MemoryReport:
+        """All block pools plus the read workspace (allocated, never counted as used)."""
+        report = sum((p.memory_report() for p in self.pools.values()), MemoryReport())
+        return MemoryReport(report.allocated + self._workspace.nbytes, report.used, report.tokens)
+
+    def free_blocks(self) -> dict[int, int]:
+        """Free plain K/V blocks per layer."""
+        return {i: len(p.free) for i, p in self.layers.items()}
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as bytes when it is FP8, whose index copies torch does not implement on CPU."""
+    return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def describe(spec: PoolSpec) -> str:
+    """``spec``'s tensors as ``name [shape] dtype`` for error messages."""
+    return ", ".join(f"{name} {list(shape)} {dtype}" for name, shape, dtype in spec.tensors)
+
+
+class BlockTable:
+    """Block ids ``[batch, blocks]`` of one store over one block pool, holding tokens
+    ``[start, start + length)`` of each row's blocks; released to the pool by ``release``.
+
+    ``run_start`` is the first id when a single row's blocks are consecutive in the pool, so a
+    read can return a view instead of copying (the common single-sequence case).
+    """
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._ids: torch.Tensor | None = None
+        self.pool: BlockPool | None = None
+        self.run_start: int | None = None
+        self.start = self.length = 0
+
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return self._ids
+
+    @ids.setter
+    def ids(self, ids: torch.Tensor | None) -> None:
+        self._ids, self.run_start = ids, None
+        if ids is not None and ids.shape[0] == 1 and ids.shape[1] > 0:
+            first = int(ids[0, 0])
+            if int(ids[0, -1]) - first == ids.shape[1] - 1 and bool((ids[0].diff() == 1).all()):
+                self.run_start = first
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self._ids is None else self._ids.shape[0]
+
+    def release(self) -> None:
+        """Give every block back; the table is empty afterwards."""
+        if self._ids is not None and self.pool is not None:
+            self.pool.decref(self._ids)
+        self.ids = None
+        self.start = self.length = 0
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
+
+    def growth(self, new_tokens: int) -> int:
+        """New blocks each row needs to hold ``new_tokens`` more tokens."""
+        have = 0 if self._ids is None else self._ids.shape[1]
+        return max(self.blocks_for(self.start + self.length + new_tokens) - have, 0)
+
+    def cow_rows(self) -> torch.Tensor | None:
+        """Rows whose block receiving the next write is shared and must be copied first."""
+        fill = self.start + self.length
+        if self._ids is None or fill % self.page_size == 0 or not self.pool.any_shared:
+            return None
+        col = self._ids[:, fill // self.page_size]
+        shared = (self.pool.refcount[col.numpy()] > 1).nonzero()[0]
+        return torch.from_numpy(shared) if shared.size else None
+
+    def blocks_needed(self, new_tokens: int, batch: int) -> int:
+        cow = self.cow_rows()
+        return batch * self.growth(new_tokens) + (0 if cow is None else cow.numel())
+
+    def append(self, block_pool: BlockPool, tensors: dict[str, torch.Tensor], tokens: int) -> None:
+        """Write ``tokens`` more tokens: ``tensors[name]`` is ``[batch, kv_heads, units, *rest]`` in
+        ``name``'s units. Nothing is written unless every block the append needs can be handed out."""
+        batch = next(iter(tensors.values())).shape[0]
+        if self._ids is None:
+            self.pool = block_pool
+            self.ids = torch.empty((batch, 0), dtype=torch.long)
+        elif batch != self._ids.shape[0]:
+            raise ShapeError(f"layer {block_pool.layer_idx}: batch {batch} appended to a store of batch "
+                             f"{self._ids.shape[0]}")
+        grow, cow = self.growth(tokens), self.cow_rows()
+        if grow or cow is not None:
+            block_pool.check(batch * grow + (0 if cow is None else cow.numel()))
+            if cow is not None:
+                col = (self.start + self.length) // self.page_size
+                self.unshare(cow, torch.full_like(cow, col))
+            if grow:
+                self.ids = torch.cat([self._ids, block_pool.allocate(batch * grow).view(batch, grow)], dim=1)
+        fill, ps = self.start + self.length, self.page_size
+        cols = self._ids[:, fill // ps:(fill + tokens - 1) // ps + 1]
+        for name, x in tensors.items():
+            pool_tensor = block_pool.tensors[name]
+            h, num_blocks, per_block = pool_tensor.shape[:3]
+            unit = ps // per_block
+            offset, n = fill % ps // unit, tokens // unit
+            slots = (cols[:, :, None] * per_block + torch.arange(per_block)).flatten(1)[:, offset:offset + n]
+            flat = raw(pool_tensor).view(h, num_blocks * per_block, *pool_tensor.shape[3:])
+            rows = raw(x).transpose(0, 1).reshape(h, batch * n, *x.shape[3:])
+            flat.index_copy_(1, slots.flatten().to(x.device), rows)
+        self.length += tokens
+
+    def unshare(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """Give this table private copies of the blocks at ``(rows, cols)``."""
+        old = self._ids[rows, cols]
+        new = self.pool.allocate(rows.numel())
+        self.pool.copy_blocks(old, new)
+        ids = self._ids.clone()
+        ids[rows, cols] = new
+        self.ids = ids
+        self.pool.decref(old)
+
+    def read(self, name: str, workspace: PagedPool) -> torch.Tensor:
+        """Tensor ``name`` of the held tokens, ``[batch, kv_heads, units, *rest]``: a view of the pool
+        for one row in consecutive blocks, else each row's blocks gathered into ``workspace``."""
+        pool_tensor = self.pool.tensors[name]
+        h, _, per_block = pool_tensor.shape[:3]
+        unit = self.page_size // per_block
+        span = slice(self.start // unit, (self.start + self.length) // unit)
+        n = self._ids.shape[1]
+        if self.run_start is not None:
+            run = pool_tensor[:, self.run_start:self.run_start + n]
+            return run.reshape(h, n * per_block, *pool_tensor.shape[3:])[None, :, span]
+        return self._gather_rows(pool_tensor, f"{self.pool.spec.kind}.{name}", workspace)[:, :, span]
+
+    def _gather_rows(self, pool_tensor: torch.Tensor, slot: str, workspace: PagedPool) -> torch.Tensor:
+        """Copy each row's blocks into a contiguous ``[batch, heads, blocks * units, *rest]`` tensor
+        (one ``index_select`` over ``[heads * blocks, block]``, into the workspace)."""
+        b, n = self._ids.shape
+        h, num_blocks, per_block = pool_tensor.shape[:3]
+        rest = pool_tensor.shape[3:]
+        ids = self._ids.to(pool_tensor.device)
+        heads = torch.arange(h, device=pool_tensor.device) * num_blocks
+        index = (ids[:, None, :] + heads[None, :, None]).flatten()
+        out = workspace.workspace(slot, (b * h * n, per_block * math.prod(rest)), pool_tensor)
+        torch.index_select(raw(pool_tensor).view(h * num_blocks, -1), 0, index, out=raw(out))
+        return out.view(b, h, n * per_block, *rest)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self._ids is None:
+            return
+        new = self._ids[rows.cpu()]
+        self.pool.incref(new)
+        self.pool.decref(self._ids)
+        self.ids = new
+
+    def memory_report(self) -> MemoryReport:
+        """Blocks shared by several rows (forks, beams) count once, with their filled slots."""
+        if self._ids is None or self._ids.shape[1] == 0:
+            return MemoryReport()
+        n = self._ids.shape[1]
+        fill = torch.full((n,), self.page_size, dtype=torch.long)
+        fill[-1] = self.start + self.length - (n - 1) * self.page_size
+        fill[0] -= self.start
+        unique, inverse = self._ids.flatten().unique(return_inverse=True)
+        filled = torch.zeros(unique.numel(), dtype=torch.long).scatter_reduce_(
+            0, inverse, fill.repeat(self.batch_size), "amax")
+        block_bytes = self.pool.block_bytes
+        return MemoryReport(allocated=unique.numel() * block_bytes,
+                            used=int(filled.sum()) * block_bytes // self.page_size,
+                            tokens=self.batch_size * self.length)
