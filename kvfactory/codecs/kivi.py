@@ -147,10 +147,10 @@ class KiviValueCodec(_Kivi):
         full = d // self.group_size
         if full:
             groups = out[..., :full * self.group_size].unflatten(-1, (full, self.group_size))
-            torch.addcmul(zero[..., :full, :], groups, scale[..., :full, :], out=groups)
+            groups.mul_(scale[..., :full, :]).add_(zero[..., :full, :])
         if full * self.group_size < d:
             tail = out[..., full * self.group_size:]
-            torch.addcmul(zero[..., -1, :], tail, scale[..., -1, :], out=tail)
+            tail.mul_(scale[..., -1, :]).add_(zero[..., -1, :])
         return out
 
     def bytes_per_token(self, heads: int, head_dim: int) -> float:
