@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,17 @@ CONFIGS = {
     "paged16": {"type": "paged", "page_size": 16},
     "paged256": {"type": "paged", "page_size": 256},
 }
+
+
+@dataclass(frozen=True)
+class WithAttention:
+    """A config decoded with another ``attn_implementation`` than SDPA (e.g. ``"kvfactory"``)."""
+
+    config: dict[str, Any] | str
+    attention: str
+
+
+Config = dict[str, Any] | str | WithAttention
 
 
 def prompt_rows(tokenizer, length: int, batch: int) -> torch.Tensor:
@@ -64,8 +76,10 @@ def prefill(model, rows: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.T
     return layers, torch.stack(first)
 
 
-def cache_maker(model, config: dict[str, Any] | str) -> Callable[[], Any]:
+def cache_maker(model, config: Config) -> Callable[[], Any]:
     """Fresh caches of a kvfactory config, or of a transformers peer named as in ``kvfactory eval``."""
+    if isinstance(config, WithAttention):
+        config = config.config
     if isinstance(config, str) and is_peer(config):
         return peer_maker(config, model)
     return KVCacheFactory(model.config, config).create_cache
@@ -109,7 +123,7 @@ def same_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
     return int(differs[0, 0]) if differs.numel() else tokens.shape[1]
 
 
-def measure(model, tokenizer, configs: dict[str, dict[str, Any] | str], length: int, batch: int, runs: int,
+def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: int, runs: int,
             new_tokens: int) -> dict[str, Any]:
     """One (length, batch) point: every config's decode speed, ratio to DynamicCache, tokens and bytes."""
     torch.set_num_threads(2)  # the one-off prefill is not what is measured
@@ -120,13 +134,16 @@ def measure(model, tokenizer, configs: dict[str, dict[str, Any] | str], length: 
     speeds: dict[str, list[float]] = {n: [] for n in makers}
     tokens: dict[str, torch.Tensor] = {}
     held: dict[str, dict[str, float]] = {}
+    attentions = {n: c.attention if isinstance(c, WithAttention) else "sdpa" for n, c in configs.items()}
     for _ in range(runs):
         for name, make in makers.items():
+            model.set_attn_implementation(attentions.get(name, "sdpa"))
             cache = filled_cache(make, kv)
             speed, tokens[name] = decode(model, cache, first, new_tokens)
             speeds[name].append(speed)
             held[name] = held_bytes(cache)
             del cache
+    model.set_attn_implementation("sdpa")
     base = statistics.median(speeds["dynamic"])
     cached = batch * (length + new_tokens)
     row = {"prompt_tokens": length, "batch": batch, "new_tokens": new_tokens, "runs": runs,
@@ -142,7 +159,7 @@ def measure(model, tokenizer, configs: dict[str, dict[str, Any] | str], length: 
     return row
 
 
-def run(configs: dict[str, dict[str, Any] | str], name: str, argv: list[str] | None = None) -> dict[str, Any]:
+def run(configs: dict[str, Config], name: str, argv: list[str] | None = None) -> dict[str, Any]:
     """Parse the command line, measure every (length, batch) point, print and return the JSON report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="2048,6144")
@@ -165,7 +182,8 @@ def run(configs: dict[str, dict[str, Any] | str], name: str, argv: list[str] | N
             results.append(measure(model, tokenizer, configs, length, batch, args.runs, args.new_tokens))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     report = {"benchmark": name, "model": "SmolLM2-135M-Instruct (fp32, CPU)", "threads": 1,
-              "torch": torch.__version__, "machine": platform.machine(), "configs": configs,
+              "torch": torch.__version__, "machine": platform.machine(),
+              "configs": {n: vars(c) if isinstance(c, WithAttention) else c for n, c in configs.items()},
               "results": results}
     text = json.dumps(report, indent=2)
     print(text)

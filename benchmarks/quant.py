@@ -6,14 +6,15 @@ DynamicCache in the same run), over kvfactory's codecs and transformers' quanto 
 at 4 and 2 bits (``pip install 'kvfactory[peers]'``). Bytes are what each cache holds after
 decoding, as a ratio to an fp16 dense cache of the same tokens; kvfactory rows also give the
 full-precision residual window (``residual_bytes``, ``residual_tokens``) and the shared decode
-workspace separately.
+workspace separately. ``NAME/attn`` rows decode with ``attn_implementation="kvfactory"``: chunked
+attention over the packed data instead of decoding each layer whole for SDPA.
 
     python benchmarks/quant.py [--lengths 2048,6144] [--batches 1,8] [--runs 3] [--configs int4,...]
 """
 
 from __future__ import annotations
 
-from decode import run
+from decode import WithAttention, run
 
 CONFIGS = {
     "int8": {"type": "dense", "quantization": "int8"},
@@ -21,6 +22,11 @@ CONFIGS = {
     "int4": {"type": "dense", "quantization": "int4"},
     "int2": {"type": "dense", "quantization": "int2"},
     "paged16+int4": {"type": "paged", "page_size": 16, "quantization": "int4"},
+    "int8/attn": WithAttention({"type": "dense", "quantization": "int8"}, "kvfactory"),
+    "int4/attn": WithAttention({"type": "dense", "quantization": "int4"}, "kvfactory"),
+    "int2/attn": WithAttention({"type": "dense", "quantization": "int2"}, "kvfactory"),
+    "paged16+int4/attn": WithAttention(
+        {"type": "paged", "page_size": 16, "quantization": "int4"}, "kvfactory"),
     "quanto-int4": "transformers/quanto-int4",
     "quanto-int2": "transformers/quanto-int2",
     "hqq-int4": "transformers/hqq-int4",

@@ -3,6 +3,11 @@
 ``KVCache`` is a ``transformers.Cache`` whose layers are ``KVLayer`` objects, each wrapping a
 kvfactory ``LayerStore``. It plugs into ``model.generate(past_key_values=cache)`` and also offers
 the low-level ``append / gather / clear / size`` interface for code outside transformers.
+
+It also registers kvfactory's attention function with transformers as ``"kvfactory"``
+(``attn_implementation="kvfactory"``): SDPA for K/V handed over whole, and for layers whose store
+reads in chunks (quantized storage) the chunked attention of ``kvfactory.attention``, which never
+decodes the whole layer into floating point.
 Tested against transformers 5.24 (see ``pyproject.toml`` for the pinned range).
 """
 
@@ -11,12 +16,37 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvfactory import attention
 from kvfactory.errors import ConfigError
 from kvfactory.storage.base import LayerStore, MemoryReport
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+ATTENTION = "kvfactory"  # the attn_implementation name of kvfactory_attention
+
+
+def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                        scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: chunked attention over a deferred read, else SDPA."""
+    read = attention.take(key)
+    chunked = read is not None and query.shape[2] <= attention.MAX_CHUNKED_QUERY and not dropout \
+        and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    if chunked:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return attention.attend(query, read, attention_mask, scale), None
+    if read is not None:
+        key, value = read.materialize()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+AttentionInterface.register(ATTENTION, kvfactory_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def attention_layout(model_config: Any) -> list[int | None]:
@@ -77,12 +107,20 @@ class KVLayer(CacheLayerMixin):
         self.store.append(key_states, value_states)
         self._after_write(key_states.shape[-2])
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, deferred: bool = False,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens and return the K/V attention reads; ``deferred`` (kvfactory's attention)
+        lets a store that reads in chunks return its full-precision tail and leave the rest pending."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.store.append(key_states, value_states)
-        keys, values = self.store.gather()
+        deferred = deferred and not self.is_sliding and not self._copy_reads
+        read = self.store.deferred_read() if deferred else None
+        if read is not None:
+            keys, values = read.tail()
+            attention.defer(read, keys)
+        else:
+            keys, values = self.store.gather()
         if self.is_sliding and self.record_past:
             visible = self.sliding_window - 1 + key_states.shape[-2]
             keys, values = keys[:, :, -visible:], values[:, :, -visible:]
@@ -161,15 +199,18 @@ class KVCache(Cache):
     """A transformers ``Cache`` built by ``KVCacheFactory``; see the module docstring."""
 
     def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
-                 config: Any = None, workspace: Any = None):
+                 config: Any = None, workspace: Any = None, model_config: Any = None):
         super().__init__(layers=layers)
         self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
+        # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
+        self._attention_config = None if model_config is None else model_config.get_text_config(decoder=True)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx == 0:
             self._reserve(key_states, value_states)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        deferred = getattr(self._attention_config, "_attn_implementation", None) == ATTENTION
+        return super().update(key_states, value_states, layer_idx, *args, deferred=deferred, **kwargs)
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Check every layer's pool before the first layer writes: a step is written whole or not at all."""

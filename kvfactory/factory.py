@@ -48,4 +48,5 @@ class KVCacheFactory:
             if self.pool is not None:
                 store.attach(self.pool)
             layers.append(KVLayer(store, sliding_window=window))
-        return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace)
+        return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
+                       model_config=self.model_config)

@@ -16,6 +16,7 @@ import torch
 from kvfactory.errors import ShapeError
 
 if TYPE_CHECKING:
+    from kvfactory.attention import DeferredRead
     from kvfactory.storage.blocks import PoolSpec
 
 
@@ -125,6 +126,10 @@ class LayerStore(ABC):
         """Pool blocks (per block pool) that appending ``new_tokens`` shaped like ``key`` / ``value`` to
         ``batch`` rows would take; none without a pool."""
         return []
+
+    def deferred_read(self) -> DeferredRead | None:
+        """A chunked read for kvfactory's attention (``kvfactory.attention``), or None to be read whole."""
+        return None
 
     def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Decide what stays after a step read the cache. Default: keep everything."""

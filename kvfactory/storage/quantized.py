@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
 
 import torch
 
+from kvfactory.attention import DeferredRead
 from kvfactory.codecs import Codec, Encoded
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
@@ -255,6 +257,9 @@ class QuantizedStore(LayerStore):
             values[:, :, quantized:].copy_(rv)
         return keys, values
 
+    def deferred_read(self) -> QuantizedRead | None:
+        return QuantizedRead(self) if self.quantized_tokens and self._like is not None else None
+
     def size(self) -> int:
         return self.quantized_tokens + self.inner.size()
 
@@ -316,3 +321,47 @@ class QuantizedStore(LayerStore):
             return window
         like = self._like or (key[:, :, :0], value[:, :, :0])
         return window + self.packed.block_requests(flush, batch, like)
+
+
+class QuantizedRead(DeferredRead):
+    """A quantized layer read in chunks: packed tokens decoded ``chunk_bytes`` of floats at a time
+    into a small workspace buffer (so it stays in cache), then the full-precision window as it is."""
+
+    chunk_bytes = 4 << 20
+
+    def __init__(self, store: QuantizedStore) -> None:
+        self.store, self.quantized = store, store.quantized_tokens
+        self.encoded = store.packed.encoded()
+        self.window = store.inner.gather() if store.inner.size() else store._like
+        b, h, _, d = store._like[0].shape
+        unit = store.unit
+        self.chunk = max(unit, self.chunk_bytes // (b * h * d * store._like[0].element_size()) // unit * unit)
+
+    @property
+    def length(self) -> int:
+        return self.quantized + self.window[0].shape[2]
+
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.window
+
+    def key_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return self._chunks(0)
+
+    def value_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        return self._chunks(1)
+
+    def _chunks(self, side: int) -> Iterator[tuple[int, torch.Tensor]]:
+        codec = (self.store.key_codec, self.store.value_codec)[side]
+        enc, like = self.encoded[side], self.store._like[side]
+        b, h, _, d = like.shape
+        for start in range(0, self.quantized, self.chunk):
+            n = min(self.chunk, self.quantized - start)
+            part = Encoded({name: t[:, :, start // codec.unit:(start + n) // codec.unit]
+                            for name, t in enc.tensors.items()}, n)
+            out = self.store.workspace.buffer(f"chunk{side}", (b, h, n, d), like)
+            yield start, codec.decode(part, out=out)
+        if self.window[side].shape[2]:
+            yield self.quantized, self.window[side]
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.gather()
