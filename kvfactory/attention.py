@@ -57,8 +57,9 @@ class _Pending(threading.local):
 _pending = _Pending()
 
 
-def defer(read: DeferredRead, returned_key: torch.Tensor) -> None:
-    """Leave ``read`` for the attention call that receives ``returned_key`` (what ``update`` returned)."""
+def defer(read: DeferredRead | None, returned_key: torch.Tensor | None = None) -> None:
+    """Leave ``read`` for the attention call that receives ``returned_key`` (what ``update`` returned);
+    ``defer(None)`` drops what an earlier update left (a cache filled outside a forward pass)."""
     _pending.read, _pending.key = read, returned_key
 
 

@@ -114,13 +114,14 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.store.append(key_states, value_states)
-        deferred = deferred and not self.is_sliding and not self._copy_reads
-        read = self.store.deferred_read() if deferred else None
+        chunked = deferred and not self.is_sliding and not self._copy_reads
+        read = self.store.deferred_read() if chunked else None
         if read is not None:
             keys, values = read.tail()
-            attention.defer(read, keys)
         else:
             keys, values = self.store.gather()
+        if deferred:  # with no read, this drops what an earlier update left pending
+            attention.defer(read, keys)
         if self.is_sliding and self.record_past:
             visible = self.sliding_window - 1 + key_states.shape[-2]
             keys, values = keys[:, :, -visible:], values[:, :, -visible:]

@@ -1,0 +1,154 @@
+"""kvfactory's attention function: chunked attention over quantized layers equals decode-then-SDPA."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_same_generation, generate
+from tiny_models import TINY_IDS, left_padded_batch, tiny_model
+from transformers import DynamicCache
+
+from kvfactory import KVCacheFactory, attention
+from kvfactory.codecs.spec import QuantizationSpec
+from kvfactory.storage import DenseStore, PagedStore
+from kvfactory.storage.quantized import QuantizedRead, QuantizedStore
+from kvfactory.storage.workspace import ReadWorkspace
+
+QUANTIZED = [
+    {"type": "dense", "quantization": {"codec": "int4", "residual": 8, "group_size": 8}},
+    {"type": "paged", "page_size": 4, "quantization": {"codec": "int2", "residual": 0, "group_size": 8}},
+    {"type": "dense", "quantization": "int8"},
+    {"type": "paged", "page_size": 16, "quantization": "fp8"},
+]
+
+
+@contextlib.contextmanager
+def attn_implementation(model: torch.nn.Module, name: str):
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def filled_store(codec: str, batch: int, heads: int, tokens: int, inner: str = "dense") -> QuantizedStore:
+    spec = QuantizationSpec(codec=codec, residual=8, group_size=8)
+    base = DenseStore() if inner == "dense" else PagedStore(page_size=8)
+    store = QuantizedStore(base, *spec.codecs(0, 1), 8, ReadWorkspace())
+    store.bind(0)
+    gen = torch.Generator().manual_seed(0)
+    store.append(torch.randn(batch, heads, tokens, 16, generator=gen),
+                 torch.randn(batch, heads, tokens, 16, generator=gen))
+    return store
+
+
+def sdpa_reference(query, store, mask, scale):
+    keys, values = (t.clone() for t in store.gather())
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    causal = mask is None and query.shape[2] > 1
+    if causal:  # the queries are the last q positions
+        q, t = query.shape[2], keys.shape[2]
+        mask = torch.ones(q, t, dtype=torch.bool).tril(t - q)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("inner", ["dense", "paged"])
+@pytest.mark.parametrize(("query_heads", "kv_heads"), [(6, 3), (4, 1), (2, 2)])
+@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "per_head"])
+def test_chunked_attention_equals_sdpa_over_the_decoded_cache(codec, inner, query_heads, kv_heads, queries,
+                                                              mask_kind, monkeypatch) -> None:
+    monkeypatch.setattr(QuantizedRead, "chunk_bytes", 2 * kv_heads * 16 * 4 * 8)  # 8-token chunks
+    batch, tokens = 2, 45
+    store = filled_store(codec, batch, kv_heads, tokens, inner)
+    read = store.deferred_read()
+    assert read is not None and read.length == tokens and read.chunk == 8
+    query = torch.randn(batch, query_heads, queries, 16, generator=torch.Generator().manual_seed(1))
+    mask = None
+    if mask_kind == "bool":  # row 1 is left-padded by 5 tokens
+        mask = torch.ones(batch, 1, queries, tokens, dtype=torch.bool).tril(tokens - queries)
+        mask[1, :, :, :5] = False
+    elif mask_kind == "float":
+        mask = torch.randn(batch, 1, queries, tokens)
+    elif mask_kind == "per_head":
+        mask = torch.rand(batch, query_heads, queries, tokens) > 0.3
+        mask[..., -1] = True
+    got = attention.attend(query, read, mask, 0.25)
+    want = sdpa_reference(query, store, mask, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_a_read_left_for_other_keys_is_an_error() -> None:
+    store = filled_store("int8", 1, 2, 20)
+    read = store.deferred_read()
+    attention.defer(read, read.tail()[0])
+    with pytest.raises(RuntimeError, match="not the ones the cache returned"):
+        attention.take(torch.zeros(1))
+    assert attention.take(read.tail()[0]) is None  # the slot is cleared either way
+
+
+@pytest.mark.parametrize("model_id", TINY_IDS)
+@pytest.mark.parametrize("config", QUANTIZED, ids=["dense-int4", "paged-int2", "dense-int8", "paged-fp8"])
+def test_generation_with_kvfactory_attention_equals_sdpa(model_id: str, config: dict) -> None:
+    """Same cache config, two attention implementations: identical tokens, logits within 1e-5."""
+    model = tiny_model(model_id)
+    inputs = left_padded_batch([30, 22, 17])
+    ref = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=8)
+    with attn_implementation(model, "kvfactory"):
+        out = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=8)
+    assert_same_generation(ref, out)
+
+
+def test_decode_steps_take_the_chunked_path_and_never_decode_a_whole_layer(monkeypatch) -> None:
+    model = tiny_model("llama")
+    calls = []
+    real = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a: calls.append(a[0].shape) or real(*a))
+    factory = KVCacheFactory(model.config, QUANTIZED[0])
+    cache = factory.create_cache()
+    inputs = left_padded_batch([40, 33])
+    with attn_implementation(model, "kvfactory"):
+        generate(model, inputs, cache, max_new_tokens=6)
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 5 * layers  # every decode step of every layer (the prefill reads whole)
+    assert attention.take(torch.zeros(1)) is None  # each read was taken by its layer's attention
+
+
+def test_reads_left_by_updates_outside_a_forward_are_dropped() -> None:
+    """Filling a cache by hand leaves a read pending; the next forward's first layer (here a
+    full-precision one, which defers nothing) must not receive it."""
+    model = tiny_model("llama")
+    config = {"type": "dense", "quantization": {"codec": "int8", "full_precision_first": 1}}
+    inputs = left_padded_batch([30, 30])
+    ref = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=4)
+    cache = KVCacheFactory(model.config, config).create_cache()
+    with attn_implementation(model, "kvfactory"):
+        with torch.no_grad():
+            prefill = DynamicCache(config=model.config)
+            model(inputs["input_ids"][:, :-1], attention_mask=inputs["attention_mask"][:, :-1],
+                  past_key_values=prefill)
+        for i, layer in enumerate(prefill.layers):
+            cache.update(layer.keys, layer.values, i)  # the last layer's read stays pending
+        out = generate(model, inputs, cache, max_new_tokens=4)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_beam_search_and_lossless_configs_with_kvfactory_attention() -> None:
+    model = tiny_model("qwen2")
+    inputs = left_padded_batch([25, 19])
+    config = QUANTIZED[0]
+    ref = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=5,
+                   num_beams=3, num_return_sequences=2)
+    dynamic = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=5)
+    with attn_implementation(model, "kvfactory"):
+        out = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=5,
+                       num_beams=3, num_return_sequences=2)
+        lossless = generate(model, inputs, KVCacheFactory(model.config, {"type": "paged", "page_size": 4})
+                            .create_cache(), max_new_tokens=5)
+    assert_same_generation(ref, out)
+    assert_same_generation(dynamic, lossless)
