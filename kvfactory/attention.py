@@ -52,32 +52,36 @@ class DeferredRead(ABC):
 class _Pending(threading.local):
     read: DeferredRead | None = None
     key: torch.Tensor | None = None
+    layer_idx: int | None = None
 
 
 _pending = _Pending()
 
 
-def defer(read: DeferredRead | None, returned_key: torch.Tensor | None = None) -> None:
-    """Leave ``read`` for the attention call that receives ``returned_key`` (what ``update`` returned);
-    ``defer(None)`` drops what an earlier update left (a cache filled outside a forward pass)."""
-    _pending.read, _pending.key = read, returned_key
+def defer(read: DeferredRead | None, returned_key: torch.Tensor | None = None,
+          layer_idx: int | None = None) -> None:
+    """Leave ``read`` of layer ``layer_idx`` for the attention call that receives ``returned_key`` (what
+    ``update`` returned); ``defer(None)`` drops what an earlier update left."""
+    _pending.read, _pending.key, _pending.layer_idx = read, returned_key, layer_idx
 
 
-def take(key: torch.Tensor) -> DeferredRead | None:
-    """The read left for ``key``, or None when the layer returned its K/V whole.
+def take(key: torch.Tensor, layer_idx: int | None) -> DeferredRead | None:
+    """The read left for ``key`` by layer ``layer_idx``'s update, or None when it returned K/V whole.
 
-    A pending read for another tensor means the model changed K/V between ``update`` and
-    attention, which the deferred path cannot follow: that is an error, not a silent fallback.
+    A read left by another layer, or for keys of another length, was left by an update outside this
+    forward pass (a cache filled by hand) and is dropped. A read of this layer for other keys of the
+    same length means the model changed K/V between ``update`` and attention, which the chunked
+    path cannot follow: that is an error, not a silent fallback.
     """
-    read, returned = _pending.read, _pending.key
-    _pending.read = _pending.key = None
-    if read is None:
+    read, returned, layer = _pending.read, _pending.key, _pending.layer_idx
+    defer(None)
+    if read is None or returned is key:
+        return read
+    if layer != layer_idx or key.shape[-2] != returned.shape[-2]:
         return None
-    if returned is not key:
-        raise RuntimeError("attn_implementation='kvfactory': the keys reaching attention are not the ones "
-                           "the cache returned (the model transforms K/V after the cache update); load the "
-                           "model with attn_implementation='sdpa' for this architecture")
-    return read
+    raise RuntimeError("attn_implementation='kvfactory': the keys reaching attention are not the ones "
+                       "the cache returned (the model transforms K/V after the cache update); load the "
+                       "model with attn_implementation='sdpa' for this architecture")
 
 
 def attend(query: torch.Tensor, read: DeferredRead, attention_mask: torch.Tensor | None,

@@ -33,7 +33,7 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                         scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: chunked attention over a deferred read, else SDPA."""
-    read = attention.take(key)
+    read = attention.take(key, getattr(module, "layer_idx", None))
     chunked = read is not None and query.shape[2] <= attention.MAX_CHUNKED_QUERY and not dropout \
         and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
     if chunked:
@@ -121,7 +121,7 @@ class KVLayer(CacheLayerMixin):
         else:
             keys, values = self.store.gather()
         if deferred:  # with no read, this drops what an earlier update left pending
-            attention.defer(read, keys)
+            attention.defer(read, keys, self.store.layer_idx)
         if self.is_sliding and self.record_past:
             visible = self.sliding_window - 1 + key_states.shape[-2]
             keys, values = keys[:, :, -visible:], values[:, :, -visible:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,24 @@ def load_config(name: str = EMBEDDED) -> Any:
     return AutoConfig.from_pretrained(embedded_model_dir(), gguf_file=GGUF_FILE)
 
 
-def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)``: the embedded model by default, or a local path / hub id."""
+def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32,
+               attention: str = "kvfactory") -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)``: the embedded model by default, or a local path / hub id.
+
+    ``attention`` is the ``attn_implementation``: kvfactory's (``kvfactory.cache``) reads quantized
+    layers in chunks and is SDPA for everything else; an architecture that does not take a
+    registered attention function keeps SDPA, with a warning.
+    """
+    model, tokenizer = _load(name, dtype)
+    try:
+        model.set_attn_implementation(attention)
+    except ValueError as err:
+        warnings.warn(f"{name}: attn_implementation={attention!r} is not supported ({err}); using sdpa",
+                      stacklevel=2)
+    return model, tokenizer
+
+
+def _load(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name != EMBEDDED:

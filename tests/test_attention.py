@@ -83,13 +83,19 @@ def test_chunked_attention_equals_sdpa_over_the_decoded_cache(codec, inner, quer
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-def test_a_read_left_for_other_keys_is_an_error() -> None:
+def test_a_read_left_for_other_keys_is_an_error_or_stale() -> None:
     store = filled_store("int8", 1, 2, 20)
     read = store.deferred_read()
-    attention.defer(read, read.tail()[0])
+    tail = read.tail()[0]
+    attention.defer(read, tail, 0)
     with pytest.raises(RuntimeError, match="not the ones the cache returned"):
-        attention.take(torch.zeros(1))
-    assert attention.take(read.tail()[0]) is None  # the slot is cleared either way
+        attention.take(tail.clone(), 0)  # this layer, same length, other tensor: K/V were transformed
+    assert attention.take(tail, 0) is None  # the slot is cleared either way
+    for other_layer, key in ((1, tail.clone()), (0, torch.zeros(1, 2, 3, 16))):
+        attention.defer(read, tail, 0)
+        assert attention.take(key, other_layer) is None  # left by an update outside this forward
+    attention.defer(read, tail, 0)
+    assert attention.take(tail, 0) is read
 
 
 @pytest.mark.parametrize("model_id", TINY_IDS)
@@ -116,7 +122,7 @@ def test_decode_steps_take_the_chunked_path_and_never_decode_a_whole_layer(monke
         generate(model, inputs, cache, max_new_tokens=6)
     layers = model.config.num_hidden_layers
     assert len(calls) == 5 * layers  # every decode step of every layer (the prefill reads whole)
-    assert attention.take(torch.zeros(1)) is None  # each read was taken by its layer's attention
+    assert attention.take(torch.zeros(1), 0) is None  # each read was taken by its layer's attention
 
 
 def test_reads_left_by_updates_outside_a_forward_are_dropped() -> None:
@@ -136,6 +142,12 @@ def test_reads_left_by_updates_outside_a_forward_are_dropped() -> None:
             cache.update(layer.keys, layer.values, i)  # the last layer's read stays pending
         out = generate(model, inputs, cache, max_new_tokens=4)
     assert torch.equal(out.sequences, ref.sequences)
+    for i, layer in enumerate(prefill.layers):
+        cache.update(layer.keys, layer.values, i)
+    dynamic = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=4)
+    with attn_implementation(model, "kvfactory"):  # another cache's forward ignores the pending read
+        assert torch.equal(generate(model, inputs, DynamicCache(config=model.config),
+                                    max_new_tokens=4).sequences, dynamic.sequences)
 
 
 def test_beam_search_and_lossless_configs_with_kvfactory_attention() -> None:
