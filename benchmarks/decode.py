@@ -8,8 +8,10 @@ Each batch row is a different WikiText window. The prompt is prefilled once thro
 (DynamicCache) and its keys/values are copied into every cache under test, so all configs decode
 from identical states; runs of the configs are interleaved so machine noise hits them alike.
 Prints JSON; also reports whether every config generates the same tokens as DynamicCache (and for
-how many leading tokens), and the KV bytes each holds after decoding. ``benchmarks/quant.py`` runs
-the same measurement on quantized configs and transformers' ``QuantizedCache``.
+how many leading tokens), and the KV bytes each holds after decoding. ``no_kv_floor`` is the same
+decode from a DynamicCache holding only 16 tokens: the model's own cost per step, which bounds
+what any cache can reach. ``benchmarks/quant.py`` runs the same measurement on quantized configs
+and transformers' ``QuantizedCache``.
 
     python benchmarks/decode.py [--lengths 2048,6144] [--batches 1,8] [--runs 3] [--out FILE]
 """
@@ -52,6 +54,9 @@ class WithAttention:
 
 
 Config = dict[str, Any] | str | WithAttention
+
+
+FLOOR_TOKENS = 16  # ``no_kv_floor``: DynamicCache holding this many tokens, the speed no cache can beat
 
 
 def prompt_rows(tokenizer, length: int, batch: int) -> torch.Tensor:
@@ -131,6 +136,7 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
     torch.set_num_threads(1)
     makers = {"dynamic": lambda: DynamicCache(config=model.config)}
     makers |= {name: cache_maker(model, config) for name, config in configs.items()}
+    makers["no_kv_floor"] = makers["dynamic"]  # the model's own cost: a cache of FLOOR_TOKENS tokens
     speeds: dict[str, list[float]] = {n: [] for n in makers}
     tokens: dict[str, torch.Tensor] = {}
     held: dict[str, dict[str, float]] = {}
@@ -138,7 +144,8 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
     for _ in range(runs):
         for name, make in makers.items():
             model.set_attn_implementation(attentions.get(name, "sdpa"))
-            cache = filled_cache(make, kv)
+            cache = filled_cache(make, kv if name != "no_kv_floor" else
+                                 [(k[:, :, -FLOOR_TOKENS:], v[:, :, -FLOOR_TOKENS:]) for k, v in kv])
             speed, tokens[name] = decode(model, cache, first, new_tokens)
             speeds[name].append(speed)
             held[name] = held_bytes(cache)
@@ -148,7 +155,9 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
     cached = batch * (length + new_tokens)
     row = {"prompt_tokens": length, "batch": batch, "new_tokens": new_tokens, "runs": runs,
            "dynamic_tokens_per_s": round(base, 3), "dynamic_bytes": held["dynamic"]["bytes"],
-           "fp16_dense_bytes": kv_bytes(model.config, cached, dtype="fp16")}
+           "fp16_dense_bytes": kv_bytes(model.config, cached, dtype="fp16"),
+           "no_kv_floor_tokens_per_s": round(statistics.median(speeds["no_kv_floor"]), 3),
+           "no_kv_floor_ratio_to_dynamic": round(statistics.median(speeds["no_kv_floor"]) / base, 3)}
     for name in configs:
         med = statistics.median(speeds[name])
         row[name] = {"tokens_per_s": round(med, 3), "ratio_to_dynamic": round(med / base, 3),
