@@ -25,6 +25,12 @@ QUANTIZED = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch) -> None:
+    """Chunks of a few hundred bytes, so tiny layers are read in many chunks (real ones: 4 MiB)."""
+    monkeypatch.setattr(QuantizedRead, "chunk_bytes", 512)
+
+
 @contextlib.contextmanager
 def attn_implementation(model: torch.nn.Module, name: str):
     model.set_attn_implementation(name)
@@ -68,6 +74,8 @@ def test_chunked_attention_equals_sdpa_over_the_decoded_cache(codec, inner, quer
     store = filled_store(codec, batch, kv_heads, tokens, inner)
     read = store.deferred_read()
     assert read is not None and read.length == tokens and read.chunk == 8
+    monkeypatch.setattr(QuantizedRead, "chunk_bytes", 10 ** 6)
+    assert store.deferred_read() is None  # a layer that fits two chunks is read whole
     query = torch.randn(batch, query_heads, queries, 16, generator=torch.Generator().manual_seed(1))
     mask = None
     if mask_kind == "bool":  # row 1 is left-padded by 5 tokens

@@ -258,7 +258,13 @@ class QuantizedStore(LayerStore):
         return keys, values
 
     def deferred_read(self) -> QuantizedRead | None:
-        return QuantizedRead(self) if self.quantized_tokens and self._like is not None else None
+        """Chunked reads once the layer's floating-point K would exceed two chunks; below that,
+        decoding it whole for SDPA is as fast (``benchmarks/quantized_attention.py``)."""
+        if not self.quantized_tokens or self._like is None:
+            return None
+        k = self._like[0]
+        whole = k.shape[0] * k.shape[1] * self.size() * k.shape[3] * k.element_size()
+        return QuantizedRead(self) if whole > 2 * QuantizedRead.chunk_bytes else None
 
     def size(self) -> int:
         return self.quantized_tokens + self.inner.size()
