@@ -72,7 +72,8 @@ def apply_edit(store: Any, op: str, arg: Any, ref_k: torch.Tensor, ref_v: torch.
                fresh: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply one random-test edit to ``store`` and the same edit to the reference K/V; return the new
     references. ``fresh(tokens, rows)`` makes the K/V an ``append`` adds; ``keep``'s ``arg`` is a
-    16-bit mask over positions, ``select_rows``'s a list of rows (taken modulo the batch)."""
+    16-bit mask over positions, ``keep_heads``' a seed for per row and head subsets, ``select_rows``'s a
+    list of rows (taken modulo the batch)."""
     rows, n = ref_k.shape[0], ref_k.shape[2]
     if op == "append":
         k, v = fresh(arg, rows)
@@ -88,6 +89,13 @@ def apply_edit(store: Any, op: str, arg: Any, ref_k: torch.Tensor, ref_v: torch.
         index = torch.tensor([i for i in range(n) if arg >> (i % 16) & 1], dtype=torch.long)
         store.keep(index)
         return ref_k.index_select(2, index), ref_v.index_select(2, index)
+    if op == "keep_heads":  # ``arg`` seeds a random sorted subset of the same size per row and head
+        gen = torch.Generator().manual_seed(arg)
+        kept = arg % (n + 1)
+        index = torch.rand(rows, ref_k.shape[1], n, generator=gen).argsort(-1)[..., :kept].sort(-1).values
+        store.keep(index)
+        expand = index.unsqueeze(-1).expand(*index.shape, ref_k.shape[3])
+        return ref_k.gather(2, expand), ref_v.gather(2, expand)
     index = torch.tensor([r % rows for r in arg])
     store.select_rows(index)
     return ref_k[index], ref_v[index]

@@ -169,7 +169,9 @@ def test_select_rows_and_clear() -> None:
 _EDITS = st.lists(st.one_of(st.tuples(st.just("append"), st.integers(1, 12)),
                             st.tuples(st.just("drop_front"), st.integers(0, 9)),
                             st.tuples(st.just("truncate"), st.integers(0, 40)),
-                            st.tuples(st.just("keep"), st.integers(0, 2 ** 16 - 1))), min_size=1, max_size=12)
+                            st.tuples(st.just("keep"), st.integers(0, 2 ** 16 - 1)),
+                            st.tuples(st.just("keep_heads"), st.integers(0, 2 ** 16 - 1))),
+                  min_size=1, max_size=12)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -400,6 +400,7 @@ _OPS = st.lists(st.one_of(
     st.tuples(st.just("drop_front"), st.integers(0, 7)),
     st.tuples(st.just("truncate"), st.integers(0, 40)),
     st.tuples(st.just("keep"), st.integers(0, 2 ** 16 - 1)),
+    st.tuples(st.just("keep_heads"), st.integers(0, 2 ** 16 - 1)),
     st.tuples(st.just("select_rows"), st.lists(st.integers(0, 3), min_size=1, max_size=4)),
 ), min_size=1, max_size=25)
 

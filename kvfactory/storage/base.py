@@ -50,6 +50,14 @@ class MemoryReport:
                 "tokens": self.tokens, "bytes_per_token": self.bytes_per_token}
 
 
+def take_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[:, :, index]`` of ``[B, H, T, D]`` for a 1-D or per row and head ``[B, H, n]`` ``index``."""
+    index = index.to(x.device)
+    if index.dim() == 1:
+        return x.index_select(2, index)
+    return x.gather(2, index.unsqueeze(-1).expand(*index.shape, x.shape[3]))
+
+
 def check_kv(key: torch.Tensor, value: torch.Tensor) -> None:
     """Reject key/value pairs that cannot be stored together."""
     if key.dim() != 4 or value.dim() != 4:
@@ -103,7 +111,8 @@ class LayerStore(ABC):
 
     @abstractmethod
     def keep(self, index: torch.Tensor) -> None:
-        """Keep only the stored tokens at ``index`` (1-D, sorted, same for every row)."""
+        """Keep only the stored tokens at ``index``: 1-D (the same for every row and head) or
+        ``[batch, kv_heads, n]`` (per row and head, as eviction policies choose); sorted."""
 
     @abstractmethod
     def drop_front(self, n: int) -> None:

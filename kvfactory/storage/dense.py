@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfactory.errors import ConfigError, ShapeError
-from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
+from kvfactory.storage.base import LayerStore, MemoryReport, check_kv, take_tokens
 
 
 @dataclass(eq=False)
@@ -86,11 +86,11 @@ class DenseStore(LayerStore):
         self._start = self._len = 0
 
     def keep(self, index: torch.Tensor) -> None:
+        """Copy the kept tokens into a new, smaller buffer: the memory of the evicted ones is freed."""
         keys, values = self.gather()
-        index = index.to(keys.device)
         self._k = self._v = None
         self._len = 0
-        self.append(keys.index_select(2, index), values.index_select(2, index))
+        self.append(take_tokens(keys, index), take_tokens(values, index))
 
     def drop_front(self, n: int) -> None:
         n = min(n, self._len)

@@ -104,9 +104,9 @@ class PagedStore(LayerStore):
         go back to the pool. Shared blocks are copied before they are written, so forks never see it.
         """
         index = index.cpu()
-        table, kept, ps = self._table, index.numel(), self.page_size
-        if kept and (self._ids is None or int(index[-1]) >= table.length):
-            raise ShapeError(f"layer {self.layer_idx}: keep index up to {int(index[-1])} but "
+        table, kept, ps = self._table, index.shape[-1], self.page_size
+        if kept and (self._ids is None or int(index.max()) >= table.length):
+            raise ShapeError(f"layer {self.layer_idx}: keep index up to {int(index.max())} but "
                              f"{table.length} tokens are stored")
         if self._ids is None:
             return
@@ -117,12 +117,16 @@ class PagedStore(LayerStore):
             if rows.numel():
                 block_pool.check(rows.numel())
                 table.unshare(rows, cols)
-        src, dst = table.start + index, torch.arange(kept)
-        src_slots = (self._ids[:, src // ps] * ps + src % ps).flatten().to(block_pool.k.device)
-        dst_slots = (self._ids[:, dst // ps] * ps + dst % ps).flatten().to(block_pool.k.device)
+        b, heads = self._ids.shape[0], block_pool.k.shape[0]
+        src = table.start + index.expand(b, heads, kept)  # [B, H, n] token positions
+        src_slots = self._ids.gather(1, (src // ps).flatten(1)).view_as(src) * ps + src % ps
+        dst = torch.arange(kept)
+        dst_slots = (self._ids[:, dst // ps] * ps + dst % ps)[:, None].expand(b, heads, kept)
+        head = torch.arange(heads)[:, None]  # per head: its slots in every batch row
+        src_slots, dst_slots = (s.transpose(0, 1).reshape(heads, b * kept) for s in (src_slots, dst_slots))
         for pool_tensor in block_pool.tensors.values():
-            flat = pool_tensor.view(pool_tensor.shape[0], -1, pool_tensor.shape[3])
-            flat.index_copy_(1, dst_slots, flat.index_select(1, src_slots))
+            flat = pool_tensor.view(heads, -1, pool_tensor.shape[3])
+            flat[head, dst_slots.to(flat.device)] = flat[head, src_slots.to(flat.device)]
         table.start, table.length = 0, kept
         block_pool.decref(self._ids[:, kept_blocks:])
         table.ids = self._ids[:, :kept_blocks]

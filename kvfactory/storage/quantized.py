@@ -27,7 +27,7 @@ import torch
 from kvfactory.attention import DeferredRead
 from kvfactory.codecs import Codec, Encoded
 from kvfactory.errors import ShapeError
-from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
+from kvfactory.storage.base import LayerStore, MemoryReport, check_kv, take_tokens
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
@@ -282,8 +282,7 @@ class QuantizedStore(LayerStore):
     def keep(self, index: torch.Tensor) -> None:
         """Decode, keep ``index``, encode again (near-lossless, see the module doc)."""
         keys, values = self.gather()
-        index = index.to(keys.device)
-        keys, values = keys.index_select(2, index), values.index_select(2, index)
+        keys, values = take_tokens(keys, index), take_tokens(values, index)
         like = self._like
         self.clear()
         self._like = like
