@@ -3,8 +3,9 @@
 With ``attn_implementation="kvfactory"`` (registered by ``kvfactory.cache``, the transformers
 adapter), a cache layer whose store can be read in pieces (``DeferredRead``: quantized storage)
 returns only its full-precision tail from ``update`` and leaves a pending read for the layer's
-attention call. ``attend`` then computes exact softmax attention over the store chunk by chunk:
-each chunk of packed tokens is decoded into a small reused buffer that stays in cache, so decode
+attention call. ``attend`` then computes exact softmax attention from the read's scores and
+weighted sums, which a quantized store computes straight from the packed codes
+(``kvfactory.codecs.fused``) or by decoding a few MiB at a time into a reused buffer, so decode
 never writes the whole layer's K/V in floating point. Scores of one step are small (one row per
 query head), so a plain two-pass softmax is exact and needs no online rescaling.
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 
 import torch
 
@@ -24,21 +24,25 @@ MAX_CHUNKED_QUERY = 16  # longer queries (prefill) read the store whole: their s
 
 
 class DeferredRead(ABC):
-    """A layer's K/V, read chunk by chunk by the attention call that follows ``update``."""
+    """A layer's K/V, attended to in pieces by the attention call that follows ``update``."""
 
     @property
     @abstractmethod
     def length(self) -> int:
         """Tokens stored per row."""
 
+    @property
     @abstractmethod
-    def key_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """``(start, keys [B, Hkv, n, D])`` covering ``[0, length)`` in order; a chunk is valid until
-        the next one is asked for."""
+    def kv_heads(self) -> int:
+        """KV heads stored."""
 
     @abstractmethod
-    def value_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """As ``key_chunks``, for the values."""
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """``query [B, Hkv, R, D]`` dotted with every stored key: ``[B, Hkv, R, length]``."""
+
+    @abstractmethod
+    def weighted_sum(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs [B, Hkv, R, length]`` times the stored values: ``[B, Hkv, R, Dv]``."""
 
     @abstractmethod
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,16 +97,9 @@ def attend(query: torch.Tensor, read: DeferredRead, attention_mask: torch.Tensor
     broadcastable to ``[B, Hq, q, length]``; without one, queries are causal over the tail.
     """
     b, hq, q, d = query.shape
-    total = read.length
-    scores = hkv = None
-    for start, keys in read.key_chunks():
-        if scores is None:
-            hkv = keys.shape[1]
-            scores = query.new_empty((b, hkv, hq // hkv * q, total))
-            grouped = query.reshape(b, hkv, hq // hkv * q, d)
-        torch.matmul(grouped, keys.transpose(-1, -2), out=scores[..., start:start + keys.shape[2]])
-    scores.mul_(scaling)
+    total, hkv = read.length, read.kv_heads
     groups = hq // hkv
+    scores = read.scores(query.reshape(b, hkv, groups * q, d)).mul_(scaling)
     if attention_mask is not None:
         mask = attention_mask.expand(b, hq, q, total) if attention_mask.shape[1] != 1 else \
             attention_mask.expand(b, 1, q, total).expand(b, groups, q, total).unsqueeze(1)
@@ -114,9 +111,5 @@ def attend(query: torch.Tensor, read: DeferredRead, attention_mask: torch.Tensor
     elif q > 1:
         rows = torch.arange(q, device=query.device).repeat(groups)[:, None]
         scores.masked_fill_(torch.arange(total, device=query.device) > total - q + rows, float("-inf"))
-    probs = scores.softmax(-1)
-    out = None
-    for start, values in read.value_chunks():
-        part = probs[..., start:start + values.shape[2]] @ values
-        out = part if out is None else out.add_(part)
+    out = read.weighted_sum(scores.softmax(-1))
     return out.view(b, hkv, groups, q, -1).reshape(b, hq, q, -1).transpose(1, 2).contiguous()

@@ -12,6 +12,7 @@ from tiny_models import TINY_IDS, left_padded_batch, tiny_model
 from transformers import DynamicCache
 
 from kvfactory import KVCacheFactory, attention
+from kvfactory.codecs import fused
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.storage import DenseStore, PagedStore
 from kvfactory.storage.quantized import QuantizedRead, QuantizedStore
@@ -62,20 +63,25 @@ def sdpa_reference(query, store, mask, scale):
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).transpose(1, 2)
 
 
-@pytest.mark.parametrize("codec", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("codec", ["int4", "int2", "int8", "fp8"])
 @pytest.mark.parametrize("inner", ["dense", "paged"])
 @pytest.mark.parametrize(("query_heads", "kv_heads"), [(6, 3), (4, 1), (2, 2)])
 @pytest.mark.parametrize("queries", [1, 3])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "per_head"])
+@pytest.mark.parametrize("kernels", ["fused", "chunks"])
 def test_chunked_attention_equals_sdpa_over_the_decoded_cache(codec, inner, query_heads, kv_heads, queries,
-                                                              mask_kind, monkeypatch) -> None:
+                                                              mask_kind, kernels, monkeypatch) -> None:
+    """Fused kernels over the codes, or decoding in 8-token chunks: the same attention as SDPA."""
+    if kernels == "chunks":
+        monkeypatch.setitem(fused._state, "available", False)
     monkeypatch.setattr(QuantizedRead, "chunk_bytes", 2 * kv_heads * 16 * 4 * 8)  # 8-token chunks
     batch, tokens = 2, 45
     store = filled_store(codec, batch, kv_heads, tokens, inner)
     read = store.deferred_read()
     assert read is not None and read.length == tokens and read.chunk == 8
     monkeypatch.setattr(QuantizedRead, "chunk_bytes", 10 ** 6)
-    assert store.deferred_read() is None  # a layer that fits two chunks is read whole
+    whole = store.deferred_read() is None  # a layer that fits two chunks is read whole...
+    assert whole == (kernels == "chunks" or codec == "fp8")  # ...unless fused kernels read it
     query = torch.randn(batch, query_heads, queries, 16, generator=torch.Generator().manual_seed(1))
     mask = None
     if mask_kind == "bool":  # row 1 is left-padded by 5 tokens

@@ -63,6 +63,16 @@ class Codec(ABC):
     def bytes_per_token(self, heads: int, head_dim: int) -> float:
         """Encoded bytes per token of one sequence in one layer, for K or V alone, scales included."""
 
+    def scores(self, query: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        """``query [B, H, R, D]`` dotted with every encoded key, ``[B, H, R, T]``, straight from the
+        codes (``kvfactory.codecs.fused``); None where the codec has no such kernel."""
+        return None
+
+    def weighted_sum(self, probs: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        """``probs [B, H, R, T]`` times the encoded values, ``[B, H, R, D]``, straight from the codes;
+        None where the codec has no such kernel."""
+        return None
+
     def _check_input(self, x: torch.Tensor) -> None:
         """Reject what cannot be encoded and fix the compute dtype on the first encode."""
         if x.dim() != 4 or not x.is_floating_point():

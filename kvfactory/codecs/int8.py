@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfactory.codecs import fused
 from kvfactory.codecs.base import (
     Codec,
     Encoded,
@@ -105,3 +106,15 @@ class Int8Codec(Codec):
         if self.static_scale is not None:
             return heads * head_dim
         return heads * (head_dim + self.scale_dtype.itemsize / self.unit)
+
+    def scores(self, query: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        if self.granularity != "token" or self.static_scale is not None:
+            return None
+        scale = widen(enc.tensors["scale"], torch.float32)
+        return fused.run("int8_scores", query, enc.tensors["codes"], scale)
+
+    def weighted_sum(self, probs: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        if self.granularity != "token" or self.static_scale is not None:
+            return None
+        scale = widen(enc.tensors["scale"], torch.float32)
+        return fused.run("int8_values", probs, enc.tensors["codes"], scale)

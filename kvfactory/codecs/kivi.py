@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfactory.codecs import fused
 from kvfactory.codecs.base import Codec, Encoded, check_dtype, round_to, smallest, widen
 from kvfactory.codecs.packing import pack, packed_size, unpack
 from kvfactory.errors import ConfigError, ShapeError
@@ -104,6 +105,11 @@ class KiviKeyCodec(_Kivi):
         per_group = self.group_size * packed_size(head_dim, self.bits) + head_dim * self._meta_bytes()
         return heads * per_group / self.group_size
 
+    def scores(self, query: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        t = enc.tensors
+        return fused.run("kivi_scores", query, t["codes"], widen(t["scale"], torch.float32),
+                         widen(t["zero"], torch.float32), self.bits)
+
 
 @dataclass(eq=False)
 class KiviValueCodec(_Kivi):
@@ -156,3 +162,10 @@ class KiviValueCodec(_Kivi):
     def bytes_per_token(self, heads: int, head_dim: int) -> float:
         groups = -(-head_dim // self.group_size)
         return heads * (packed_size(head_dim, self.bits) + groups * self._meta_bytes())
+
+    def weighted_sum(self, probs: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        if self.head_dim is None or self.head_dim % self.group_size:
+            return None  # a smaller last group: decoded in chunks instead
+        t = enc.tensors
+        return fused.run("kivi_values", probs, t["codes"], widen(t["scale"], torch.float32),
+                         widen(t["zero"], torch.float32), self.bits, self.group_size)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from kvfactory.attention import DeferredRead
-from kvfactory.codecs import Codec, Encoded
+from kvfactory.codecs import Codec, Encoded, fused
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv, take_tokens
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
@@ -258,10 +258,14 @@ class QuantizedStore(LayerStore):
         return keys, values
 
     def deferred_read(self) -> QuantizedRead | None:
-        """Chunked reads once the layer's floating-point K would exceed two chunks; below that,
-        decoding it whole for SDPA is as fast (``benchmarks/quantized_attention.py``)."""
+        """A read for kvfactory's attention: always where the codecs have fused kernels; otherwise
+        once the layer's floating-point K would exceed two chunks, since below that decoding it
+        whole for SDPA is as fast (``benchmarks/quantized_attention.py``)."""
         if not self.quantized_tokens or self._like is None:
             return None
+        if fused.available() and type(self.key_codec).scores is not Codec.scores \
+                and type(self.value_codec).weighted_sum is not Codec.weighted_sum:
+            return QuantizedRead(self)
         k = self._like[0]
         whole = k.shape[0] * k.shape[1] * self.size() * k.shape[3] * k.element_size()
         return QuantizedRead(self) if whole > 2 * QuantizedRead.chunk_bytes else None
@@ -329,8 +333,10 @@ class QuantizedStore(LayerStore):
 
 
 class QuantizedRead(DeferredRead):
-    """A quantized layer read in chunks: packed tokens decoded ``chunk_bytes`` of floats at a time
-    into a small workspace buffer (so it stays in cache), then the full-precision window as it is."""
+    """A quantized layer attended to without decoding it whole, in runs of tokens whose floats take
+    ``chunk_bytes`` (so whatever a run needs stays in cache): scores and weighted sums of a run come
+    from the codecs' fused kernels (``kvfactory.codecs.fused``) where they have them, else from the
+    run decoded into a small workspace buffer; the full-precision window is used as it is."""
 
     chunk_bytes = 4 << 20
 
@@ -346,27 +352,49 @@ class QuantizedRead(DeferredRead):
     def length(self) -> int:
         return self.quantized + self.window[0].shape[2]
 
+    @property
+    def kv_heads(self) -> int:
+        return self.window[0].shape[1]
+
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window
 
-    def key_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
-        return self._chunks(0)
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        codec = self.store.key_codec
+        parts = []
+        for _, part in self._parts(0):
+            fused_scores = codec.scores(query, part)
+            parts.append(fused_scores if fused_scores is not None else
+                         query @ self._decode(0, part).transpose(-1, -2))
+        if self.window[0].shape[2]:
+            parts.append(query @ self.window[0].transpose(-1, -2))
+        return torch.cat(parts, dim=-1)
 
-    def value_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
-        return self._chunks(1)
+    def weighted_sum(self, probs: torch.Tensor) -> torch.Tensor:
+        codec, out = self.store.value_codec, None
+        for start, part in self._parts(1):
+            weights = probs[..., start:start + part.tokens]
+            fused_sum = codec.weighted_sum(weights, part)
+            part_sum = fused_sum if fused_sum is not None else weights @ self._decode(1, part)
+            out = part_sum if out is None else out.add_(part_sum)
+        if self.window[1].shape[2]:
+            out = out.add_(probs[..., self.quantized:] @ self.window[1])
+        return out
 
-    def _chunks(self, side: int) -> Iterator[tuple[int, torch.Tensor]]:
-        codec = (self.store.key_codec, self.store.value_codec)[side]
-        enc, like = self.encoded[side], self.store._like[side]
-        b, h, _, d = like.shape
+    def _parts(self, side: int) -> Iterator[tuple[int, Encoded]]:
+        """The packed keys (0) or values (1) in runs of ``chunk`` tokens: ``(first token, run)``."""
+        unit = (self.store.key_codec, self.store.value_codec)[side].unit
         for start in range(0, self.quantized, self.chunk):
             n = min(self.chunk, self.quantized - start)
-            part = Encoded({name: t[:, :, start // codec.unit:(start + n) // codec.unit]
-                            for name, t in enc.tensors.items()}, n)
-            out = self.store.workspace.buffer(f"chunk{side}", (b, h, n, d), like)
-            yield start, codec.decode(part, out=out)
-        if self.window[side].shape[2]:
-            yield self.quantized, self.window[side]
+            yield start, Encoded({name: t[:, :, start // unit:(start + n) // unit]
+                                  for name, t in self.encoded[side].tensors.items()}, n)
+
+    def _decode(self, side: int, part: Encoded) -> torch.Tensor:
+        """``part`` decoded into a reused workspace buffer (codecs without fused kernels)."""
+        like = self.store._like[side]
+        b, h, _, d = like.shape
+        out = self.store.workspace.buffer(f"chunk{side}", (b, h, part.tokens, d), like)
+        return (self.store.key_codec, self.store.value_codec)[side].decode(part, out=out)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.gather()
