@@ -178,3 +178,21 @@ def test_beam_search_and_lossless_configs_with_kvfactory_attention() -> None:
                             .create_cache(), max_new_tokens=5)
     assert_same_generation(ref, out)
     assert_same_generation(dynamic, lossless)
+
+
+def test_a_compiler_failure_falls_back_to_decoding_in_chunks(monkeypatch) -> None:
+    """No C++ toolchain (or any compile error): a warning, then the same attention from decoded runs."""
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no compiler")
+        return call
+
+    monkeypatch.setattr(fused, "_compiled", {})
+    monkeypatch.setitem(fused._state, "available", True)
+    monkeypatch.setattr(torch, "compile", broken)
+    store = filled_store("int4", 2, 3, 45)
+    query = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="no compiler"):
+        got = attention.attend(query, store.deferred_read(), None, 0.25)
+    assert not fused.available()
+    torch.testing.assert_close(got, sdpa_reference(query, store, None, 0.25), atol=2e-6, rtol=1e-5)
