@@ -57,6 +57,7 @@ Config = dict[str, Any] | str | WithAttention
 
 
 FLOOR_TOKENS = 16  # ``no_kv_floor``: DynamicCache holding this many tokens, the speed no cache can beat
+WARMUP_STEPS = 4  # untimed decode steps per config first (torch.compile builds kvfactory's kernels)
 
 
 def prompt_rows(tokenizer, length: int, batch: int) -> torch.Tensor:
@@ -141,6 +142,9 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
     tokens: dict[str, torch.Tensor] = {}
     held: dict[str, dict[str, float]] = {}
     attentions = {n: c.attention if isinstance(c, WithAttention) else "sdpa" for n, c in configs.items()}
+    for name, make in makers.items():  # warm-up: compiled kernels build here, not in a timed run
+        model.set_attn_implementation(attentions.get(name, "sdpa"))
+        decode(model, filled_cache(make, kv), first, WARMUP_STEPS)
     for _ in range(runs):
         for name, make in makers.items():
             model.set_attn_implementation(attentions.get(name, "sdpa"))
