@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -53,8 +54,12 @@ class DeferredRead(ABC):
         """The whole K/V ``[B, Hkv, length, D]``, as a non-deferred read returns it."""
 
 
+Observer = Callable[[torch.Tensor, "torch.Tensor | None", float], None]
+
+
 class _Pending(threading.local):
     read: DeferredRead | None = None
+    observer: Observer | None = None
     key: torch.Tensor | None = None
     layer_idx: int | None = None
 
@@ -63,26 +68,31 @@ _pending = _Pending()
 
 
 def defer(read: DeferredRead | None, returned_key: torch.Tensor | None = None,
-          layer_idx: int | None = None) -> None:
+          layer_idx: int | None = None, observer: Observer | None = None) -> None:
     """Leave ``read`` of layer ``layer_idx`` for the attention call that receives ``returned_key`` (what
-    ``update`` returned); ``defer(None)`` drops what an earlier update left."""
-    _pending.read, _pending.key, _pending.layer_idx = read, returned_key, layer_idx
+    ``update`` returned), and ``observer`` (a selective store's ``observe``) to be called with the
+    queries, mask and scaling once that call has computed its output; ``defer(None)`` drops what an
+    earlier update left."""
+    _pending.read, _pending.observer = read, observer
+    _pending.key, _pending.layer_idx = returned_key, layer_idx
 
 
-def take(key: torch.Tensor, layer_idx: int | None) -> DeferredRead | None:
-    """The read left for ``key`` by layer ``layer_idx``'s update, or None when it returned K/V whole.
+def take(key: torch.Tensor, layer_idx: int | None) -> tuple[DeferredRead | None, Observer | None]:
+    """The read and observer left for ``key`` by layer ``layer_idx``'s update (None, None when it
+    returned K/V whole and has nothing to observe).
 
-    A read left by another layer, or for keys of another length, was left by an update outside this
+    What another layer left, or for keys of another length, was left by an update outside this
     forward pass (a cache filled by hand) and is dropped. A read of this layer for other keys of the
     same length means the model changed K/V between ``update`` and attention, which the chunked
     path cannot follow: that is an error, not a silent fallback.
     """
-    read, returned, layer = _pending.read, _pending.key, _pending.layer_idx
+    read, observer = _pending.read, _pending.observer
+    returned, layer = _pending.key, _pending.layer_idx
     defer(None)
+    if layer != layer_idx or returned is None or key.shape[-2] != returned.shape[-2]:
+        return None, None
     if read is None or returned is key:
-        return read
-    if layer != layer_idx or key.shape[-2] != returned.shape[-2]:
-        return None
+        return read, observer
     raise RuntimeError("attn_implementation='kvfactory': the keys reaching attention are not the ones "
                        "the cache returned (the model transforms K/V after the cache update); load the "
                        "model with attn_implementation='sdpa' for this architecture")

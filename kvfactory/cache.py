@@ -33,20 +33,32 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                         scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: chunked attention over a deferred read, else SDPA."""
-    read = attention.take(key, getattr(module, "layer_idx", None))
+    read, observer = attention.take(key, getattr(module, "layer_idx", None))
     chunked = read is not None and query.shape[2] <= attention.MAX_CHUNKED_QUERY and not dropout \
         and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if chunked:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return attention.attend(query, read, attention_mask, scale), None
-    if read is not None:
-        key, value = read.materialize()
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  **kwargs)
+        out = attention.attend(query, read, attention_mask, scale), None
+    else:
+        if read is not None:
+            key, value = read.materialize()
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                     scaling=scaling, **kwargs)
+    if observer is not None:  # a selective layer scores and evicts now that this step has attended
+        observer(query, attention_mask, scale)
+    return out
 
 
 AttentionInterface.register(ATTENTION, kvfactory_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def check_selective_attention(implementation: str | None) -> None:
+    """Selective policies score inside kvfactory's attention function: refuse a model set to another."""
+    if implementation not in (None, ATTENTION):
+        raise ConfigError("attn_implementation", implementation,
+                          f"'{ATTENTION}' for selective policies (they score inside kvfactory's attention): "
+                          f"load_model(attention='{ATTENTION}') or set_attn_implementation('{ATTENTION}')")
 
 
 def attention_layout(model_config: Any) -> list[int | None]:
@@ -121,7 +133,8 @@ class KVLayer(CacheLayerMixin):
         else:
             keys, values = self.store.gather()
         if deferred:  # with no read, this drops what an earlier update left pending
-            attention.defer(read, keys, self.store.layer_idx)
+            observer = None if self.is_sliding else getattr(self.store, "observe", None)
+            attention.defer(read, keys, self.store.layer_idx, observer)
         if self.is_sliding and self.record_past:
             visible = self.sliding_window - 1 + key_states.shape[-2]
             keys, values = keys[:, :, -visible:], values[:, :, -visible:]
@@ -208,9 +221,12 @@ class KVCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        implementation = getattr(self._attention_config, "_attn_implementation", None)
+        deferred = implementation == ATTENTION
         if layer_idx == 0:
+            if self.config is not None and self.config.selective is not None and not deferred:
+                check_selective_attention(implementation or "unset")
             self._reserve(key_states, value_states)
-        deferred = getattr(self._attention_config, "_attn_implementation", None) == ATTENTION
         return super().update(key_states, value_states, layer_idx, *args, deferred=deferred, **kwargs)
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -234,14 +250,19 @@ class KVCache(Cache):
         blocks included). Quantized caches add ``workspace``: the floating-point buffer that reads
         decode into, one layer's K/V at a time, shared by every cache of the factory, and
         ``residual`` / ``residual_tokens``: the part of ``allocated`` / ``tokens_stored`` in the
-        full-precision window of recent tokens.
+        full-precision window of recent tokens. Selective caches add ``peak_allocated``: the most
+        each layer held (right before an eviction: budget + the step's or chunk's tokens), summed.
         """
-        total = sum((layer.store.memory_report() for layer in self.layers), MemoryReport())
+        reports = [layer.store.memory_report() for layer in self.layers]
+        total = sum(reports, MemoryReport())
         seen = self.get_seq_length() * self.batch_size
         report = MemoryReport(total.allocated, total.used, seen).as_dict() | {"tokens_stored": total.tokens}
         pool_report = getattr(self.shared, "memory_report", None)
         if pool_report is not None:
             report["pool_allocated"] = pool_report().allocated
+        if any(hasattr(layer.store, "peak_bytes") for layer in self.layers):
+            report["peak_allocated"] = sum(max(getattr(layer.store, "peak_bytes", 0), layer_report.allocated)
+                                           for layer, layer_report in zip(self.layers, reports, strict=True))
         if self.workspace is not None:
             report["workspace"] = self.workspace.nbytes
             residual = sum((layer.store.residual_report() for layer in self.layers

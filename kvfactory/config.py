@@ -7,9 +7,6 @@ is allowed.
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,8 @@ import yaml
 
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.errors import ConfigError
+from kvfactory.options import describe, options_of, type_ok
+from kvfactory.policies.spec import SELECTIVE, SelectiveSpec
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
@@ -67,35 +66,7 @@ class CacheConfig:
     storage: StrategySpec
     raw: dict[str, Any]
     quantization: QuantizationSpec | None = None
-
-
-def options_of(cls: type) -> dict[str, Any]:
-    """Config options of a strategy class: its init fields and their type hints."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
-    if origin is typing.Literal:
-        return value in typing.get_args(hint)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is Any:
-        return True
-    return isinstance(value, origin or hint)
-
-
-def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    selective: SelectiveSpec | None = None
 
 
 def parse_strategy(name: Any, options: dict[str, Any], where: str) -> StrategySpec:
@@ -108,8 +79,8 @@ def parse_strategy(name: Any, options: dict[str, Any], where: str) -> StrategySp
     for key, value in options.items():
         if key not in allowed:
             raise ConfigError(f"{where}{key}", value, f"options of '{name}': {sorted(allowed)}")
-        if not _type_ok(value, allowed[key]):
-            raise ConfigError(f"{where}{key}", value, _describe(allowed[key]))
+        if not type_ok(value, allowed[key]):
+            raise ConfigError(f"{where}{key}", value, describe(allowed[key]))
     spec = StrategySpec(name, cls, dict(options))
     try:
         spec.build()  # runs the strategy's own value checks (__post_init__)
@@ -144,7 +115,7 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
     strategies = config.get("strategies")
     if not isinstance(strategies, list) or not strategies:
         raise ConfigError("strategies", strategies, "a non-empty list of {name: ..., options...}")
-    storage, quantization = None, None
+    storage, quantization, selective = None, None, None
     for i, entry in enumerate(strategies):
         where = f"strategies[{i}]."
         if not isinstance(entry, dict) or "name" not in entry:
@@ -155,6 +126,11 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                 raise ConfigError(f"{where}name", QUANTIZED, "one quantized strategy per config")
             quantization = QuantizationSpec.parse(options, where)
             continue
+        if entry["name"] == SELECTIVE:
+            if selective is not None:
+                raise ConfigError(f"{where}name", SELECTIVE, "one selective strategy per config")
+            selective = SelectiveSpec.parse(options, where)
+            continue
         spec = parse_strategy(entry["name"], options, where)
         if storage is not None:
             raise ConfigError(f"{where}name", entry["name"],
@@ -162,8 +138,9 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
         storage = spec
     if storage is None:
         raise ConfigError("strategies", [e["name"] for e in strategies],
-                          f"a storage strategy ({registered_strategies()}) besides '{QUANTIZED}'")
-    return CacheConfig(storage, dict(config), quantization)
+                          f"a storage strategy ({registered_strategies()}) besides "
+                          f"'{QUANTIZED}' and '{SELECTIVE}'")
+    return CacheConfig(storage, dict(config), quantization, selective)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

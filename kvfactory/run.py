@@ -3,8 +3,9 @@
 The embedded model reads at least ``context`` tokens of shipped WikiText-2 text plus a question
 about it (plain prompt, no chat template) and decodes greedily under transformers' ``DynamicCache``
 (the baseline, always run first) and each kvfactory config, lossless (dense, paged) and quantized
-(int8, int4). The table shows KV bytes held after generation, prefill time, decode speed against
-the baseline, whether the tokens match it (for quantized configs: how many leading tokens do) and
+(int8, int4) and evicting (SnapKV compressing the prompt by 75 %, StreamingLLM bounded to 1024 tokens
+per layer). The table shows KV bytes held after generation, prefill time, decode speed against
+the baseline, whether the tokens match it (for lossy configs: how many leading tokens do) and
 the start of each config's answer.
 """
 
@@ -49,6 +50,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paged/256": {"type": "paged", "page_size": 256},
     "int8": {"type": "dense", "quantization": "int8"},
     "paged/16+int4": {"type": "paged", "page_size": 16, "quantization": "int4"},
+    "paged/16+snapkv/0.75": {"type": "composite", "strategies": [
+        {"name": "paged", "page_size": 16},
+        {"name": "selective", "policy": "snapkv", "compression_ratio": 0.75}]},
+    "paged/16+streaming/1024": {"type": "composite", "strategies": [
+        {"name": "paged", "page_size": 16},
+        {"name": "selective", "policy": "streaming_llm", "budget": 1024}]},
 }
 _SENTENCE_END = re.compile(r" \.(?= )|\n")  # WikiText writes "word . Next"
 # About the first article: some 4,000 tokens before the question at the default context.
@@ -185,7 +192,8 @@ def _same_prefix(generated: torch.Tensor, reference: torch.Tensor) -> int:
 
 
 def _lossy(config: dict[str, Any] | None) -> bool:
-    return config is not None and parse_config(config).quantization is not None
+    parsed = None if config is None else parse_config(config)
+    return parsed is not None and (parsed.quantization is not None or parsed.selective is not None)
 
 
 def _print(console: Console, report: dict[str, Any], rows: list[ConfigResult]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,3 +100,13 @@ def apply_edit(store: Any, op: str, arg: Any, ref_k: torch.Tensor, ref_v: torch.
     index = torch.tensor([r % rows for r in arg])
     store.select_rows(index)
     return ref_k[index], ref_v[index]
+
+
+@contextlib.contextmanager
+def attn_implementation(model: torch.nn.Module, name: str):
+    """``model`` with attention ``name`` inside the block, SDPA again after it."""
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation("sdpa")

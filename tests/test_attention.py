@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_generation, generate
+from helpers import assert_same_generation, attn_implementation, generate
 from tiny_models import TINY_IDS, left_padded_batch, tiny_model
 from transformers import DynamicCache
 
@@ -30,15 +28,6 @@ QUANTIZED = [
 def small_chunks(monkeypatch) -> None:
     """Chunks of a few hundred bytes, so tiny layers are read in many chunks (real ones: 4 MiB)."""
     monkeypatch.setattr(QuantizedRead, "chunk_bytes", 512)
-
-
-@contextlib.contextmanager
-def attn_implementation(model: torch.nn.Module, name: str):
-    model.set_attn_implementation(name)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation("sdpa")
 
 
 def filled_store(codec: str, batch: int, heads: int, tokens: int, inner: str = "dense") -> QuantizedStore:
@@ -104,12 +93,12 @@ def test_a_read_left_for_other_keys_is_an_error_or_stale() -> None:
     attention.defer(read, tail, 0)
     with pytest.raises(RuntimeError, match="not the ones the cache returned"):
         attention.take(tail.clone(), 0)  # this layer, same length, other tensor: K/V were transformed
-    assert attention.take(tail, 0) is None  # the slot is cleared either way
+    assert attention.take(tail, 0) == (None, None)  # the slot is cleared either way
     for other_layer, key in ((1, tail.clone()), (0, torch.zeros(1, 2, 3, 16))):
         attention.defer(read, tail, 0)
-        assert attention.take(key, other_layer) is None  # left by an update outside this forward
+        assert attention.take(key, other_layer) == (None, None)  # left by an update outside this forward
     attention.defer(read, tail, 0)
-    assert attention.take(tail, 0) is read
+    assert attention.take(tail, 0) == (read, None)
 
 
 @pytest.mark.parametrize("model_id", TINY_IDS)
@@ -136,7 +125,7 @@ def test_decode_steps_take_the_chunked_path_and_never_decode_a_whole_layer(monke
         generate(model, inputs, cache, max_new_tokens=6)
     layers = model.config.num_hidden_layers
     assert len(calls) == 5 * layers  # every decode step of every layer (the prefill reads whole)
-    assert attention.take(torch.zeros(1), 0) is None  # each read was taken by its layer's attention
+    assert attention.take(torch.zeros(1), 0) == (None, None)  # each read was taken by its layer's attention
 
 
 def test_reads_left_by_updates_outside_a_forward_are_dropped() -> None:

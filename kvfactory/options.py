@@ -1,0 +1,37 @@
+"""Options of config classes (strategies, policies): their dataclass fields, checked against type hints."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+
+def options_of(cls: type) -> dict[str, Any]:
+    """Config options of a strategy class: its init fields and their type hints."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+
+
+def type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(type_ok(value, arg) for arg in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is Any:
+        return True
+    return isinstance(value, origin or hint)
+
+
+def describe(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")

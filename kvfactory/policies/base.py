@@ -1,0 +1,102 @@
+"""The policy interface: score stored tokens from what one attention call shows, keep the best.
+
+A policy is a dataclass whose fields are its paper's hyperparameters (checked in
+``__post_init__``), as kvpress's presses are. ``scores`` returns one score per stored token and KV
+head, higher = kept; ``kvfactory.storage.selective.SelectiveStore`` keeps the same number of
+top-scoring tokens in every head (so per-head choices free real memory) and never moves a token's
+position: keys are stored after RoPE, so what stays keeps its rotation.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvfactory.errors import ConfigError
+
+QUERY_CHUNK = 256  # queries per block when attention mass is summed over a long prefill
+
+
+@dataclass
+class Observation:
+    """One layer's attention call as a policy sees it, after this step's tokens were stored.
+
+    ``keys`` ``[B, Hkv, T, D]`` are everything stored, the step's ``q`` new tokens last;
+    ``queries`` ``[B, Hq, q, D]`` are the step's queries (after RoPE, as attention used them).
+    Attention weights are computed on demand for the queries a policy needs, a block of queries at
+    a time, never as a full ``[q, T]`` matrix of a long prefill.
+    """
+
+    keys: torch.Tensor
+    queries: torch.Tensor
+    scaling: float
+    layer_idx: int
+    num_layers: int
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    def _probs(self, first: int, last: int) -> torch.Tensor:
+        """Softmax weights of queries ``first:last`` over the stored keys ``[B, Hq, n, T]`` (causal)."""
+        b, hkv, t, d = self.keys.shape
+        q = self.queries.shape[2]
+        queries = self.queries[:, :, first:last].reshape(b, hkv, -1, d)
+        scores = (queries @ self.keys.transpose(-1, -2)).view(b, hkv * self.groups, last - first, t)
+        visible = torch.arange(first, last, device=scores.device)[:, None] + (t - q)
+        scores.mul_(self.scaling).masked_fill_(torch.arange(t, device=scores.device) > visible, float("-inf"))
+        return scores.softmax(-1)
+
+    def attention(self, last: int) -> torch.Tensor:
+        """Weights of the last ``last`` queries over every stored token: ``[B, Hq, last, T]``."""
+        q = self.queries.shape[2]
+        return self._probs(q - min(last, q), q)
+
+    def attention_mass(self) -> torch.Tensor:
+        """Attention each stored token received, summed over all the step's queries: ``[B, Hq, T]``."""
+        q = self.queries.shape[2]
+        return sum(self._probs(i, min(i + QUERY_CHUNK, q)).sum(2) for i in range(0, q, QUERY_CHUNK))
+
+    def per_kv_head(self, per_query_head: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, T]`` averaged over the query heads of each KV head: ``[B, Hkv, T]``."""
+        b, _, t = per_query_head.shape
+        return per_query_head.view(b, -1, self.groups, t).mean(2)
+
+
+@dataclass
+class Policy(ABC):
+    """Which stored tokens a selective cache keeps.
+
+    ``decodes``: the policy can score during decode (one query per step), so a token ``budget``
+    bounds the cache while generating; SnapKV and PyramidKV score with a window of prefill queries
+    and compress prefills only. ``accumulates``: the policy scores with the attention mass each
+    token received over all steps so far (H2O), which the store keeps alongside the tokens.
+    """
+
+    decodes: ClassVar[bool] = True
+    accumulates: ClassVar[bool] = False
+
+    @abstractmethod
+    def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
+        """``[B, Hkv, T]`` scores of the stored tokens, higher = kept; ``kept`` tokens will stay and
+        ``accumulated`` ``[B, Hkv, T]`` is the attention mass received so far (``accumulates``)."""
+
+    def layer_budget(self, kept: int, seen: int, obs: Observation) -> int:
+        """Tokens this layer keeps when ``kept`` is the cache-wide target (PyramidKV varies it by layer)."""
+        return kept
+
+
+def protect_last(scores: torch.Tensor, n: int) -> torch.Tensor:
+    """``scores`` with the last ``n`` tokens above every other (always kept)."""
+    if n > 0:
+        scores[..., -n:] = scores.max() + 1 if scores.numel() else 0
+    return scores
+
+
+def check_positive(key: str, value: int, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(key, value, f"an integer >= {minimum}")

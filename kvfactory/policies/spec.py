@@ -1,0 +1,88 @@
+"""What a config asks of eviction: the policy, its hyperparameters and the budget.
+
+In a composite config: ``{"name": "selective", "policy": "snapkv", "compression_ratio": 0.75}``
+or ``{"name": "selective", "policy": "h2o", "budget": 1024}``, plus the policy's own
+hyperparameters (``window_size``, ``n_sink``, ...) under their names.
+
+- ``compression_ratio`` (kvpress's definition: the fraction evicted) compresses prefills: after a
+  multi-token forward each layer keeps ``int(seen * (1 - ratio))`` tokens. It stops at the first
+  decode step, or at ``cache.end_prefill()`` (a question fed after the compressed context is not
+  compressed, as in kvpress's pipeline); decode then grows the cache.
+- ``budget`` (tokens kept per layer; a list gives one per layer) is a hard bound: prefills and
+  prefill chunks are compressed to it, and with a policy that scores single steps (all but SnapKV
+  and PyramidKV) decode evicts back to it whenever ``slack`` more tokens have arrived (default: one
+  page for paged storage, 16 tokens for dense), so a long generation runs in constant memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfactory.errors import ConfigError
+from kvfactory.options import describe, options_of, type_ok
+from kvfactory.policies import POLICIES, Policy
+
+SELECTIVE = "selective"  # the composite entry's name
+DENSE_SLACK = 16
+
+
+@dataclass(frozen=True)
+class SelectiveSpec:
+    """A validated ``selective`` entry; ``build_policy()`` makes a fresh policy for one layer."""
+
+    policy: str
+    compression_ratio: float | None = None
+    budget: int | tuple[int, ...] | None = None
+    slack: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.compression_ratio is None) == (self.budget is None):
+            raise ConfigError("compression_ratio", self.compression_ratio,
+                              "exactly one of compression_ratio (fraction evicted) and budget (tokens kept)")
+        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
+            raise ConfigError("compression_ratio", self.compression_ratio, "a fraction in [0, 1)")
+        budgets = self.budget if isinstance(self.budget, tuple) else (self.budget,)
+        if self.budget is not None and not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                               for b in budgets):
+            raise ConfigError("budget", self.budget,
+                              "tokens kept per layer: an integer >= 1 or a list of them")
+        if self.slack is not None and (not isinstance(self.slack, int) or self.slack < 0):
+            raise ConfigError("slack", self.slack, "an integer >= 0 (tokens decoded between evictions)")
+        self.build_policy()
+
+    @classmethod
+    def parse(cls, options: dict[str, Any], where: str = "") -> SelectiveSpec:
+        options = dict(options)
+        name = options.pop("policy", None)
+        if name not in POLICIES:
+            raise ConfigError(f"{where}policy", name, f"one of {sorted(POLICIES)}")
+        own = {"compression_ratio", "budget", "slack"}
+        hyper = options_of(POLICIES[name])
+        for key, value in options.items():
+            if key not in own and key not in hyper:
+                raise ConfigError(f"{where}{key}", value, f"options of selective '{name}': "
+                                                          f"{sorted(own | set(hyper))}")
+            if key in hyper and not type_ok(value, hyper[key]):
+                raise ConfigError(f"{where}{key}", value, describe(hyper[key]))
+        if isinstance(options.get("budget"), list):
+            options["budget"] = tuple(options["budget"])
+        try:
+            return cls(name, **{k: v for k, v in options.items() if k in own},
+                       options={k: v for k, v in options.items() if k in hyper})
+        except (ConfigError, TypeError) as exc:
+            if isinstance(exc, TypeError):
+                raise ConfigError(f"{where}policy", name, str(exc)) from None
+            raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
+
+    def build_policy(self) -> Policy:
+        return POLICIES[self.policy](**self.options)
+
+    def layer_target(self, layer_idx: int, num_layers: int) -> int | None:
+        """This layer's token budget (None: compression by ratio)."""
+        if isinstance(self.budget, tuple):
+            if len(self.budget) != num_layers:
+                raise ConfigError("budget", list(self.budget), f"one budget per layer: {num_layers} integers")
+            return self.budget[layer_idx]
+        return self.budget

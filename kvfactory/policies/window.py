@@ -1,0 +1,29 @@
+"""Sliding window with optional attention sinks: keep the first ``n_sink`` and the most recent tokens.
+
+The seed's "keep the first N and the last M" (seed 004's ``SelectiveKVCache``) is this policy with
+``n_sink = N`` and a budget of ``N + M``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfactory.policies.base import Observation, Policy, check_positive
+
+
+@dataclass
+class WindowPolicy(Policy):
+    """The most recent tokens, plus the ``n_sink`` oldest ones."""
+
+    n_sink: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive("n_sink", self.n_sink, minimum=0)
+
+    def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
+        b, h, t, _ = obs.keys.shape
+        order = torch.arange(t, device=obs.keys.device, dtype=torch.float32)
+        order[:self.n_sink] += t  # sinks above every recent token
+        return order.expand(b, h, t)

@@ -1,0 +1,38 @@
+"""Eviction on the embedded model: what a policy keeps decides what the model can still answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfactory import KVCacheFactory
+from kvfactory.eval.data import passkey_prompts
+
+pytestmark = pytest.mark.slow
+
+
+def answer(model, tokenizer, prompt: str, config: dict | None) -> tuple[str, object]:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    cache = KVCacheFactory(model.config, config or {"type": "dense"}).create_cache()
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:]), cache
+
+
+def selective(policy: str, **options) -> dict:
+    return {"type": "composite", "strategies": [{"name": "paged", "page_size": 16},
+                                                {"name": "selective", "policy": policy, **options}]}
+
+
+def test_query_aware_snapkv_keeps_the_passkey_a_recency_window_loses(smollm2) -> None:
+    """With the question inside the prefill, SnapKV's observation window finds the key line and keeps
+    it at 75 % compression; a sliding window of the same size has evicted it."""
+    model, tokenizer = smollm2
+    record = passkey_prompts(tokenizer, 1024, [0.3], keys_per_depth=1)[0]
+    full, _ = answer(model, tokenizer, record.prompt, None)
+    assert record.answer in full  # the task works with every token kept
+    snap, cache = answer(model, tokenizer, record.prompt, selective("snapkv", compression_ratio=0.75))
+    assert record.answer in snap
+    assert cache.size(0) <= 0.25 * record.prompt_tokens + 8
+    window, _ = answer(model, tokenizer, record.prompt, selective("window", budget=cache.size(0)))
+    assert record.answer not in window
