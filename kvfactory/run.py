@@ -191,7 +191,8 @@ def _same_prefix(generated: torch.Tensor, reference: torch.Tensor) -> int:
     return int(differs[0, 0]) if differs.numel() else generated.shape[1]
 
 
-def _lossy(config: dict[str, Any] | None) -> bool:
+def lossy(config: dict[str, Any] | None) -> bool:
+    """Quantized or evicting: tokens may drift from the baseline's."""
     parsed = None if config is None else parse_config(config)
     return parsed is not None and (parsed.quantization is not None or parsed.selective is not None)
 
@@ -213,7 +214,7 @@ def _print(console: Console, report: dict[str, Any], rows: list[ConfigResult]) -
         elif r.equal:
             same = "yes"
         else:  # lossy configs may drift: say after how many tokens; lossless ones must not
-            same = f"{r.same_prefix}/{report['new_tokens']}" if _lossy(r.config) else "[red]NO[/red]"
+            same = f"{r.same_prefix}/{report['new_tokens']}" if lossy(r.config) else "[red]NO[/red]"
         table.add_row(escape(r.name), format_bytes(r.kv_bytes), f"{r.bytes_per_token:,.0f}",
                       f"{r.prefill_s:.2f}", f"{r.decode_tokens_per_s:.2f}", f"{r.speed_ratio:.2f}", same,
                       escape(" ".join(r.answer.split())))

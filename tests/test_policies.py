@@ -329,3 +329,15 @@ def test_prefill_in_chunks_bounds_the_peak_by_budget_plus_chunk() -> None:
     assert chunked.memory_report()["allocated"] == layers * slot * budget
     with pytest.raises(ConfigError, match="chunk_size"):
         prefill_in_chunks(model, random_prompt(4), chunked, chunk_size=0)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_prompts_shorter_than_a_window_compress(policy: str) -> None:
+    model = llama()
+    with attn_implementation(model, "kvfactory"):
+        for length in (1, 2, 3):
+            cache = KVCacheFactory(model.config, selective(policy, compression_ratio=0.5, window_size=64)
+                                   if policy in SMALL_WINDOWS else selective(policy, compression_ratio=0.5)
+                                   ).create_cache()
+            generate(model, {"input_ids": random_prompt(length)}, cache, max_new_tokens=3)
+            assert cache.get_seq_length() == length + 2

@@ -34,8 +34,8 @@ class SnapKVPolicy(Policy):
             raise ConfigError("kernel_size", self.kernel_size, "an odd integer (a centred pooling window)")
 
     def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
-        window = min(self.window_size, obs.queries.shape[2])
         b, hq, t = obs.queries.shape[0], obs.queries.shape[1], obs.keys.shape[2]
+        window = min(self.window_size, obs.queries.shape[2], t - 1)  # short prompts: a shorter window
         weights = obs.attention(window)[..., :t - window].mean(2)  # [B, Hq, T - window]
         pooled = F.avg_pool1d(weights.reshape(b * hq, 1, -1), self.kernel_size, stride=1,
                               padding=self.kernel_size // 2).view(b, hq, -1)
