@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -54,7 +54,14 @@ class DeferredRead(ABC):
         """The whole K/V ``[B, Hkv, length, D]``, as a non-deferred read returns it."""
 
 
-Observer = Callable[[torch.Tensor, "torch.Tensor | None", float], None]
+class Observer(Protocol):
+    """A layer store that takes part in its attention call (a selective store, ``kvfactory.policies``)."""
+
+    def attention_mask(self, mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+        """The mask to attend with, given transformers' ``mask`` and the step's ``query``."""
+
+    def observe(self, query: torch.Tensor, scaling: float) -> None:
+        """Called once the call's output is computed."""
 
 
 class _Pending(threading.local):
@@ -70,9 +77,8 @@ _pending = _Pending()
 def defer(read: DeferredRead | None, returned_key: torch.Tensor | None = None,
           layer_idx: int | None = None, observer: Observer | None = None) -> None:
     """Leave ``read`` of layer ``layer_idx`` for the attention call that receives ``returned_key`` (what
-    ``update`` returned), and ``observer`` (a selective store's ``observe``) to be called with the
-    queries, mask and scaling once that call has computed its output; ``defer(None)`` drops what an
-    earlier update left."""
+    ``update`` returned), and ``observer`` (a selective store) to take part in that call;
+    ``defer(None)`` drops what an earlier update left."""
     _pending.read, _pending.observer = read, observer
     _pending.key, _pending.layer_idx = returned_key, layer_idx
 

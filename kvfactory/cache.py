@@ -34,6 +34,8 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: chunked attention over a deferred read, else SDPA."""
     read, observer = attention.take(key, getattr(module, "layer_idx", None))
+    if observer is not None:  # a selective layer: its stored slots decide the mask
+        attention_mask = observer.attention_mask(attention_mask, query)
     chunked = read is not None and query.shape[2] <= attention.MAX_CHUNKED_QUERY and not dropout \
         and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -45,7 +47,7 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)
     if observer is not None:  # a selective layer scores and evicts now that this step has attended
-        observer(query, attention_mask, scale)
+        observer.observe(query, scale)
     return out
 
 
@@ -133,7 +135,7 @@ class KVLayer(CacheLayerMixin):
         else:
             keys, values = self.store.gather()
         if deferred:  # with no read, this drops what an earlier update left pending
-            observer = None if self.is_sliding else getattr(self.store, "observe", None)
+            observer = None if self.is_sliding or not hasattr(self.store, "observe") else self.store
             attention.defer(read, keys, self.store.layer_idx, observer)
         if self.is_sliding and self.record_past:
             visible = self.sliding_window - 1 + key_states.shape[-2]

@@ -14,7 +14,7 @@ from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.policies import POLICIES, Observation
 from kvfactory.policies.h2o import H2OPolicy
 from kvfactory.policies.knorm import KnormPolicy
-from kvfactory.policies.selective import PaddedBatchError, SelectiveStore
+from kvfactory.policies.selective import SelectiveStore
 from kvfactory.policies.snapkv import SnapKVPolicy
 from kvfactory.policies.spec import SelectiveSpec
 from kvfactory.policies.tova import TOVAPolicy
@@ -208,23 +208,25 @@ def test_chunks_are_compressed_to_the_budget_as_they_arrive() -> None:
     assert peak == budget and cache.get_seq_length() == PROMPT
 
 
-def test_unpadded_batches_equal_each_row_alone() -> None:
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("budget", ["ratio", "budget"])
+def test_a_left_padded_batch_equals_each_row_alone(policy: str, budget: str) -> None:
+    """Each row keeps what it would keep alone: same tokens, logits within float noise."""
     model = llama()
-    rows = torch.cat([random_prompt(PROMPT, seed=s) for s in (1, 2)])
+    lengths = [40, 31, 12, 36]  # the short row stays under the budget: it evicts later than the others
+    batch = left_padded_batch(lengths, seed=11)
+    options = {"compression_ratio": 0.5} if budget == "ratio" else {"budget": 16, "slack": 3}
     with attn_implementation(model, "kvfactory"):
-        make = KVCacheFactory(model.config, selective("h2o", budget=16, slack=2)).create_cache
-        both = generate(model, {"input_ids": rows}, make(), max_new_tokens=10)
-        for i in range(2):
-            alone = generate(model, {"input_ids": rows[i:i + 1]}, make(), max_new_tokens=10)
-            assert torch.equal(both.sequences[i], alone.sequences[0])
-
-
-def test_left_padded_batches_are_refused_not_misread() -> None:
-    model = llama()
-    with attn_implementation(model, "kvfactory"):
-        cache = KVCacheFactory(model.config, selective("snapkv", compression_ratio=0.5)).create_cache()
-        with pytest.raises(PaddedBatchError, match="padded"):
-            generate(model, left_padded_batch([30, 20]), cache)
+        make = KVCacheFactory(model.config, selective(policy, "paged", **options)).create_cache
+        together = generate(model, batch, make(), max_new_tokens=12)
+        for row, n in enumerate(lengths):
+            alone = generate(model, {"input_ids": batch["input_ids"][row:row + 1, -n:]}, make(),
+                             max_new_tokens=12)
+            generated = alone.sequences[0, n:]  # may stop early at EOS; the batch row pads after it
+            ours = together.sequences[row, max(lengths):][:generated.numel()]
+            assert torch.equal(ours, generated), (row, n)
+            for step_together, step_alone in zip(together.logits, alone.logits, strict=False):
+                torch.testing.assert_close(step_together[row], step_alone[0], atol=1e-4, rtol=0)
 
 
 # -- each method against its definition -------------------------------------------------------
@@ -298,7 +300,8 @@ def test_h2o_accumulates_attention_over_every_step() -> None:
         keys_seen = torch.cat([keys_seen, k], 2)
         obs = Observation(keys_seen, query, 0.5, 0, 1)
         mass = torch.cat([mass, torch.zeros(1, 2, q)], -1) + obs.per_kv_head(full_attention(obs).sum(2))
-        store.observe(query, None, 0.5)
+        store.attention_mask(None, query)
+        store.observe(query, 0.5)
         assert store.size() == min(10, keys_seen.shape[2])
         if store.size() < keys_seen.shape[2]:  # evicted: the same heavy hitters + recent as the definition
             recent = 5

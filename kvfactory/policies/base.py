@@ -25,9 +25,11 @@ class Observation:
     """One layer's attention call as a policy sees it, after this step's tokens were stored.
 
     ``keys`` ``[B, Hkv, T, D]`` are everything stored, the step's ``q`` new tokens last;
-    ``queries`` ``[B, Hq, q, D]`` are the step's queries (after RoPE, as attention used them).
-    Attention weights are computed on demand for the queries a policy needs, a block of queries at
-    a time, never as a full ``[q, T]`` matrix of a long prefill.
+    ``queries`` ``[B, Hq, q, D]`` are the step's queries (after RoPE, as attention used them);
+    ``valid`` ``[B, Hkv, T]`` marks stored slots that hold real tokens (False: left padding, or a
+    slot kept only to give every row the same length), None when all do. Attention weights are
+    computed on demand for the queries a policy needs, a block of queries at a time, never as a
+    full ``[q, T]`` matrix of a long prefill; invalid keys get no weight and padding queries none.
     """
 
     keys: torch.Tensor
@@ -35,6 +37,13 @@ class Observation:
     scaling: float
     layer_idx: int
     num_layers: int
+    valid: torch.Tensor | None = None
+
+    def row(self, b: int) -> Observation:
+        """Batch row ``b`` alone."""
+        valid = None if self.valid is None else self.valid[b:b + 1]
+        return Observation(self.keys[b:b + 1], self.queries[b:b + 1], self.scaling, self.layer_idx,
+                           self.num_layers, valid)
 
     @property
     def groups(self) -> int:
@@ -49,7 +58,11 @@ class Observation:
         scores = (queries @ self.keys.transpose(-1, -2)).view(b, hkv * self.groups, last - first, t)
         visible = torch.arange(first, last, device=scores.device)[:, None] + (t - q)
         scores.mul_(self.scaling).masked_fill_(torch.arange(t, device=scores.device) > visible, float("-inf"))
-        return scores.softmax(-1)
+        if self.valid is None:
+            return scores.softmax(-1)
+        keys_valid = self.valid.repeat_interleave(self.groups, dim=1)[:, :, None, :]
+        probs = scores.masked_fill_(~keys_valid, float("-inf")).softmax(-1).nan_to_num_(0.0)
+        return probs * keys_valid[:, :, 0, t - q + first:t - q + last, None]  # padding queries: no weight
 
     def attention(self, last: int) -> torch.Tensor:
         """Weights of the last ``last`` queries over every stored token: ``[B, Hq, last, T]``."""
@@ -85,16 +98,21 @@ class Policy(ABC):
         """``[B, Hkv, T]`` scores of the stored tokens, higher = kept; ``kept`` tokens will stay and
         ``accumulated`` ``[B, Hkv, T]`` is the attention mass received so far (``accumulates``)."""
 
-    def layer_budget(self, kept: int, seen: int, obs: Observation) -> int:
-        """Tokens this layer keeps when ``kept`` is the cache-wide target (PyramidKV varies it by layer)."""
+    def layer_budget(self, kept: int, stored: int, layer_idx: int, num_layers: int) -> int:
+        """Tokens this layer keeps of ``stored`` when ``kept`` is the cache-wide target (PyramidKV
+        varies it with depth)."""
         return kept
 
 
-def protect_last(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """``scores`` with the last ``n`` tokens above every other (always kept)."""
-    if n > 0:
-        scores[..., -n:] = scores.max() + 1 if scores.numel() else 0
-    return scores
+def protect_last(scores: torch.Tensor, n: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores`` with the last ``n`` real tokens (``valid`` slots) above every other (always kept)."""
+    if n <= 0 or not scores.numel():
+        return scores
+    if valid is None:
+        scores[..., -n:] = scores.max() + 1
+        return scores
+    from_end = valid.flip(-1).cumsum(-1).flip(-1)  # real tokens at or after each slot
+    return scores.masked_fill(valid & (from_end <= n), float(scores.max()) + 1)
 
 
 def check_positive(key: str, value: int, minimum: int = 1) -> None:

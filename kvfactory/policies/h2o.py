@@ -28,4 +28,4 @@ class H2OPolicy(Policy):
             raise ConfigError("recent_fraction", self.recent_fraction, "a fraction of the budget in [0, 1]")
 
     def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
-        return protect_last(accumulated.clone(), int(kept * self.recent_fraction))
+        return protect_last(accumulated.clone(), int(kept * self.recent_fraction), obs.valid)

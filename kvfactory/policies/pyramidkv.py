@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfactory.policies.base import Observation, check_positive
+from kvfactory.policies.base import check_positive
 from kvfactory.policies.snapkv import SnapKVPolicy
 
 
@@ -24,8 +24,8 @@ class PyramidKVPolicy(SnapKVPolicy):
         super().__post_init__()
         check_positive("beta", self.beta)
 
-    def layer_budget(self, kept: int, seen: int, obs: Observation) -> int:
-        stored, window = obs.keys.shape[2], self.window_size
+    def layer_budget(self, kept: int, stored: int, layer_idx: int, num_layers: int) -> int:
+        window = self.window_size
         low = kept / self.beta
         high = 2 * kept - low
         if high >= stored - window:
@@ -33,5 +33,5 @@ class PyramidKVPolicy(SnapKVPolicy):
             low = 2 * kept - high
         if not stored >= high >= low >= window:
             return kept  # too short to shape: every layer keeps the target
-        steps = (high - low) / max(obs.num_layers - 1, 1)
-        return round(high - obs.layer_idx * steps)
+        steps = (high - low) / max(num_layers - 1, 1)
+        return round(high - layer_idx * steps)

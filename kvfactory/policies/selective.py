@@ -1,11 +1,16 @@
 """The ``selective`` strategy: a layer store that evicts what its policy scores lowest.
 
-``SelectiveStore`` wraps the config's storage (dense, paged, quantized) and decides after each
-attention call of its layer (kvfactory's attention function calls ``observe`` once the layer's
-output is computed, so eviction never changes what this step attends to). It keeps the same number
-of tokens in every KV head, chosen per row and head, through the inner store's ``keep``: dense
-storage copies the kept tokens into a smaller buffer, paged storage compacts each row's blocks and
-gives emptied blocks back to the pool, so evicted memory is really freed.
+``SelectiveStore`` wraps the config's storage (dense, paged, quantized). kvfactory's attention
+function hands it each attention call of its layer: ``attention_mask`` before attending (it
+records which new slots are real tokens and, once a batch has shown padding, supplies the mask
+itself, since transformers' mask cannot know which stored slots survived), ``observe`` after the
+layer's output is computed (so eviction never changes what this step attends to).
+
+Every row and KV head keeps its own choice of tokens, the same number in every head, through the
+inner store's ``keep``: dense storage copies the kept tokens into a smaller buffer, paged storage
+compacts each row's blocks and gives emptied blocks back to the pool, so evicted memory is really
+freed. In a batch each row keeps what it would keep alone (its own real tokens and targets); rows
+that keep fewer than the longest are filled with masked slots.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kvfactory.errors import ShapeError
 from kvfactory.policies.base import Observation, Policy
 from kvfactory.policies.spec import DENSE_SLACK, SelectiveSpec
 from kvfactory.storage.base import LayerStore, MemoryReport, take_tokens
@@ -22,8 +26,13 @@ from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
 
 
-class PaddedBatchError(ShapeError):
-    """A left-padded batch reached a selective cache, which does not handle padding yet."""
+def visible_columns(mask: torch.Tensor | None, query_len: int, batch: int,
+                    device: torch.device) -> torch.Tensor:
+    """Which of the step's new tokens are real, from the attention mask's last query row: ``[B, q]``."""
+    if mask is None:
+        return torch.ones(batch, query_len, dtype=torch.bool, device=device)
+    last = mask[:, 0, -1, -query_len:]
+    return last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
 
 
 class SelectiveStore(LayerStore):
@@ -33,8 +42,11 @@ class SelectiveStore(LayerStore):
         self.inner, self.policy, self.spec, self.num_layers = inner, policy, spec, num_layers
         self.seen = 0
         self.prefill_open = True
+        self.valid: torch.Tensor | None = None  # [B, Hkv, T]: slot holds a real token
+        self.seen_rows: torch.Tensor | None = None  # [B] real tokens seen per row
+        self.padded = False  # a padded batch was seen: attention masks come from ``valid``
         self.accumulated: torch.Tensor | None = None  # [B, Hkv, T] attention mass (policy.accumulates)
-        self.evicted = 0  # tokens evicted per row and head, all steps
+        self.evicted = 0  # slots evicted per row and head, all steps
         self.peak_bytes = 0  # the most this layer held, right before an eviction
         if isinstance(inner, DenseStore):  # a bounded cache needs no growth headroom
             inner.growth, inner.reserve_tokens = 1.0, min(inner.reserve_tokens, self.slack)
@@ -61,9 +73,11 @@ class SelectiveStore(LayerStore):
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.inner.append(key, value)
         self.seen += key.shape[2]
+        fresh = key.new_ones((*key.shape[:3],), dtype=torch.bool)
+        self.valid = fresh if self.valid is None else torch.cat([self.valid, fresh], -1)
         if self.policy.accumulates:
-            fresh = key.new_zeros((*key.shape[:2], key.shape[2]), dtype=torch.float32)
-            self.accumulated = fresh if self.accumulated is None else torch.cat([self.accumulated, fresh], -1)
+            zeros = key.new_zeros((*key.shape[:3],), dtype=torch.float32)
+            self.accumulated = zeros if self.accumulated is None else torch.cat([self.accumulated, zeros], -1)
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.gather()
@@ -77,26 +91,34 @@ class SelectiveStore(LayerStore):
 
     def clear(self) -> None:
         self.inner.clear()
-        self.seen, self.prefill_open, self.accumulated, self.evicted, self.peak_bytes = 0, True, None, 0, 0
+        self.seen, self.prefill_open, self.padded, self.evicted, self.peak_bytes = 0, True, False, 0, 0
+        self.valid = self.seen_rows = self.accumulated = None
 
     def keep(self, index: torch.Tensor) -> None:
         self.inner.keep(index)
-        if self.accumulated is not None:
-            self.accumulated = take_tokens(self.accumulated.unsqueeze(-1), index).squeeze(-1)
+        self.valid = self._take(self.valid, index)
+        self.accumulated = self._take(self.accumulated, index)
+
+    @staticmethod
+    def _take(per_slot: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+        return None if per_slot is None else take_tokens(per_slot.unsqueeze(-1), index).squeeze(-1)
 
     def drop_front(self, n: int) -> None:
         self.keep(torch.arange(min(n, self.size()), self.size()))
 
     def truncate(self, n: int) -> None:
+        n = max(0, n)
         self.inner.truncate(n)
-        if self.accumulated is not None:
-            self.accumulated = self.accumulated[..., :max(0, n)]
-        self.seen = min(self.seen, self.evicted + max(0, n))
+        self.valid = None if self.valid is None else self.valid[..., :n]
+        self.accumulated = None if self.accumulated is None else self.accumulated[..., :n]
+        self.seen = min(self.seen, self.evicted + n)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.inner.select_rows(rows)
-        if self.accumulated is not None:
-            self.accumulated = self.accumulated.index_select(0, rows.to(self.accumulated.device))
+        for name in ("valid", "accumulated", "seen_rows"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, rows.to(value.device)))
 
     def memory_report(self) -> MemoryReport:
         return self.inner.memory_report()
@@ -107,49 +129,84 @@ class SelectiveStore(LayerStore):
     def deferred_read(self) -> Any:
         return self.inner.deferred_read()
 
-    # -- eviction ---------------------------------------------------------------------------
+    # -- attention and eviction -------------------------------------------------------------
     def end_prefill(self) -> None:
         """Stop compressing prefills by ratio: what comes next (a question) is kept whole."""
         self.prefill_open = False
 
-    def _target(self, new_tokens: int) -> int | None:
-        """Tokens this layer should hold after a step of ``new_tokens``, or None to keep all."""
+    def attention_mask(self, mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+        """The mask this step attends with: transformers' own until a batch shows padding, then one
+        built from ``valid`` (real stored tokens, causal among the step's own)."""
+        b, hq, q, _ = query.shape
+        real = visible_columns(mask, q, b, query.device)
+        self.valid[..., -q:] &= real[:, None, :]
+        seen = real.sum(-1)
+        self.seen_rows = seen if self.seen_rows is None else self.seen_rows + seen
+        self.padded = self.padded or not bool(real.all())
+        if not self.padded:
+            return mask
+        t = self.valid.shape[-1]
+        rows = torch.arange(q, device=query.device)[:, None] + (t - q)
+        slots = torch.arange(t, device=query.device)
+        keys = self.valid.repeat_interleave(hq // self.valid.shape[1], dim=1)[:, :, None, :]
+        return (keys & (slots <= rows)) | (slots == rows)  # a padding query sees itself: no empty row
+
+    def _targets(self, new_tokens: int) -> torch.Tensor | None:
+        """Real tokens each row should hold after a step of ``new_tokens`` (``[B]``), or None."""
         budget = self.spec.layer_target(self.layer_idx, self.num_layers)
+        counts = self.valid[:, 0].sum(-1)
         if new_tokens == 1:
             self.prefill_open = False
-            if budget is None or not self.policy.decodes or self.size() <= budget + self.slack:
+            if budget is None or not self.policy.decodes or int(counts.max()) <= budget + self.slack:
                 return None
-            return budget
+            return torch.where(counts > budget + self.slack, budget, counts)
         if budget is not None:
-            return budget
-        if not self.prefill_open:
+            targets = torch.full_like(counts, budget)
+        elif self.prefill_open:
+            keep = 1 - self.spec.compression_ratio
+            targets = torch.tensor([max(1, int(n * keep)) for n in self.seen_rows.tolist()])
+        else:
             return None
-        return max(1, int(self.seen * (1 - self.spec.compression_ratio)))
+        targets = torch.tensor([self.policy.layer_budget(int(k), int(n), self.layer_idx, self.num_layers)
+                                for k, n in zip(targets.tolist(), counts.tolist(), strict=True)])
+        return torch.minimum(targets.to(counts.device), counts)
 
-    def observe(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> None:
+    def observe(self, query: torch.Tensor, scaling: float) -> None:
         """After this layer's attention over the step's ``query`` ``[B, Hq, q, D]``: accumulate what
-        the policy tracks and evict down to the target."""
-        if attention_mask is not None:
-            last = attention_mask[..., -1, :]
-            visible = last if last.dtype == torch.bool else last == 0
-            if not bool(visible.all()):
-                raise PaddedBatchError(
-                    f"layer {self.layer_idx}: the batch has padded (masked) tokens; selective policies "
-                    f"support unpadded batches only for now: run each sequence alone or use equal lengths")
+        the policy tracks and evict down to each row's target."""
         self.peak_bytes = max(self.peak_bytes, self.inner.memory_report().allocated)
-        target = self._target(query.shape[2])
-        if target is None and not self.policy.accumulates:
+        targets = self._targets(query.shape[2])
+        if targets is None and not self.policy.accumulates:
             return
         keys, _ = self.inner.gather()
-        obs = Observation(keys, query, scaling, self.layer_idx, self.num_layers)
+        obs = Observation(keys, query, scaling, self.layer_idx, self.num_layers,
+                          self.valid if self.padded or not bool(self.valid.all()) else None)
         if self.policy.accumulates:
             self.accumulated += obs.per_kv_head(obs.attention_mass())
-        if target is None:
+        if targets is None:
             return
-        kept = self.policy.layer_budget(target, self.seen, obs)
-        if self.size() <= kept:
+        kept = int(targets.max())
+        if kept >= self.size():
             return
-        scores = self.policy.scores(obs, self.accumulated, kept)
-        index = scores.topk(kept, dim=-1).indices.sort(-1).values
+        self._evict(obs, targets, kept)
+
+    def _evict(self, obs: Observation, targets: torch.Tensor, kept: int) -> None:
+        """Keep ``kept`` slots per row and head: each row's ``targets`` best real tokens, then masked
+        filler (the row's next best slots) where its target is smaller."""
+        if bool((targets == kept).all()):
+            scores = self.policy.scores(obs, self.accumulated, kept)
+        else:  # per-row targets change what a policy protects (recent window, observation window)
+            scores = torch.cat([self.policy.scores(obs.row(b), self._row(self.accumulated, b), int(k))
+                                for b, k in enumerate(targets.tolist())])
+        scores = scores.float().masked_fill(~self.valid, float("-inf"))
+        order = scores.argsort(dim=-1, descending=True, stable=True)[..., :kept]
+        ranks = torch.arange(kept, device=order.device)
+        chosen = (ranks < targets.to(order.device)[:, None, None]).expand_as(order)
+        index, position = order.sort(-1)
         self.evicted += self.size() - kept
         self.keep(index)
+        self.valid = chosen.gather(-1, position)
+
+    @staticmethod
+    def _row(per_slot: torch.Tensor | None, b: int) -> torch.Tensor | None:
+        return None if per_slot is None else per_slot[b:b + 1]

@@ -40,4 +40,4 @@ class SnapKVPolicy(Policy):
         pooled = F.avg_pool1d(weights.reshape(b * hq, 1, -1), self.kernel_size, stride=1,
                               padding=self.kernel_size // 2).view(b, hq, -1)
         scores = torch.cat([obs.per_kv_head(pooled), pooled.new_zeros(b, obs.keys.shape[1], window)], -1)
-        return protect_last(scores, window)
+        return protect_last(scores, window, obs.valid)

@@ -20,4 +20,4 @@ class TOVAPolicy(Policy):
 
     def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
         weights = obs.attention(1)[:, :, 0].mean(1, keepdim=True)  # [B, 1, T]
-        return protect_last(weights.expand(-1, obs.keys.shape[1], -1).clone(), 1)
+        return protect_last(weights.expand(-1, obs.keys.shape[1], -1).clone(), 1, obs.valid)

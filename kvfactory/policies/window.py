@@ -24,6 +24,7 @@ class WindowPolicy(Policy):
 
     def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
         b, h, t, _ = obs.keys.shape
-        order = torch.arange(t, device=obs.keys.device, dtype=torch.float32)
-        order[:self.n_sink] += t  # sinks above every recent token
-        return order.expand(b, h, t)
+        order = torch.arange(t, device=obs.keys.device, dtype=torch.float32).expand(b, h, t)
+        valid = obs.valid if obs.valid is not None else order.new_ones((b, h, t), dtype=torch.bool)
+        sinks = valid & (valid.cumsum(-1) <= self.n_sink)  # the first real tokens, after any padding
+        return order + sinks * t  # sinks above every recent token
