@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from decode import DATA
+from rich.console import Console
 from rich.progress import Progress
 from transformers import DynamicCache
 
@@ -78,7 +79,7 @@ def bounded_decode(model, tokenizer, args) -> dict[str, Any]:
                             "prompt_tokens": prompt.shape[1], "bound_bytes": bound}
     makers = {"dynamic": lambda: DynamicCache(config=model.config)}
     makers |= {p: KVCacheFactory(model.config, config(p, args.budget)).create_cache for p in args.policies}
-    with Progress() as progress:
+    with Progress(console=Console(stderr=True)) as progress:  # stdout carries the JSON
         for name, make in makers.items():
             task = progress.add_task(f"decode {name}", total=args.new_tokens)
             cache = make()

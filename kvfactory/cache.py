@@ -272,6 +272,14 @@ class KVCache(Cache):
             report |= {"residual": residual.allocated, "residual_tokens": residual.tokens}
         return report
 
+    def end_prefill(self) -> None:
+        """Close the prompt: selective caches compressing by ratio keep what comes next (a question
+        fed after the compressed context) whole."""
+        for layer in self.layers:
+            end = getattr(layer.store, "end_prefill", None)
+            if end is not None:
+                end()
+
     def quantization_error(self) -> dict[int, dict[str, float]]:
         """Per quantized layer: the relative MSE of its stored keys and values (sampled on writes)."""
         return {i: layer.store.quantization_error() for i, layer in enumerate(self.layers)

@@ -149,6 +149,9 @@ def eval_(
              "merged into the report")] = None,
     prompts_only: Annotated[bool, typer.Option(
         help="only write OUT/prompts.jsonl (the prompts the run would use, for peers), then stop")] = False,
+    question: Annotated[str, typer.Option(
+        help="passkey/needle: the question 'inside' the prompt a cache compresses, or fed 'after' the "
+             "compressed context (kvpress's pipeline; compare kvpress rows in this setting)")] = "inside",
 ) -> None:
     """Evaluate caches on perplexity, passkey, needle and multi-turn recall against DynamicCache."""
     import shlex
@@ -159,7 +162,7 @@ def eval_(
     try:
         settings = command.settings_from_options(
             _csv(context, int, "--context"), None if depths is None else _csv(depths, float, "--depths"),
-            samples, ppl_tokens)
+            samples, ppl_tokens, question)
         task_list = runner.parse_tasks(tasks)
         specs = runner.resolve_caches(cache or [])
     except ValueError as exc:

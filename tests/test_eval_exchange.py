@@ -75,10 +75,24 @@ def _write(path, rows) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def after_results() -> dict:
+    """A run scored with the question fed after the compressed context, as kvpress scores."""
+    results = {k: v for k, v in pipeline_results().items() if k != "_units"}
+    return results | {"settings": results["settings"] | {"question": "after"}}
+
+
+def test_kvpress_rows_merge_only_into_a_question_after_run(tmp_path, prompts_file):
+    peer = tmp_path / "kvpress.jsonl"
+    _write(peer, _peer_rows(prompts_file))
+    inside = {k: v for k, v in pipeline_results().items() if k != "_units"}
+    with pytest.raises(exchange.PeerResultsError, match="--question after"):
+        exchange.merge_peer_rows(inside, peer, prompts_file)
+
+
 def test_merge_aggregates_peer_rows_against_their_own_baseline(tmp_path, prompts_file):
     peer = tmp_path / "kvpress.jsonl"
     _write(peer, _peer_rows(prompts_file))
-    results = {k: v for k, v in pipeline_results().items() if k != "_units"}
+    results = after_results()
     merged = exchange.merge_peer_rows(results, peer, prompts_file)
     assert results["rows"] is not merged["rows"] and "peer_results" not in results  # a new dict
     names = [c["name"] for c in merged["configs"]]
@@ -120,13 +134,13 @@ def test_merge_rejects_rows_that_do_not_answer_this_run(tmp_path, prompts_file, 
     change(rows)
     peer = tmp_path / "kvpress.jsonl"
     _write(peer, rows)
-    results = {k: v for k, v in pipeline_results().items() if k != "_units"}
+    results = after_results()
     with pytest.raises(exchange.PeerResultsError, match=message):
         exchange.merge_peer_rows(results, peer, prompts_file)
 
 
 def test_unreadable_peer_files(tmp_path, prompts_file):
-    results = {"configs": [], "rows": []}
+    results = {"configs": [], "rows": [], "settings": {"question": "after"}}
     with pytest.raises(exchange.PeerResultsError, match="cannot read peer results"):
         exchange.merge_peer_rows(results, tmp_path / "missing.jsonl", prompts_file)
     bad = tmp_path / "bad.jsonl"

@@ -15,7 +15,7 @@ def test_protocol_and_defaults() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"depths": (1.5,)}, {"depths": ()}, {"keys_per_depth": 0},
-                                    {"contexts": (0,)}, {"facts": 0}])
+                                    {"contexts": (0,)}, {"facts": 0}, {"question": "before"}])
 def test_bad_settings(kwargs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         EvalSettings(**kwargs)

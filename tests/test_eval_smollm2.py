@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from kvfactory.cli import app
 
+# the question fed after the context (kvpress's setting), so kvpress rows merge into these runs
 ARGS = ["eval", "--cache", "dense", "--cache", "paged16", "--context", "384", "--depths", "0.5",
-        "--samples", "1", "--ppl-tokens", "8"]
+        "--samples", "1", "--ppl-tokens", "8", "--question", "after"]
 QUALITY = ("ppl", "accuracy", "accuracy_by_depth")
 
 

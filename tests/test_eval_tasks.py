@@ -20,6 +20,7 @@ from kvfactory.eval.data import (
     needle_prompts,
     passkey_prompts,
     perplexity_windows,
+    split_question,
 )
 from kvfactory.eval.tasks import run_multiturn, run_needle, run_passkey, run_perplexity
 from kvfactory.texts import shipped_text
@@ -82,6 +83,34 @@ def test_passkey_and_needle_on_tiny_model(model, corpus) -> None:
             assert out.prompt_tokens == prompt.prompt_tokens
             assert out.footprint.tokens_seen == prompt.prompt_tokens + out.decode_steps
             assert out.footprint.bytes > 0 and out.prefill_s > 0
+
+
+def test_the_question_after_a_compressed_context_is_kept_whole(model, corpus) -> None:
+    """kvpress's pipeline: the context is prefilled and compressed, then the question is fed; a
+    lossless cache answers the same in both settings."""
+    tok = tiny_tokenizer()
+    prompts = passkey_prompts(tok, 400, [0.5])
+    inside, after = (run_passkey(model, tok, make_cache(model, "dense"), prompts, question_after=flag)
+                     for flag in (False, True))
+    assert [r.output for r in inside] == [r.output for r in after]
+    snap = {"type": "composite", "strategies": [{"name": "dense"}, {"name": "selective", "policy": "snapkv",
+                                                                     "compression_ratio": 0.5}]}
+    caches = []
+
+    def make():
+        caches.append(KVCacheFactory(model.config, snap).create_cache())
+        return caches[-1]
+
+    model.set_attn_implementation("kvfactory")
+    try:
+        (result,) = run_passkey(model, tok, make, prompts, question_after=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    context, question = split_question(prompts[0])
+    context_tokens = len(tok(context, add_special_tokens=False).input_ids)
+    question_tokens = len(tok(question, add_special_tokens=False).input_ids)
+    assert caches[0].size(0) == context_tokens // 2 + question_tokens + result.decode_steps
+    assert caches[0].get_seq_length() == context_tokens + question_tokens + result.decode_steps
 
 
 def test_multiturn_on_tiny_model(model, corpus) -> None:

@@ -34,9 +34,9 @@ from kvfactory.eval.settings import DEFAULT, EvalSettings
 
 
 def settings_from_options(contexts: tuple[int, ...], depths: tuple[float, ...] | None, samples: int | None,
-                          ppl_tokens: int | None) -> EvalSettings:
+                          ppl_tokens: int | None, question: str = "inside") -> EvalSettings:
     """The default settings with the command line's overrides; ``ValueError`` names a bad one."""
-    overrides: dict[str, Any] = {"contexts": contexts}
+    overrides: dict[str, Any] = {"contexts": contexts, "question": question}
     if depths is not None:
         overrides["depths"] = depths
     if samples is not None:

@@ -175,6 +175,15 @@ def _largest(low: int, high: int, fits: Callable[[int], bool]) -> int:
     return low
 
 
+def split_question(prompt: RetrievalPrompt) -> tuple[str, str]:
+    """``(context, question)`` of a passkey or needle prompt: the task's question (with its answer
+    prefix) is the prompt's end, as kvpress's pipeline feeds it after the compressed context."""
+    question = {"passkey": PASSKEY_QUESTION, "needle": NEEDLE_QUESTION}[prompt.task]
+    if not prompt.prompt.endswith(question):
+        raise ValueError(f"{prompt.task} prompt (sample {prompt.sample}) does not end with its question")
+    return prompt.prompt[:-len(question)], question
+
+
 def _check_depth(depth: float) -> None:
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth {depth}: expected a fraction of the context in [0, 1]")

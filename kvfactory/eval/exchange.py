@@ -141,6 +141,10 @@ def merge_peer_rows(results: dict[str, Any], path: str | Path, prompts_path: str
     Only tasks and contexts of this run are accepted; a second file of the same peer replaces the rows
     of the first.
     """
+    if results.get("settings", {}).get("question", "inside") != "after":
+        raise PeerResultsError(f"{path}: kvpress compresses the context before the question; merge its rows "
+                               f"into a run with `--question after` (this run has the question inside the "
+                               f"compressed prompt)")
     prompts = {line["id"]: line for line in read_rows(prompts_path)}
     rows = read_rows(path)
     _check(rows, prompts, str(path))

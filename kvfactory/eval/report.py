@@ -59,6 +59,9 @@ def _sizes(s: dict[str, Any]) -> str:
     parts = [f"Contexts {', '.join(map(str, s['contexts']))}"]
     if {"passkey", "needle"} & set(s["tasks"]):
         parts.append(f"depths {', '.join(map(str, s['depths']))}")
+        where = s.get("question", "inside")
+        parts.append("the question inside the prompt each cache compresses" if where == "inside" else
+                     "the question fed after the context was compressed (kvpress's pipeline)")
     if "passkey" in s["tasks"]:
         parts.append(f"{s['keys_per_depth']} passkey key(s) per depth")
     if "needle" in s["tasks"]:

@@ -145,13 +145,13 @@ def _prompts(task: str, context: int, tokenizer: Any, corpus: data.Corpus, s: Ev
 
 
 def _run_task(task: str, model: Any, tokenizer: Any, make_cache: Callable[[], Any],
-              prompts: list[Any]) -> list:
+              prompts: list[Any], question: str = "inside") -> list:
     if task == "ppl":
         return run_perplexity(model, make_cache, prompts)
     if task == "passkey":
-        return run_passkey(model, tokenizer, make_cache, prompts)
+        return run_passkey(model, tokenizer, make_cache, prompts, question_after=question == "after")
     if task == "needle":
-        return run_needle(model, tokenizer, make_cache, prompts)
+        return run_needle(model, tokenizer, make_cache, prompts, question_after=question == "after")
     return run_multiturn(model, tokenizer, make_cache, prompts)
 
 
@@ -278,7 +278,7 @@ def run_eval(model: Any, tokenizer: Any, specs: Sequence[CacheSpec], tasks: Sequ
         if on_unit:
             on_unit((context, task, name), False)
         recorder = _Recorder(makers[name])
-        items = _run_task(task, model, tokenizer, recorder, prompt_sets[(task, context)])
+        items = _run_task(task, model, tokenizer, recorder, prompt_sets[(task, context)], settings.question)
         recorder.finish()
         items = [replace(i, footprint=f) for i, f in zip(items, recorder.footprints, strict=True)]
         unit = Unit(context, task, name, items)

@@ -36,6 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# DESIGN.md scores prefill compression in both settings: the question "inside" the prompt a cache
+# compresses (query-aware), or fed "after" the context was compressed (kvpress's pipeline).
+QUESTION_SETTINGS = ("inside", "after")
+
 
 @dataclass(frozen=True)
 class EvalSettings:
@@ -50,6 +54,7 @@ class EvalSettings:
     facts: int = 5
     conversations: int = 1
     seed: int = 0
+    question: str = "inside"  # retrieval: "inside" the compressed prefill, or fed "after" it (kvpress's)
 
     def __post_init__(self) -> None:
         counts = {"keys_per_depth": self.keys_per_depth, "needles_per_depth": self.needles_per_depth,
@@ -60,6 +65,8 @@ class EvalSettings:
                 raise ValueError(f"{name}={value}: expected at least 1")
         if not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"contexts={self.contexts}: expected positive token counts")
+        if self.question not in QUESTION_SETTINGS:
+            raise ValueError(f"question={self.question!r}: expected one of {', '.join(QUESTION_SETTINGS)}")
         if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"depths={self.depths}: expected fractions in [0, 1]")
 
