@@ -4,12 +4,13 @@ from kvfactory.cache import KVCache
 from kvfactory.config import CacheConfig, register_cache_strategy, registered_strategies
 from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError, ShapeError
 from kvfactory.factory import KVCacheFactory
+from kvfactory.policies import Observation, Policy, register_policy
 from kvfactory.storage import DenseStore, LayerStore, MemoryReport, PagedPool, PagedStore
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CacheConfig", "CacheFullError", "ConfigError", "DenseStore", "KVCache", "KVCacheFactory",
-    "KVFactoryError", "LayerStore", "MemoryReport", "PagedPool", "PagedStore", "ShapeError",
-    "register_cache_strategy", "registered_strategies",
+    "KVFactoryError", "LayerStore", "MemoryReport", "Observation", "PagedPool", "PagedStore", "Policy",
+    "ShapeError", "register_cache_strategy", "register_policy", "registered_strategies",
 ]

@@ -3,6 +3,8 @@ plus each method's scores against a direct computation from its paper's definiti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from helpers import assert_same_generation, attn_implementation, generate
 from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
 from transformers import DynamicCache
 
-from kvfactory import ConfigError, KVCacheFactory
+from kvfactory import ConfigError, KVCacheFactory, Policy, register_policy
 from kvfactory.policies import POLICIES, Observation
 from kvfactory.policies.h2o import H2OPolicy
 from kvfactory.policies.knorm import KnormPolicy
@@ -344,3 +346,43 @@ def test_prompts_shorter_than_a_window_compress(policy: str) -> None:
                                    ).create_cache()
             generate(model, {"input_ids": random_prompt(length)}, cache, max_new_tokens=3)
             assert cache.get_seq_length() == length + 2
+
+
+def test_a_user_policy_registers_in_one_line() -> None:
+    @dataclass
+    class Oldest(Policy):
+        """Keeps the oldest tokens (for the test only)."""
+
+        def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
+            b, h, t, _ = obs.keys.shape
+            return -torch.arange(t, dtype=torch.float32).expand(b, h, t)
+
+    register_policy("oldest_for_test", Oldest)
+    try:
+        model = llama()
+        with attn_implementation(model, "kvfactory"), torch.no_grad():
+            cache = KVCacheFactory(model.config, selective("oldest_for_test", budget=8)).create_cache()
+            prompt = random_prompt(20)
+            model(prompt, past_key_values=cache)
+            keys = cache.gather(0)[0]
+            full = DynamicCache(config=model.config)
+            model(prompt, past_key_values=full)
+        torch.testing.assert_close(keys, full.layers[0].keys[:, :, :8])
+        with pytest.raises(ConfigError, match="policy class"):
+            register_policy("not_a_policy", dict)
+    finally:
+        POLICIES.pop("oldest_for_test")
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_beams_and_returned_sequences_reorder_what_the_policy_tracks(policy: str) -> None:
+    model = llama()
+    with attn_implementation(model, "kvfactory"):
+        for kwargs in ({"num_beams": 3}, {"do_sample": True, "num_return_sequences": 2}):
+            cache = KVCacheFactory(model.config, selective(policy, budget=12, slack=2)).create_cache()
+            out = generate(model, {"input_ids": random_prompt(20)}, cache, seed=0, max_new_tokens=10,
+                           **kwargs)
+            assert out.sequences.shape[1] == 30
+            store = cache.layers[0].store
+            assert store.valid.shape[0] == cache.batch_size
+            assert cache.size(0) <= 12 + 2 or not POLICIES[policy].decodes
