@@ -57,6 +57,9 @@ def test_presets_load() -> None:
     assert load_preset("paged16") == {"type": "paged", "page_size": 16}
     spec = resolve_cache("paged16")
     assert (spec.name, spec.kind, spec.config) == ("paged16", "kvfactory", {"type": "paged", "page_size": 16})
+    snap = resolve_cache("snapkv@0.75").config["strategies"]
+    assert snap == [{"name": "paged", "page_size": 16},
+                    {"name": "selective", "policy": "snapkv", "compression_ratio": 0.75}]
 
 
 def test_cache_values(tmp_path) -> None:
@@ -73,6 +76,8 @@ def test_cache_values(tmp_path) -> None:
 
 @pytest.mark.parametrize(("value", "message"), [
     ("nonsense", "expected a preset"),
+    ("nopolicy@0.5", "expected a preset"),
+    ("snapkv@1.5", "expected a preset"),
     ('{"type": "bogus"}', "invalid cache config"),
     ("{type: paged, page_size: -1}", "page_size"),
     ("missing.yaml", "no such YAML file"),

@@ -28,7 +28,7 @@ from kvfactory.eval.scoring import accuracy_by_depth, mean
 from kvfactory.eval.settings import EvalSettings
 from kvfactory.eval.tasks import run_multiturn, run_needle, run_passkey, run_perplexity
 from kvfactory.factory import KVCacheFactory
-from kvfactory.presets import load_preset, preset_names
+from kvfactory.presets import is_preset, load_preset, preset_names
 
 BASELINE = "DynamicCache"
 TASKS = ("ppl", "passkey", "needle", "multiturn")
@@ -65,8 +65,8 @@ BASELINE_SPEC = CacheSpec(BASELINE, "baseline", None, "transformers.DynamicCache
 
 def _check(value: str, config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
-        raise EvalError(f"--cache {value!r}: expected a preset ({', '.join(preset_names())}), a peer "
-                        f"(transformers/...), a YAML file or an inline config such as "
+        raise EvalError(f"--cache {value!r}: expected a preset ({', '.join(preset_names())}, "
+                        f"POLICY@RATIO), a peer (transformers/...), a YAML file or an inline config such as "
                         f"'{{\"type\": \"paged\", \"page_size\": 64}}'")
     try:
         parse_config(config)
@@ -86,7 +86,7 @@ def resolve_cache(value: str) -> CacheSpec:
         except PeerError as exc:
             raise EvalError(f"--cache {value!r}: {exc}") from exc
         return CacheSpec(value, "peer", None, "transformers")
-    if value in preset_names():
+    if is_preset(value):
         return CacheSpec(value, "kvfactory", load_preset(value), f"preset {value}")
     path = Path(value)
     if value.endswith((".yaml", ".yml")) or path.is_file():
