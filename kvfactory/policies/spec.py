@@ -12,6 +12,8 @@ hyperparameters (``window_size``, ``n_sink``, ...) under their names.
   prefill chunks are compressed to it, and with a policy that scores single steps (all but SnapKV
   and PyramidKV) decode evicts back to it whenever ``slack`` more tokens have arrived (default: one
   page for paged storage, 16 tokens for dense), so a long generation runs in constant memory.
+  ``slack: 0`` evicts one token per step, as the H2O and TOVA papers do; a larger slack evicts
+  that many at once by the current scores and amortises the compaction.
 """
 
 from __future__ import annotations
