@@ -39,3 +39,23 @@ def test_query_aware_snapkv_keeps_the_passkey_a_recency_window_loses(smollm2) ->
     assert cache.size(0) <= 0.5 * record.prompt_tokens + 8
     window, _ = answer(model, tokenizer, record.prompt, selective("window", budget=cache.size(0)))
     assert record.answer not in window
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "streaming_llm"])
+def test_a_left_padded_batch_of_four_answers_as_each_prompt_alone(smollm2, wikitext_ids, policy) -> None:
+    model, tokenizer = smollm2
+    lengths = [300, 180, 240, 120]
+    rows = [wikitext_ids[i * 400:i * 400 + n] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.full((4, width), tokenizer.eos_token_id, dtype=torch.long)
+    mask = torch.zeros((4, width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - row.numel():], mask[i, width - row.numel():] = row, 1
+    options = {"compression_ratio": 0.5} if policy == "snapkv" else {"budget": 96, "slack": 8}
+    make = KVCacheFactory(model.config, selective(policy, **options)).create_cache
+    greedy = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
+    with torch.no_grad():
+        batch = model.generate(input_ids=ids, attention_mask=mask, past_key_values=make(), **greedy)
+        for i, row in enumerate(rows):
+            alone = model.generate(row[None], past_key_values=make(), **greedy)
+            assert torch.equal(batch[i, width:], alone[0, row.numel():]), (policy, i)
