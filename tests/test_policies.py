@@ -25,7 +25,8 @@ from kvfactory.prefill import prefill_in_chunks
 from kvfactory.storage import DenseStore
 
 STORAGES = {"dense": {"name": "dense"}, "paged": {"name": "paged", "page_size": 4},
-            "dense+int8": {"name": "dense"}}
+            "dense+int8": {"name": "dense"}, "paged+int4": {"name": "paged", "page_size": 4}}
+CODECS = {"dense+int8": {"codec": "int8"}, "paged+int4": {"codec": "int4", "residual": 8, "group_size": 8}}
 SMALL_WINDOWS = {"snapkv": {"window_size": 4}, "pyramidkv": {"window_size": 4, "beta": 2}}
 DECODING = sorted(name for name, cls in POLICIES.items() if cls.decodes)
 PROMPT = 40
@@ -33,8 +34,8 @@ PROMPT = 40
 
 def selective(policy: str, storage: str = "dense", **options) -> dict:
     strategies = [STORAGES[storage]]
-    if storage.endswith("int8"):
-        strategies.append({"name": "quantized", "codec": "int8"})
+    if storage in CODECS:
+        strategies.append({"name": "quantized", **CODECS[storage]})
     options = SMALL_WINDOWS.get(policy, {}) | options
     entry = {"name": "selective", "policy": policy, **options}
     return {"type": "composite", "strategies": [*strategies, entry]}
@@ -100,7 +101,7 @@ def test_prefill_compression_keeps_the_ratio_and_frees_memory(policy: str, stora
     """After a compressed prefill every layer holds its budget (the same in every head), positions
     count every token seen, and the memory of evicted tokens is gone."""
     model = llama()
-    with attn_implementation(model, "kvfactory"):
+    with attn_implementation(model, "kvfactory"), torch.no_grad():
         full = KVCacheFactory(model.config, {"type": "dense"}).create_cache()
         model(random_prompt(PROMPT), past_key_values=full)
         factory = KVCacheFactory(model.config, selective(policy, storage, compression_ratio=0.5))

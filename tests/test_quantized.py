@@ -275,3 +275,21 @@ def test_left_padded_batch_and_beam_search_run(config: dict) -> None:
     cache = KVCacheFactory(model.config, config).create_cache()
     beams = generate(model, inputs, cache, max_new_tokens=6, num_beams=3, num_return_sequences=2)
     assert beams.sequences.shape[0] == 2 * inputs["input_ids"].shape[0]
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+@pytest.mark.parametrize("storage", ["dense", "paged"])
+def test_a_forward_outside_no_grad_works_as_under_it(codec: str, storage: str) -> None:
+    """Codes are not differentiable; a plain ``model(...)`` call (grad mode) stores and reads them all
+    the same (it used to fail decoding into the workspace)."""
+    model = tiny_model("llama")
+    config = {"type": storage, "quantization": {"codec": codec, "residual": 8, "group_size": 8}}
+    if storage == "paged":
+        config["page_size"] = 4
+    logits = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            cache = KVCacheFactory(model.config, config).create_cache()
+            model(random_prompt(40), past_key_values=cache)
+            logits.append(model(random_prompt(1, seed=1), past_key_values=cache).logits.detach())
+    assert torch.equal(logits[0], logits[1])

@@ -216,9 +216,10 @@ class QuantizedStore(LayerStore):
         if held:
             old_k, old_v = self.inner.gather()
             key, value = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
-        ek, ev = self.key_codec.encode(key[:, :, :flush]), self.value_codec.encode(value[:, :, :flush])
-        if self._flushes % self.sample_every == 0:
-            self._sample_error(key[:, :, :flush], value[:, :, :flush], ek, ev)
+        with torch.no_grad():  # codes are not differentiable (a forward outside no_grad works all the same)
+            ek, ev = self.key_codec.encode(key[:, :, :flush]), self.value_codec.encode(value[:, :, :flush])
+            if self._flushes % self.sample_every == 0:
+                self._sample_error(key[:, :, :flush], value[:, :, :flush], ek, ev)
         self._flushes += 1
         self.packed.append(ek, ev, self._like)
         self.inner.clear()
@@ -238,6 +239,7 @@ class QuantizedStore(LayerStore):
         return {"key": k_err / k_norm if k_norm else float("nan"),
                 "value": v_err / v_norm if v_norm else float("nan")}
 
+    @torch.no_grad()  # quantized storage is not differentiable: reads carry no autograd history
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         quantized, held = self.quantized_tokens, self.inner.size()
         if quantized + held == 0 and self._like is not None:
