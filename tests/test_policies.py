@@ -186,16 +186,20 @@ def test_prefill_only_policies_let_decode_grow(policy: str) -> None:
     assert [cache.size(i) for i in range(2)] == [n + 9 for n in after_prefill]
 
 
-def test_ratio_compression_stops_at_end_prefill() -> None:
-    """kvpress's pipeline: the context is compressed, the question that follows is kept whole."""
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_ratio_compression_stops_at_end_prefill(policy: str) -> None:
+    """kvpress's pipeline: the context is compressed, the question that follows is kept whole (and
+    attends with a mask of each layer's own length: PyramidKV's layers keep different counts)."""
     model = llama()
     with attn_implementation(model, "kvfactory"), torch.no_grad():
-        cache = KVCacheFactory(model.config, selective("snapkv", compression_ratio=0.5)).create_cache()
+        cache = KVCacheFactory(model.config, selective(policy, compression_ratio=0.5)).create_cache()
         model(random_prompt(PROMPT), past_key_values=cache)
-        for layer in cache.layers:
-            layer.store.end_prefill()
-        model(random_prompt(6, seed=9), past_key_values=cache)
-    assert cache.size(0) == PROMPT // 2 + 6
+        kept = [cache.size(i) for i in range(2)]
+        cache.end_prefill()
+        out = model(random_prompt(6, seed=9), past_key_values=cache)
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    assert [cache.size(i) for i in range(2)] == [n + 7 for n in kept]
+    assert cache.get_seq_length() == PROMPT + 7
 
 
 def test_chunks_are_compressed_to_the_budget_as_they_arrive() -> None:

@@ -135,17 +135,20 @@ class SelectiveStore(LayerStore):
         self.prefill_open = False
 
     def attention_mask(self, mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
-        """The mask this step attends with: transformers' own until a batch shows padding, then one
-        built from ``valid`` (real stored tokens, causal among the step's own)."""
+        """The mask this step attends with: transformers' own where it fits this layer, else one built
+        from ``valid`` (real stored tokens, causal among the step's own)."""
         b, hq, q, _ = query.shape
         real = visible_columns(mask, q, b, query.device)
         self.valid[..., -q:] &= real[:, None, :]
         seen = real.sum(-1)
         self.seen_rows = seen if self.seen_rows is None else self.seen_rows + seen
         self.padded = self.padded or not bool(real.all())
-        if not self.padded:
-            return mask
         t = self.valid.shape[-1]
+        # transformers sizes one mask for every layer from the first; layers that kept other counts
+        # (PyramidKV) build their own, as do padded batches (the mask cannot know surviving slots)
+        sized = mask.shape[-1] == t if mask is not None else q == 1 or q == t
+        if not self.padded and sized:
+            return mask
         rows = torch.arange(q, device=query.device)[:, None] + (t - q)
         slots = torch.arange(t, device=query.device)
         keys = self.valid.repeat_interleave(hq // self.valid.shape[1], dim=1)[:, :, None, :]
