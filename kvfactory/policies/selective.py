@@ -202,7 +202,7 @@ class SelectiveStore(LayerStore):
             scores = torch.cat([self.policy.scores(obs.row(b), self._row(self.accumulated, b), int(k))
                                 for b, k in enumerate(targets.tolist())])
         scores = scores.float().masked_fill(~self.valid, float("-inf"))
-        order = scores.argsort(dim=-1, descending=True, stable=True)[..., :kept]
+        order = scores.topk(kept, dim=-1).indices  # best first; ties broken as kvpress's topk does
         ranks = torch.arange(kept, device=order.device)
         chosen = (ranks < targets.to(order.device)[:, None, None]).expand_as(order)
         index, position = order.sort(-1)
