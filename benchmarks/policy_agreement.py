@@ -19,7 +19,8 @@ from typing import Any
 
 
 def _key(row: dict[str, Any]) -> tuple:
-    return row["task"], row["context"], row.get("depth"), row.get("sample", int(row["id"].rsplit("-", 1)[1]))
+    sample = row["sample"] if "sample" in row else int(row["id"].rsplit("-", 1)[1])
+    return row["task"], row["context"], row.get("depth"), sample
 
 
 def agreement(folder: Path) -> dict[str, Any]:
