@@ -40,13 +40,11 @@ class SelectiveStore(LayerStore):
 
     def __init__(self, inner: LayerStore, policy: Policy, spec: SelectiveSpec, num_layers: int) -> None:
         self.inner, self.policy, self.spec, self.num_layers = inner, policy, spec, num_layers
-        self.seen = 0
         self.prefill_open = True
         self.valid: torch.Tensor | None = None  # [B, Hkv, T]: slot holds a real token
         self.seen_rows: torch.Tensor | None = None  # [B] real tokens seen per row
         self.padded = False  # a padded batch was seen: attention masks come from ``valid``
         self.accumulated: torch.Tensor | None = None  # [B, Hkv, T] attention mass (policy.accumulates)
-        self.evicted = 0  # slots evicted per row and head, all steps
         self.peak_bytes = 0  # the most this layer held, right before an eviction
         if isinstance(inner, DenseStore):  # a bounded cache needs no growth headroom
             inner.growth, inner.reserve_tokens = 1.0, min(inner.reserve_tokens, self.slack)
@@ -72,7 +70,6 @@ class SelectiveStore(LayerStore):
     # -- storage, delegated -----------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.inner.append(key, value)
-        self.seen += key.shape[2]
         fresh = key.new_ones((*key.shape[:3],), dtype=torch.bool)
         self.valid = fresh if self.valid is None else torch.cat([self.valid, fresh], -1)
         if self.policy.accumulates:
@@ -91,7 +88,7 @@ class SelectiveStore(LayerStore):
 
     def clear(self) -> None:
         self.inner.clear()
-        self.seen, self.prefill_open, self.padded, self.evicted, self.peak_bytes = 0, True, False, 0, 0
+        self.prefill_open, self.padded, self.peak_bytes = True, False, 0
         self.valid = self.seen_rows = self.accumulated = None
 
     def keep(self, index: torch.Tensor) -> None:
@@ -109,9 +106,10 @@ class SelectiveStore(LayerStore):
     def truncate(self, n: int) -> None:
         n = max(0, n)
         self.inner.truncate(n)
+        if self.valid is not None and self.seen_rows is not None:
+            self.seen_rows = self.seen_rows - self.valid[:, 0, n:].sum(-1)
         self.valid = None if self.valid is None else self.valid[..., :n]
         self.accumulated = None if self.accumulated is None else self.accumulated[..., :n]
-        self.seen = min(self.seen, self.evicted + n)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.inner.select_rows(rows)
@@ -206,7 +204,6 @@ class SelectiveStore(LayerStore):
         ranks = torch.arange(kept, device=order.device)
         chosen = (ranks < targets.to(order.device)[:, None, None]).expand_as(order)
         index, position = order.sort(-1)
-        self.evicted += self.size() - kept
         self.keep(index)
         self.valid = chosen.gather(-1, position)
 
