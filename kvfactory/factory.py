@@ -56,4 +56,3 @@ class KVCacheFactory:
             layers.append(KVLayer(store, sliding_window=window))
         return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
                        model_config=self.model_config)
-

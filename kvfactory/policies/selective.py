@@ -175,7 +175,6 @@ class SelectiveStore(LayerStore):
     def observe(self, query: torch.Tensor, scaling: float) -> None:
         """After this layer's attention over the step's ``query`` ``[B, Hq, q, D]``: accumulate what
         the policy tracks and evict down to each row's target."""
-        self.peak_bytes = max(self.peak_bytes, self.inner.memory_report().allocated)
         targets = self._targets(query.shape[2])
         if targets is None and not self.policy.accumulates:
             return
@@ -204,6 +203,8 @@ class SelectiveStore(LayerStore):
         ranks = torch.arange(kept, device=order.device)
         chosen = (ranks < targets.to(order.device)[:, None, None]).expand_as(order)
         index, position = order.sort(-1)
+        # memory only grows between evictions: its peak is what the layer held right before one
+        self.peak_bytes = max(self.peak_bytes, self.inner.memory_report().allocated)
         self.keep(index)
         self.valid = chosen.gather(-1, position)
 
