@@ -49,6 +49,10 @@ class DeferredRead(ABC):
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns in place of the whole K/V: the full-precision tail (may be empty)."""
 
+    def columns(self) -> torch.Tensor | None:
+        """Stored positions ``[B, Hkv, n]`` of the tokens ``scores`` covered, None when all of them."""
+        return None
+
     @abstractmethod
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole K/V ``[B, Hkv, length, D]``, as a non-deferred read returns it."""
@@ -110,22 +114,36 @@ def attend(query: torch.Tensor, read: DeferredRead, attention_mask: torch.Tensor
 
     Query heads are grouped by KV head as in transformers' ``repeat_kv`` (head ``h`` reads KV head
     ``h // (Hq / Hkv)``); ``attention_mask`` is SDPA's (boolean, True = attend, or additive),
-    broadcastable to ``[B, Hq, q, length]``; without one, queries are causal over the tail.
+    broadcastable to ``[B, Hq, q, length]``; without one, queries are causal over the tail. A read
+    of selected tokens (``columns``) is masked at those tokens' columns.
     """
     b, hq, q, d = query.shape
-    total, hkv = read.length, read.kv_heads
+    hkv = read.kv_heads
     groups = hq // hkv
     scores = read.scores(query.reshape(b, hkv, groups * q, d)).mul_(scaling)
+    mask_scores(scores, attention_mask, q, read.length, read.columns())
+    out = read.weighted_sum(scores.softmax(-1))
+    return out.view(b, hkv, groups, q, -1).reshape(b, hq, q, -1).transpose(1, 2).contiguous()
+
+
+def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None, q: int, length: int,
+                columns: torch.Tensor | None = None) -> None:
+    """Mask ``scores [B, Hkv, groups * q, n]`` in place: the stored tokens at ``columns [B, Hkv, n]``
+    (None: all ``length`` of them) under SDPA's ``attention_mask``, or causally over the last ``q``."""
+    b, hkv, rows, n = scores.shape
+    groups = rows // q
     if attention_mask is not None:
-        mask = attention_mask.expand(b, hq, q, total) if attention_mask.shape[1] != 1 else \
-            attention_mask.expand(b, 1, q, total).expand(b, groups, q, total).unsqueeze(1)
-        mask = mask.reshape(b, -1, groups * q, total)
+        width = attention_mask.shape[-1]
+        mask = attention_mask.expand(b, hkv * groups, q, width) if attention_mask.shape[1] != 1 else \
+            attention_mask.expand(b, 1, q, width).expand(b, groups, q, width).unsqueeze(1)
+        mask = mask.reshape(b, -1, rows, width)
+        if columns is not None:
+            mask = mask.expand(b, hkv, rows, width).gather(-1, columns[:, :, None, :].expand(b, hkv, rows, n))
         if mask.dtype == torch.bool:
             scores.masked_fill_(~mask, float("-inf"))
         else:
             scores.add_(mask)
     elif q > 1:
-        rows = torch.arange(q, device=query.device).repeat(groups)[:, None]
-        scores.masked_fill_(torch.arange(total, device=query.device) > total - q + rows, float("-inf"))
-    out = read.weighted_sum(scores.softmax(-1))
-    return out.view(b, hkv, groups, q, -1).reshape(b, hq, q, -1).transpose(1, 2).contiguous()
+        positions = torch.arange(n, device=scores.device) if columns is None else columns[:, :, None, :]
+        visible = length - q + torch.arange(q, device=scores.device).repeat(groups)[:, None]
+        scores.masked_fill_(positions > visible, float("-inf"))

@@ -55,11 +55,14 @@ AttentionInterface.register(ATTENTION, kvfactory_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-def check_selective_attention(implementation: str | None) -> None:
-    """Selective policies score inside kvfactory's attention function: refuse a model set to another."""
+def check_kvfactory_attention(implementation: str | None, config: Any) -> None:
+    """Selective policies and selectors work inside kvfactory's attention function: refuse a model set
+    to another, which would silently keep or read everything."""
     if implementation not in (None, ATTENTION):
+        what = "selective policies (they score" if config.selective is not None else \
+            f"selector '{config.selector.selector}' (it reads pages"
         raise ConfigError("attn_implementation", implementation,
-                          f"'{ATTENTION}' for selective policies (they score inside kvfactory's attention): "
+                          f"'{ATTENTION}' for {what} inside kvfactory's attention): "
                           f"load_model(attention='{ATTENTION}') or set_attn_implementation('{ATTENTION}')")
 
 
@@ -215,9 +218,10 @@ class KVCache(Cache):
     """A transformers ``Cache`` built by ``KVCacheFactory``; see the module docstring."""
 
     def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
-                 config: Any = None, workspace: Any = None, model_config: Any = None):
+                 config: Any = None, workspace: Any = None, model_config: Any = None, routing: Any = None):
         super().__init__(layers=layers)
         self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
+        self.routing = routing  # a selector's RoutingMetrics (kvfactory.selectors.metrics), else None
         # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
         self._attention_config = None if model_config is None else model_config.get_text_config(decoder=True)
 
@@ -226,8 +230,9 @@ class KVCache(Cache):
         implementation = getattr(self._attention_config, "_attn_implementation", None)
         deferred = implementation == ATTENTION
         if layer_idx == 0:
-            if self.config is not None and self.config.selective is not None and not deferred:
-                check_selective_attention(implementation or "unset")
+            config = self.config
+            if config is not None and (config.selective or config.selector) is not None and not deferred:
+                check_kvfactory_attention(implementation or "unset", config)
             self._reserve(key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, deferred=deferred, **kwargs)
 
@@ -279,6 +284,13 @@ class KVCache(Cache):
             end = getattr(layer.store, "end_prefill", None)
             if end is not None:
                 end()
+
+    def routing_metrics(self) -> dict[str, float]:
+        """A selector's routing metrics (``kvfactory.selectors.metrics``): hit rate, recall, bytes read."""
+        if self.routing is None:
+            raise ValueError("this cache has no selector: add one to the config, e.g. "
+                             "{'name': 'quest', 'read_budget': 0.125}")
+        return self.routing.as_dict()
 
     def quantization_error(self) -> dict[int, dict[str, float]]:
         """Per quantized layer: the relative MSE of its stored keys and values (sampled on writes)."""

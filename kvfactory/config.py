@@ -17,6 +17,8 @@ from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.errors import ConfigError
 from kvfactory.options import describe, options_of, type_ok
 from kvfactory.policies.spec import SELECTIVE, SelectiveSpec
+from kvfactory.selectors import SELECTORS
+from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
@@ -67,6 +69,7 @@ class CacheConfig:
     raw: dict[str, Any]
     quantization: QuantizationSpec | None = None
     selective: SelectiveSpec | None = None
+    selector: SelectorSpec | None = None
 
 
 def parse_strategy(name: Any, options: dict[str, Any], where: str) -> StrategySpec:
@@ -115,7 +118,7 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
     strategies = config.get("strategies")
     if not isinstance(strategies, list) or not strategies:
         raise ConfigError("strategies", strategies, "a non-empty list of {name: ..., options...}")
-    storage, quantization, selective = None, None, None
+    storage, quantization, selective, selector = None, None, None, None
     for i, entry in enumerate(strategies):
         where = f"strategies[{i}]."
         if not isinstance(entry, dict) or "name" not in entry:
@@ -131,6 +134,12 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                 raise ConfigError(f"{where}name", SELECTIVE, "one selective strategy per config")
             selective = SelectiveSpec.parse(options, where)
             continue
+        if entry["name"] in SELECTORS:
+            if selector is not None:
+                raise ConfigError(f"{where}name", entry["name"],
+                                  f"one selector per config; '{selector.selector}' is already given")
+            selector = SelectorSpec.parse(entry["name"], options, where)
+            continue
         spec = parse_strategy(entry["name"], options, where)
         if storage is not None:
             raise ConfigError(f"{where}name", entry["name"],
@@ -139,8 +148,24 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
     if storage is None:
         raise ConfigError("strategies", [e["name"] for e in strategies],
                           f"a storage strategy ({registered_strategies()}) besides "
-                          f"'{QUANTIZED}' and '{SELECTIVE}'")
-    return CacheConfig(storage, dict(config), quantization, selective)
+                          f"'{QUANTIZED}', '{SELECTIVE}' and selectors {sorted(SELECTORS)}")
+    if selector is not None:
+        check_selector_composition(storage, quantization, selective, selector)
+    return CacheConfig(storage, dict(config), quantization, selective, selector)
+
+
+def check_selector_composition(storage: StrategySpec, quantization: QuantizationSpec | None,
+                               selective: SelectiveSpec | None, selector: SelectorSpec) -> None:
+    """A selector reads pages: it needs paged storage, and does not yet read quantized or evicting ones."""
+    if not issubclass(storage.cls, PagedStore):
+        raise ConfigError("strategies", storage.name, f"a paged storage strategy under selector "
+                          f"'{selector.selector}' (it reads pages): {{'name': 'paged', 'page_size': 16}}")
+    if quantization is not None:
+        raise ConfigError("strategies", QUANTIZED, f"no '{QUANTIZED}' entry with selector "
+                          f"'{selector.selector}': sparse reads of quantized pages are not supported yet")
+    if selective is not None:
+        raise ConfigError("strategies", SELECTIVE, f"no '{SELECTIVE}' entry with selector "
+                          f"'{selector.selector}': selectors over evicting caches are not supported yet")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvfactory.cache import KVCache, KVLayer, attention_layout, check_selective_attention
+from kvfactory.cache import KVCache, KVLayer, attention_layout, check_kvfactory_attention
 from kvfactory.config import CacheConfig, load_yaml, parse_config
 from kvfactory.policies.selective import SelectiveStore
+from kvfactory.selectors.metrics import RoutingMetrics
+from kvfactory.selectors.sparse import SparseStore
 from kvfactory.storage.quantized import QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
@@ -38,10 +40,12 @@ class KVCacheFactory:
     def create_cache(self, seq_id: str | None = None) -> KVCache:
         """A new, empty cache (a ``transformers.Cache``) for one sequence or batch."""
         layers = []
-        quantization, selective = self.config.quantization, self.config.selective
-        if selective is not None:
-            check_selective_attention(getattr(self.model_config.get_text_config(decoder=True),
-                                              "_attn_implementation", None))
+        config = self.config
+        quantization, selective, selector = config.quantization, config.selective, config.selector
+        if selective is not None or selector is not None:
+            check_kvfactory_attention(getattr(self.model_config.get_text_config(decoder=True),
+                                              "_attn_implementation", None), self.config)
+        routing = RoutingMetrics() if selector is not None else None
         for layer_idx, window in enumerate(self.windows):
             store = self.config.storage.build()
             codecs = quantization.codecs(layer_idx, len(self.windows)) if quantization else None
@@ -50,9 +54,11 @@ class KVCacheFactory:
                 store = QuantizedStore(store, *codecs, residual, self.workspace)
             if selective is not None and window is None:  # sliding layers are bounded by their window
                 store = SelectiveStore(store, selective.build_policy(), selective, len(self.windows))
+            if selector is not None and window is None:  # sliding layers read their window whole
+                store = SparseStore(store, selector.build_selector(), selector, routing)
             store.bind(layer_idx)
             if self.pool is not None:
                 store.attach(self.pool)
             layers.append(KVLayer(store, sliding_window=window))
         return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
-                       model_config=self.model_config)
+                       model_config=self.model_config, routing=routing)

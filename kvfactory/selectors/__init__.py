@@ -1,0 +1,35 @@
+"""Selectors: which stored pages a decode step reads (``sparse`` caches, ``kvfactory.selectors.sparse``).
+
+One file per method; ``register_selector`` adds a user's own (a ``Selector`` dataclass).
+"""
+
+from __future__ import annotations
+
+from kvfactory.errors import ConfigError
+from kvfactory.selectors.base import Selector
+from kvfactory.selectors.full import FullSelector
+from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.quest import QuestSelector
+from kvfactory.selectors.random_pages import RandomSelector
+from kvfactory.selectors.recent import RecentSelector
+
+SELECTORS: dict[str, type[Selector]] = {
+    "full": FullSelector,
+    "quest": QuestSelector,
+    "random": RandomSelector,
+    "recent": RecentSelector,
+}
+
+
+def register_selector(name: str, cls: type[Selector]) -> type[Selector]:
+    """Make ``cls`` usable as a composite strategy ``{"name": name, "read_budget": ...}``."""
+    if not (isinstance(cls, type) and issubclass(cls, Selector) and "__dataclass_fields__" in cls.__dict__):
+        raise ConfigError("selector class", cls,
+                          "a subclass of kvfactory.selectors.Selector decorated with @dataclass")
+    if not isinstance(name, str) or not name:
+        raise ConfigError("selector name", name, "a non-empty string")
+    SELECTORS[name] = cls
+    return cls
+
+
+__all__ = ["SELECTORS", "PageBases", "Selector", "register_selector"]

@@ -1,0 +1,95 @@
+"""Routing metrics of one sparse cache (DESIGN.md's OVAL metrics), measured, never assumed.
+
+- hit rate: of the pages a step read, the fraction that are among the same number of pages with
+  the most attention mass under full attention (shadow steps, every ``shadow_every`` decode steps);
+- attention-mass recall: the full-attention mass that falls on the pages read (shadow steps);
+- page utilisation: stored pages read at least once in the last ``UTILISATION_STEPS`` steps;
+- router latency: seconds spent choosing pages per decode step (all layers), p50 and p99;
+- KV bytes read per decode step against reading every page (page bases included).
+Means are over sparse layers, batch rows and KV heads.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvfactory.selectors.sparse import SparseStore
+
+UTILISATION_STEPS = 128
+LATENCY_STEPS = 4096  # per-step latencies kept for the percentiles
+
+
+class RoutingMetrics:
+    """Counters the sparse layer stores of one cache write into; ``as_dict()`` reads them."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.bytes_read = 0
+        self.bytes_full = 0
+        self.hits: list[float] = []
+        self.recalls: list[float] = []
+        self._latency: dict[int, float] = {}
+        self._latencies: deque[float] = deque(maxlen=LATENCY_STEPS)
+        self._stores: weakref.WeakSet[SparseStore] = weakref.WeakSet()
+
+    def register(self, store: SparseStore) -> None:
+        self._stores.add(store)
+
+    def record_read(self, step: int, read_bytes: int, full_bytes: int, seconds: float) -> None:
+        """One layer's decode step ``step`` (counted by each layer alike)."""
+        if step not in self._latency:
+            self._close_steps()
+            self.steps += 1
+        self._latency[step] = self._latency.get(step, 0.0) + seconds
+        self.bytes_read += read_bytes
+        self.bytes_full += full_bytes
+
+    def _close_steps(self) -> None:
+        self._latencies.extend(self._latency.values())
+        self._latency.clear()
+
+    def record_shadow(self, selected: torch.Tensor, mass: torch.Tensor) -> None:
+        """``selected [B, Hkv, k]`` pages read and ``mass [B, Hkv, pages]`` full-attention mass per page."""
+        k = selected.shape[-1]
+        truth = mass.topk(k, dim=-1).indices
+        hit = (selected[..., :, None] == truth[..., None, :]).any(-1).float().mean()
+        self.hits.append(float(hit))
+        self.recalls.append(float(mass.gather(-1, selected).sum(-1).mean()))
+
+    def latency_quantiles(self) -> tuple[float, float]:
+        """p50 and p99 router seconds per decode step (NaN before any step)."""
+        values = list(self._latencies) + list(self._latency.values())
+        if not values:
+            return float("nan"), float("nan")
+        q = torch.tensor(values, dtype=torch.float64).quantile(torch.tensor([0.5, 0.99], dtype=torch.float64))
+        return float(q[0]), float(q[1])
+
+    def page_utilisation(self) -> float:
+        fractions = [s.page_utilisation(UTILISATION_STEPS) for s in self._stores]
+        fractions = [f for f in fractions if f == f]
+        return sum(fractions) / len(fractions) if fractions else float("nan")
+
+    def as_dict(self) -> dict[str, float]:
+        p50, p99 = self.latency_quantiles()
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "hit_rate": _mean(self.hits),
+            "recall": _mean(self.recalls),
+            "shadow_samples": len(self.recalls),
+            "page_utilisation": self.page_utilisation(),
+            "router_latency_p50_ms": p50 * 1e3,
+            "router_latency_p99_ms": p99 * 1e3,
+            "kv_bytes_read_per_step": self.bytes_read / steps,
+            "kv_bytes_full_per_step": self.bytes_full / steps,
+            "read_fraction": self.bytes_read / self.bytes_full if self.bytes_full else float("nan"),
+        }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")

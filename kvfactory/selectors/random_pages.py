@@ -1,0 +1,28 @@
+"""Random: read uniformly drawn pages. A control baseline: what a read budget gives without any signal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from kvfactory.selectors.base import Selector
+from kvfactory.selectors.pages import PageBases
+
+
+@dataclass
+class RandomSelector(Selector):
+    """Draws fresh pages every step from its own generator (``seed``), so runs repeat."""
+
+    reads_bases: ClassVar[bool] = False
+
+    seed: int = 0
+    _generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def page_scores(self, queries: torch.Tensor, bases: PageBases) -> torch.Tensor:
+        b, h = queries.shape[:2]
+        return torch.rand((b, h, bases.pages), generator=self._generator).to(queries.device)

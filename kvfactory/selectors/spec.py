@@ -1,0 +1,84 @@
+"""What a config asks of page selection: the selector, its read budget and what is always read.
+
+In a composite config, after a paged storage entry: ``{"name": "quest", "read_budget": 0.125}``
+(``full``, ``quest``, ``random``, ``recent``, or a registered selector), plus the selector's own
+hyperparameters under their names.
+
+- ``read_budget`` (fraction of the stored pages a decode step reads, rounded up) or ``top_k``
+  (pages per step); both count the always-read pages and default to ``read_budget: 0.125``.
+- ``sink_pages`` (first pages) and ``local_pages`` (last pages, and always every page holding the
+  step's new tokens) are read every step; the first ``dense_layers`` layers and prefills (more than
+  ``kvfactory.attention.MAX_CHUNKED_QUERY`` new tokens) read everything, as DESIGN.md fixes.
+- ``shadow_every``: every so many decode steps each sparse layer also computes full attention to
+  measure hit rate and attention-mass recall (0: never).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfactory.errors import ConfigError
+from kvfactory.options import describe, options_of, type_ok
+from kvfactory.selectors import SELECTORS, Selector
+
+_OWN = {"read_budget": float, "top_k": int, "sink_pages": int, "local_pages": int, "dense_layers": int,
+        "shadow_every": int}
+DEFAULT_READ_BUDGET = 0.125
+
+
+@dataclass(frozen=True)
+class SelectorSpec:
+    """A validated selector entry; ``build_selector()`` makes a fresh selector for one layer."""
+
+    selector: str
+    read_budget: float | None = None
+    top_k: int | None = None
+    sink_pages: int = 1
+    local_pages: int = 1
+    dense_layers: int = 2
+    shadow_every: int = 32
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.read_budget is not None and self.top_k is not None:
+            raise ConfigError("read_budget", self.read_budget, "one of read_budget and top_k, not both")
+        if self.read_budget is not None and not 0.0 < self.read_budget <= 1.0:
+            raise ConfigError("read_budget", self.read_budget, "a fraction of the stored pages in (0, 1]")
+        for key in ("top_k",):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(key, getattr(self, key), "an integer >= 1 (pages read per step)")
+        for key in ("sink_pages", "local_pages", "dense_layers", "shadow_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(key, getattr(self, key), "an integer >= 0")
+        self.build_selector()
+
+    @classmethod
+    def parse(cls, name: str, options: dict[str, Any], where: str = "") -> SelectorSpec:
+        hyper = options_of(SELECTORS[name])
+        for key, value in options.items():
+            if key not in _OWN and key not in hyper:
+                raise ConfigError(f"{where}{key}", value, f"options of selector '{name}': "
+                                                          f"{sorted(set(_OWN) | set(hyper))}")
+            hint = _OWN.get(key, hyper.get(key))
+            if not type_ok(value, hint):
+                raise ConfigError(f"{where}{key}", value, describe(hint))
+        try:
+            return cls(name, **{k: v for k, v in options.items() if k in _OWN},
+                       options={k: v for k, v in options.items() if k in hyper})
+        except (ConfigError, TypeError) as exc:
+            if isinstance(exc, TypeError):
+                raise ConfigError(f"{where}name", name, str(exc)) from None
+            raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
+
+    def build_selector(self) -> Selector:
+        return SELECTORS[self.selector](**self.options)
+
+    def pages_to_read(self, pages: int) -> int:
+        """Pages one decode step reads out of ``pages`` stored, always-read pages included."""
+        if self.top_k is not None:
+            wanted = self.top_k
+        else:
+            wanted = math.ceil((self.read_budget or DEFAULT_READ_BUDGET) * pages)
+        return min(pages, max(wanted, self.sink_pages + self.local_pages))

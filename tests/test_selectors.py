@@ -1,0 +1,256 @@
+"""Page selectors (sparse decode): one shared matrix over every registered selector, plus Quest's
+bound, the page bases and the routing metrics against direct computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_same_generation, attn_implementation, generate
+from tiny_models import left_padded_batch, random_prompt, tiny_model
+from transformers import DynamicCache
+
+from kvfactory import ConfigError, KVCacheFactory, attention
+from kvfactory.selectors import SELECTORS, PageBases
+from kvfactory.selectors.metrics import RoutingMetrics
+from kvfactory.selectors.quest import QuestSelector
+from kvfactory.selectors.sparse import SparseStore
+from kvfactory.selectors.spec import SelectorSpec
+from kvfactory.storage.paged import PagedStore
+
+NAMES = sorted(SELECTORS)
+SPARSE = sorted(name for name, cls in SELECTORS.items() if not cls.reads_all)
+PAGE = 4
+
+
+def sparse(selector: str, **options) -> dict:
+    entry = {"name": selector, "dense_layers": 0} | options
+    return {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE}, entry]}
+
+
+def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, **options) -> SparseStore:
+    spec = SelectorSpec.parse(selector, {"read_budget": 0.25, "dense_layers": 0} | options)
+    store = SparseStore(PagedStore(page_size=PAGE), spec.build_selector(), spec, RoutingMetrics())
+    store.bind(0)
+    store.append(keys, values)
+    assert store.deferred_read() is None  # a prefill reads whole
+    return store
+
+
+@pytest.mark.parametrize(("entry", "key"), [
+    ({"name": "quest", "read_budget": 0}, "strategies[1].read_budget"),
+    ({"name": "quest", "read_budget": 1.5}, "strategies[1].read_budget"),
+    ({"name": "quest", "read_budget": "0.1"}, "strategies[1].read_budget"),
+    ({"name": "quest", "read_budget": 0.1, "top_k": 4}, "strategies[1].read_budget"),
+    ({"name": "quest", "top_k": 0}, "strategies[1].top_k"),
+    ({"name": "quest", "sink_pages": -1}, "strategies[1].sink_pages"),
+    ({"name": "quest", "shadow_every": 1.5}, "strategies[1].shadow_every"),
+    ({"name": "quest", "seed": 1}, "strategies[1].seed"),
+    ({"name": "random", "seed": "x"}, "strategies[1].seed"),
+])
+def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
+    config = {"type": "composite", "strategies": [{"name": "paged"}, entry]}
+    with pytest.raises(ConfigError) as err:
+        KVCacheFactory(tiny_model("llama").config, config)
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize(("strategies", "match"), [
+    ([{"name": "dense"}, {"name": "quest"}], "paged storage"),
+    ([{"name": "paged"}, {"name": "quantized", "codec": "int8"}, {"name": "quest"}], "quantized"),
+    ([{"name": "paged"}, {"name": "selective", "policy": "h2o", "budget": 8}, {"name": "quest"}], "evicting"),
+    ([{"name": "paged"}, {"name": "quest"}, {"name": "recent"}], "one selector"),
+])
+def test_selectors_refuse_what_they_cannot_read(strategies: list, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        KVCacheFactory(tiny_model("llama").config, {"type": "composite", "strategies": strategies})
+
+
+def test_selectors_need_kvfactory_attention_and_write_nothing_without_it() -> None:
+    model = tiny_model("llama")  # SDPA
+    with pytest.raises(ConfigError, match="attn_implementation"):
+        KVCacheFactory(model.config, sparse("quest")).create_cache()
+    with attn_implementation(model, "kvfactory"):
+        cache = KVCacheFactory(model.config, sparse("quest")).create_cache()
+    with pytest.raises(ConfigError, match="attn_implementation"):
+        model(random_prompt(12), past_key_values=cache)
+    assert cache.get_seq_length() == 0 and cache.size(0) == 0
+
+
+@pytest.mark.parametrize(("options", "stored", "pages"), [
+    ({"read_budget": 0.125}, 64, 8), ({"read_budget": 0.125}, 10, 2), ({"read_budget": 0.125}, 1, 1),
+    ({"top_k": 5}, 64, 5), ({"top_k": 5}, 3, 3),
+    ({"read_budget": 0.125, "sink_pages": 2, "local_pages": 3}, 64, 8),
+    ({"read_budget": 0.05, "sink_pages": 2, "local_pages": 3}, 64, 5), ({}, 64, 8),
+])
+def test_pages_to_read_counts_the_always_read_pages(options: dict, stored: int, pages: int) -> None:
+    assert SelectorSpec("quest", **options).pages_to_read(stored) == pages
+
+
+def test_page_bases_hold_each_pages_key_bounds() -> None:
+    gen = torch.Generator().manual_seed(0)
+    bases, chunks = PageBases(PAGE), []
+    for n in (5, 1, 1, 7, 16, 3, 0, 2):
+        chunks.append(torch.randn(2, 3, n, 6, generator=gen))
+        bases.append(chunks[-1])
+    keys = torch.cat(chunks, 2)
+    t = keys.shape[2]
+    assert bases.length == t and bases.pages == -(-t // PAGE)
+    padded = torch.cat([keys, keys[:, :, -1:].expand(2, 3, bases.pages * PAGE - t, 6)], 2)
+    pages = padded.view(2, 3, bases.pages, PAGE, 6)
+    torch.testing.assert_close(bases.kmax, pages.amax(3), rtol=0, atol=0)
+    torch.testing.assert_close(bases.kmin, pages.amin(3), rtol=0, atol=0)
+    bases.select_rows(torch.tensor([1, 1, 0]))
+    torch.testing.assert_close(bases.kmax, pages.amax(3)[[1, 1, 0]], rtol=0, atol=0)
+
+
+def test_quest_bound_is_at_least_every_key_score_of_the_page() -> None:
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 2, 40, 8, generator=gen)
+    bases = PageBases(PAGE)
+    bases.append(keys)
+    queries = torch.randn(1, 2, 1, 8, generator=gen)  # one query head per KV head: the bound is Quest's
+    bound = QuestSelector().page_scores(queries, bases)
+    exact = (queries @ keys.transpose(-1, -2)).view(1, 2, 10, PAGE).amax(-1)
+    assert (bound >= exact - 1e-5).all()
+    # the bound is tight for a page whose keys share one sign pattern per channel (a single key)
+    single = PageBases(1)
+    single.append(keys)
+    torch.testing.assert_close(QuestSelector().page_scores(queries, single),
+                               (queries @ keys.transpose(-1, -2))[:, :, 0])
+
+
+def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+              scaling: float) -> torch.Tensor:
+    """Attention of ``query [B, Hq, q, D]`` over the ``allowed [B, Hkv, q, T]`` tokens: ``[B, q, Hq, D]``."""
+    b, hq, q, d = query.shape
+    hkv = keys.shape[1]
+    scores = query.view(b, hkv, hq // hkv, q, d) @ keys[:, :, None].transpose(-1, -2) * scaling
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+    return (scores.softmax(-1) @ values[:, :, None]).view(b, hq, q, -1).transpose(1, 2)
+
+
+@pytest.mark.parametrize("selector", SPARSE)
+@pytest.mark.parametrize("new", [1, 3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_sparse_step_is_exact_attention_over_its_pages(selector: str, new: int, masked: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    b, hkv, groups, d, t = 2, 2, 3, 8, 37
+    keys, values = (torch.randn(b, hkv, t + new, d, generator=gen) for _ in range(2))
+    store = store_with(selector, keys[:, :, :t], values[:, :, :t])
+    store.append(keys[:, :, t:], values[:, :, t:])
+    read = store.deferred_read()
+    assert read is not None and read.tail()[0] is store._new[0]
+    query = torch.randn(b, hkv * groups, new, d, generator=gen)
+    causal = torch.arange(t + new)[None, :] <= torch.arange(t, t + new)[:, None]  # [q, T]
+    mask = None
+    if masked:  # row 1 is left-padded by 6 tokens
+        real = torch.ones(b, t + new, dtype=torch.bool)
+        real[1, :6] = False
+        mask = (causal[None] & real[:, None])[:, None]  # [B, 1, q, T], SDPA's boolean mask
+    out = attention.attend(query, read, mask, d ** -0.5)
+    chosen = torch.zeros(b, hkv, t + new, dtype=torch.bool)
+    for i, pages in enumerate(read.pages.view(b * hkv, -1).tolist()):
+        for page in pages:
+            chosen[i // hkv, i % hkv, page * PAGE:(page + 1) * PAGE] = True
+    allowed = chosen[:, :, None] & (causal if mask is None else mask[:, 0, None])
+    torch.testing.assert_close(out, reference(query, keys, values, allowed, d ** -0.5), rtol=1e-5, atol=1e-5)
+    assert read.pages.shape[-1] == store.spec.pages_to_read(store.bases.pages)
+
+
+@pytest.mark.parametrize("selector", SPARSE)
+def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, 80, 8, generator=gen)
+    store = store_with(selector, keys[:, :, :70], keys[:, :, :70], sink_pages=2, local_pages=1)
+    store.append(keys[:, :, 70:], keys[:, :, 70:])  # 10 new tokens: pages 17..19 of 20
+    read = store.deferred_read()
+    read.scores(torch.randn(1, 2, 10, 8, generator=gen))
+    for head_pages in read.pages[0].tolist():
+        assert {0, 1, 17, 18, 19} <= set(head_pages) and head_pages == sorted(head_pages)
+        assert len(head_pages) == 5  # read_budget 0.25 of 20 pages
+
+
+def test_recent_reads_the_sink_and_the_newest_pages() -> None:
+    keys = torch.randn(1, 2, 41, 8)
+    store = store_with("recent", keys[:, :, :40], keys[:, :, :40], read_budget=0.4)
+    store.append(keys[:, :, 40:], keys[:, :, 40:])
+    read = store.deferred_read()
+    read.scores(torch.randn(1, 2, 1, 8))
+    assert read.pages[0].tolist() == [[0, 7, 8, 9, 10]] * 2  # ceil(0.4 * 11 pages)
+
+
+def test_random_pages_repeat_with_their_seed() -> None:
+    keys = torch.randn(1, 2, 81, 8)
+    picks = []
+    for seed in (5, 5, 6):
+        store = store_with("random", keys[:, :, :80], keys[:, :, :80], seed=seed)
+        store.append(keys[:, :, 80:], keys[:, :, 80:])
+        read = store.deferred_read()
+        read.scores(torch.randn(1, 2, 1, 8))
+        picks.append(read.pages)
+    assert torch.equal(picks[0], picks[1]) and not torch.equal(picks[0], picks[2])
+
+
+@pytest.mark.parametrize("model_id", ["llama", "qwen2", "mistral-sw8", "gemma"])
+@pytest.mark.parametrize("config", [sparse("full"), sparse("quest", read_budget=1.0)],
+                         ids=["full", "quest-1.0"])
+def test_reading_every_page_matches_dynamic_cache(model_id: str, config: dict) -> None:
+    model = tiny_model(model_id)
+    inputs = {"input_ids": random_prompt(30)}
+    with attn_implementation(model, "kvfactory"):
+        ref = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=10, min_new_tokens=10)
+        cache = KVCacheFactory(model.config, config).create_cache()
+        out = generate(model, inputs, cache, max_new_tokens=10, min_new_tokens=10)
+    assert_same_generation(ref, out)
+    metrics = cache.routing_metrics()
+    if model_id == "mistral-sw8":  # every layer slides: each reads its window whole, no selector runs
+        assert metrics["steps"] == 0
+    else:
+        assert metrics["steps"] == 9 and metrics["read_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("selector", SPARSE)
+def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str) -> None:
+    model = tiny_model("llama")
+    inputs = left_padded_batch([60, 45], seed=4)
+    with attn_implementation(model, "kvfactory"):
+        config = sparse(selector, read_budget=0.25, shadow_every=2)
+        cache = KVCacheFactory(model.config, config).create_cache()
+        out = generate(model, inputs, cache, max_new_tokens=9, min_new_tokens=9)
+    assert all(torch.isfinite(step).all() for step in out.logits)
+    metrics = cache.routing_metrics()
+    assert metrics["steps"] == 8 and metrics["shadow_samples"] == 4 * 2  # every 2nd step, 2 layers
+    # 16 to 17 pages stored, 4 or 5 read (plus Quest's page bases: per page 2 key rows of 2 * PAGE)
+    bases = 1 / PAGE if SELECTORS[selector].reads_bases else 0.0
+    assert 4 / 17 + bases - 0.01 < metrics["read_fraction"] < 5 / 16 + bases + 0.01
+    assert 0 <= metrics["hit_rate"] <= 1 and 0 < metrics["recall"] <= 1 + 1e-6
+    assert 0 < metrics["page_utilisation"] <= 1
+    assert metrics["router_latency_p99_ms"] >= metrics["router_latency_p50_ms"] >= 0
+
+
+def test_shadow_metrics_follow_their_definitions() -> None:
+    metrics = RoutingMetrics()
+    mass = torch.tensor([[[0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]]])  # [B=1, Hkv=2, 4 pages]
+    selected = torch.tensor([[[0, 1], [2, 3]]])
+    metrics.record_shadow(selected, mass)
+    # head 0: true top-2 {0, 2}, read {0, 1}: hit 1/2, recall 0.6; head 1: ties, recall 0.5
+    assert metrics.recalls == [pytest.approx(0.55)]
+    top = mass[0, 1].topk(2).indices.tolist()
+    assert metrics.hits == [pytest.approx((1 + len({2, 3} & set(top))) / 4)]
+
+
+def test_a_cache_without_selector_has_no_routing_metrics() -> None:
+    cache = KVCacheFactory(tiny_model("llama").config, {"type": "paged"}).create_cache()
+    with pytest.raises(ValueError, match="no selector"):
+        cache.routing_metrics()
+
+
+def test_memory_report_counts_the_page_bases() -> None:
+    model = tiny_model("llama")
+    with attn_implementation(model, "kvfactory"):
+        plain = KVCacheFactory(model.config, {"type": "paged", "page_size": PAGE}).create_cache()
+        quest = KVCacheFactory(model.config, sparse("quest")).create_cache()
+        for cache in (plain, quest):
+            model(random_prompt(20), past_key_values=cache)
+    # per layer: 5 pages x 2 KV heads x (max, min) x head_dim 16 x fp32
+    assert quest.memory_report()["allocated"] - plain.memory_report()["allocated"] == 2 * 5 * 2 * 2 * 16 * 4
