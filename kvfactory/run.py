@@ -3,10 +3,11 @@
 The embedded model reads at least ``context`` tokens of shipped WikiText-2 text plus a question
 about it (plain prompt, no chat template) and decodes greedily under transformers' ``DynamicCache``
 (the baseline, always run first) and each kvfactory config, lossless (dense, paged) and quantized
-(int8, int4) and evicting (SnapKV compressing the prompt by 75 %, StreamingLLM bounded to 1024 tokens
-per layer). The table shows KV bytes held after generation, prefill time, decode speed against
-the baseline, whether the tokens match it (for lossy configs: how many leading tokens do) and
-the start of each config's answer.
+(int8, int4), evicting (SnapKV compressing the prompt by 75 %, StreamingLLM bounded to 1024 tokens
+per layer) and reading sparsely (Quest reading 1/8 of the pages per decode step). The table shows
+KV bytes held after generation, prefill time, decode speed against the baseline, whether the
+tokens match it (for lossy configs: how many leading tokens do) and the start of each config's
+answer.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paged/16+streaming/1024": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": 16},
         {"name": "selective", "policy": "streaming_llm", "budget": 1024}]},
+    "paged/16+quest/0.125": {"type": "composite", "strategies": [
+        {"name": "paged", "page_size": 16}, {"name": "quest", "read_budget": 0.125}]},
 }
 _SENTENCE_END = re.compile(r" \.(?= )|\n")  # WikiText writes "word . Next"
 # About the first article: some 4,000 tokens before the question at the default context.
@@ -192,9 +195,12 @@ def _same_prefix(generated: torch.Tensor, reference: torch.Tensor) -> int:
 
 
 def lossy(config: dict[str, Any] | None) -> bool:
-    """Quantized or evicting: tokens may drift from the baseline's."""
+    """Quantized, evicting or reading sparsely: tokens may drift from the baseline's."""
     parsed = None if config is None else parse_config(config)
-    return parsed is not None and (parsed.quantization is not None or parsed.selective is not None)
+    if parsed is None:
+        return False
+    sparse = parsed.selector is not None and not parsed.selector.build_selector().reads_all
+    return parsed.quantization is not None or parsed.selective is not None or sparse
 
 
 def _print(console: Console, report: dict[str, Any], rows: list[ConfigResult]) -> None:

@@ -17,8 +17,10 @@ CONTEXTS = (400, 600)
 TASKS = ("ppl", "passkey", "needle", "multiturn")
 # head_dim 64 as SmolLM2's: quanto's groups of 64 must divide the quantized axis
 MODEL_KWARGS = dict(vocab_size=VOCAB, max_position_embeddings=4096, head_dim=64)
+QUEST = ('{"type": "composite", "strategies": [{"name": "paged", "page_size": 16}, '
+         '{"name": "quest", "read_budget": 0.25, "dense_layers": 0, "shadow_every": 1}]}')
 CACHES = ["dense", '{"type": "paged", "page_size": 16}', "transformers/sliding-window-64",
-          '{"type": "dense", "quantization": {"codec": "int8", "residual": 16}}']
+          '{"type": "dense", "quantization": {"codec": "int8", "residual": 16}}', QUEST]
 if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None:
     CACHES.append("transformers/quanto-int4")
 if importlib.util.find_spec("hqq") is not None:
@@ -35,6 +37,7 @@ def corpus() -> Corpus:
 @functools.cache
 def pipeline_results() -> dict:
     model = tiny_model("llama", **MODEL_KWARGS)
+    model.set_attn_implementation("kvfactory")  # selectors read pages inside kvfactory's attention
     units: list = []
     results = run_eval(model, tiny_tokenizer(), resolve_caches(CACHES), TASKS, SETTINGS, corpus(),
                        on_unit=lambda unit, done: units.append((unit, done)))

@@ -38,3 +38,8 @@ def test_report_files(tmp_path) -> None:
     int8 = [r for r in results["rows"] if "int8" in r["config"]]
     assert int8 and all(0 < r["key_rel_mse"] < 1e-3 and 0 < r["value_rel_mse"] < 1e-3 for r in int8)
     assert not any("key_rel_mse" in r for r in results["rows"] if "int8" not in r["config"])
+    assert "## Page routing" in text  # the Quest config's bytes read, hit rate and recall
+    quest = [r for r in results["rows"] if "quest" in r["config"]]
+    assert quest and all(r["read_budget"] < 0.7 and 0 < r["recall"] <= 1 + 1e-6 for r in quest)
+    others = [r for r in results["rows"] if "quest" not in r["config"]]
+    assert all(r["read_budget"] == 1.0 and "recall" not in r for r in others)

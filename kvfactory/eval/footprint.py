@@ -19,7 +19,10 @@ class CacheFootprint:
     the storage of their key/value tensors. ``tokens_stored`` is the mean over layers (sliding
     layers and eviction keep fewer than seen); ``compression_ratio`` is kvpress's
     ``1 - stored / seen``. Quantized kvfactory caches add the relative MSE of their stored keys and
-    values, averaged over quantized layers (``KVCache.quantization_error``); None elsewhere.
+    values, averaged over quantized layers (``KVCache.quantization_error``); None elsewhere. Caches
+    with a page selector add its routing metrics (``KVCache.routing_metrics``): the fraction of KV
+    bytes decode read, hit rate and attention-mass recall (NaN without shadow samples); others read
+    everything (``read_fraction`` 1.0).
     """
 
     bytes: int
@@ -29,6 +32,9 @@ class CacheFootprint:
     compression_ratio: float
     key_rel_mse: float | None = None
     value_rel_mse: float | None = None
+    read_fraction: float = 1.0
+    hit_rate: float | None = None
+    recall: float | None = None
 
 
 def cache_footprint(cache: Any) -> CacheFootprint:
@@ -47,5 +53,8 @@ def cache_footprint(cache: Any) -> CacheFootprint:
     errors = [e for e in errors if not math.isnan(e["key"])]
     key_mse = sum(e["key"] for e in errors) / len(errors) if errors else None
     value_mse = sum(e["value"] for e in errors) / len(errors) if errors else None
+    routing = cache.routing.as_dict() if getattr(cache, "routing", None) is not None else None
+    read = routing["read_fraction"] if routing and not math.isnan(routing["read_fraction"]) else 1.0
     return CacheFootprint(held, seen, stored, held / seen if seen else 0.0,
-                          1.0 - stored / seen if seen else 0.0, key_mse, value_mse)
+                          1.0 - stored / seen if seen else 0.0, key_mse, value_mse, read,
+                          routing["hit_rate"] if routing else None, routing["recall"] if routing else None)

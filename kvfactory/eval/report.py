@@ -119,6 +119,16 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
         lines += _table(["config", "task", "context", "keys", "values"],
                         [[r["config"], r["task"], str(r["context"]), _f(r["key_rel_mse"], ".2e"),
                           _f(r["value_rel_mse"], ".2e")] for r in quantized])
+    routed = [r for r in rows if "recall" in r]
+    if routed:
+        lines += ["", "## Page routing", "",
+                  "Sparse decode (page selectors): KV bytes read per decode step over all stored (page "
+                  "bases included), and on shadow steps (full attention every `shadow_every` steps) the "
+                  "hit rate (pages read among the same number with the most attention mass) and the "
+                  "attention-mass recall, mean over sparse layers, KV heads and prompts:", ""]
+        lines += _table(["config", "task", "context", "read", "hit rate", "recall"],
+                        [[r["config"], r["task"], str(r["context"]), _f(r["read_budget"], ".3f"),
+                          _f(r.get("hit_rate"), ".3f"), _f(r["recall"], ".3f")] for r in routed])
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"

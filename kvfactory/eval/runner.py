@@ -33,7 +33,6 @@ from kvfactory.presets import is_preset, load_preset, preset_names
 BASELINE = "DynamicCache"
 TASKS = ("ppl", "passkey", "needle", "multiturn")
 RETRIEVAL = ("passkey", "needle")
-READ_BUDGET = 1.0  # tokens read per step / tokens stored: every current config reads all it stores
 
 
 class EvalError(ValueError):
@@ -66,7 +65,7 @@ BASELINE_SPEC = CacheSpec(BASELINE, "baseline", None, "transformers.DynamicCache
 def _check(value: str, config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise EvalError(f"--cache {value!r}: expected a preset ({', '.join(preset_names())}, "
-                        f"POLICY@RATIO), a peer (transformers/...), a YAML file or an inline config such as "
+                        f"POLICY@RATIO, SELECTOR@BUDGET), a peer (transformers/...), a YAML file or an inline config such as "
                         f"'{{\"type\": \"paged\", \"page_size\": 64}}'")
     try:
         parse_config(config)
@@ -182,12 +181,13 @@ def _aggregate(unit: Unit) -> dict[str, Any]:
         "kv_bytes": mean([p.bytes for p in prints]),
         "bytes_per_token": mean([p.bytes_per_token for p in prints]),
         "compression_ratio": mean([p.compression_ratio for p in prints]),
-        "read_budget": READ_BUDGET,
+        "read_budget": mean([p.read_fraction for p in prints]),  # KV bytes decode read / all stored
         "prefill_s": statistics.median(i.prefill_s for i in items) if items else float("nan"),
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
     }
-    for field_name in ("key_rel_mse", "value_rel_mse"):
-        values = [getattr(p, field_name) for p in prints if getattr(p, field_name) is not None]
+    for field_name in ("key_rel_mse", "value_rel_mse", "hit_rate", "recall"):
+        values = [getattr(p, field_name) for p in prints
+                  if getattr(p, field_name) is not None and not math.isnan(getattr(p, field_name))]
         if values:
             row[field_name] = mean(values)
     if unit.task == "ppl":

@@ -1,5 +1,7 @@
-"""Named cache configs shipped with the package: ``kvfactory/presets/NAME.yaml``, and ``POLICY@RATIO``
-(e.g. ``snapkv@0.75``): 16-token pages with that eviction policy compressing prefills by ``RATIO``.
+"""Named cache configs shipped with the package: ``kvfactory/presets/NAME.yaml``, ``POLICY@RATIO``
+(e.g. ``snapkv@0.75``): 16-token pages with that eviction policy compressing prefills by ``RATIO``,
+and ``SELECTOR@BUDGET`` (e.g. ``quest@0.125``): 16-token pages that decode reads sparsely, that
+fraction of the pages per step.
 """
 
 from __future__ import annotations
@@ -18,19 +20,24 @@ def preset_names() -> list[str]:
     return sorted(f.name[:-5] for f in files if f.name.endswith(".yaml"))
 
 
-_POLICY_AT_RATIO = re.compile(r"(?P<policy>[a-z0-9_]+)@(?P<ratio>0?\.[0-9]+)")
+_NAME_AT_FRACTION = re.compile(r"(?P<name>[a-z0-9_]+)@(?P<fraction>0?\.[0-9]+|1(\.0*)?)")
 
 
 def policy_preset(name: str) -> dict[str, Any] | None:
-    """The config of a ``POLICY@RATIO`` name (a registered policy), else None."""
+    """The config of a ``POLICY@RATIO`` or ``SELECTOR@BUDGET`` name (registered ones), else None."""
     from kvfactory.policies import POLICIES
+    from kvfactory.selectors import SELECTORS
 
-    match = _POLICY_AT_RATIO.fullmatch(name)
-    if match is None or match["policy"] not in POLICIES:
+    match = _NAME_AT_FRACTION.fullmatch(name)
+    if match is None:
         return None
-    return {"type": "composite", "strategies": [
-        {"name": "paged", "page_size": 16},
-        {"name": "selective", "policy": match["policy"], "compression_ratio": float(match["ratio"])}]}
+    if match["name"] in POLICIES:
+        entry = {"name": "selective", "policy": match["name"], "compression_ratio": float(match["fraction"])}
+    elif match["name"] in SELECTORS:
+        entry = {"name": match["name"], "read_budget": float(match["fraction"])}
+    else:
+        return None
+    return {"type": "composite", "strategies": [{"name": "paged", "page_size": 16}, entry]}
 
 
 def is_preset(name: str) -> bool:
@@ -47,7 +54,8 @@ def load_preset(name: str) -> dict[str, Any]:
         return config
     if name not in preset_names():
         raise ConfigError("preset", name,
-                          f"one of {', '.join(preset_names())}, or POLICY@RATIO (snapkv@0.75)")
+                          f"one of {', '.join(preset_names())}, POLICY@RATIO (snapkv@0.75) or "
+                          f"SELECTOR@BUDGET (quest@0.125)")
     config = yaml.safe_load(resources.files("kvfactory.presets").joinpath(f"{name}.yaml").read_text())
     parse_config(config)
     return config
