@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,11 +32,12 @@ class RoutingMetrics:
         self.steps = 0
         self.bytes_read = 0
         self.bytes_full = 0
-        self.hits: list[float] = []
-        self.recalls: list[float] = []
+        self.shadow_samples = 0
+        self._hit_sum = self._recall_sum = 0.0  # sums over shadow samples (a server runs for days)
         self._latency: dict[int, float] = {}
         self._latencies: deque[float] = deque(maxlen=LATENCY_STEPS)
         self._stores: weakref.WeakSet[SparseStore] = weakref.WeakSet()
+        self.listeners: list[Callable[[float], None]] = []  # called with each shadow sample's hit rate
 
     def register(self, store: SparseStore) -> None:
         self._stores.add(store)
@@ -57,9 +59,12 @@ class RoutingMetrics:
         """``selected [B, Hkv, k]`` pages read and ``mass [B, Hkv, pages]`` full-attention mass per page."""
         k = selected.shape[-1]
         truth = mass.topk(k, dim=-1).indices
-        hit = (selected[..., :, None] == truth[..., None, :]).any(-1).float().mean()
-        self.hits.append(float(hit))
-        self.recalls.append(float(mass.gather(-1, selected).sum(-1).mean()))
+        hit = float((selected[..., :, None] == truth[..., None, :]).any(-1).float().mean())
+        self.shadow_samples += 1
+        self._hit_sum += hit
+        self._recall_sum += float(mass.gather(-1, selected).sum(-1).mean())
+        for listener in self.listeners:
+            listener(hit)
 
     def latency_quantiles(self) -> tuple[float, float]:
         """p50 and p99 router seconds per decode step (NaN before any step)."""
@@ -79,9 +84,9 @@ class RoutingMetrics:
         steps = max(self.steps, 1)
         return {
             "steps": self.steps,
-            "hit_rate": _mean(self.hits),
-            "recall": _mean(self.recalls),
-            "shadow_samples": len(self.recalls),
+            "hit_rate": self._hit_sum / self.shadow_samples if self.shadow_samples else float("nan"),
+            "recall": self._recall_sum / self.shadow_samples if self.shadow_samples else float("nan"),
+            "shadow_samples": self.shadow_samples,
             "page_utilisation": self.page_utilisation(),
             "router_latency_p50_ms": p50 * 1e3,
             "router_latency_p99_ms": p99 * 1e3,
@@ -89,7 +94,3 @@ class RoutingMetrics:
             "kv_bytes_full_per_step": self.bytes_full / steps,
             "read_fraction": self.bytes_read / self.bytes_full if self.bytes_full else float("nan"),
         }
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
