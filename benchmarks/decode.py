@@ -100,6 +100,11 @@ def held_bytes(cache) -> dict[str, float]:
     if "residual" in report:
         held |= {"residual_bytes": report["residual"], "residual_tokens": report["residual_tokens"],
                  "tokens_stored": report["tokens_stored"], "workspace_bytes": report["workspace"]}
+    if getattr(cache, "routing", None) is not None:  # page selectors: what decode read, router cost
+        routing = cache.routing_metrics()
+        held |= {"read_fraction": routing["read_fraction"], "recall": routing["recall"],
+                 "router_p50_ms": routing["router_latency_p50_ms"],
+                 "router_p99_ms": routing["router_latency_p99_ms"]}
     return held
 
 
@@ -169,6 +174,8 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
                      "same_prefix": same_prefix(tokens[name], tokens["dynamic"]),
                      "bytes_ratio_to_fp16": round(held[name]["bytes"] / row["fp16_dense_bytes"], 4),
                      **held[name]}
+        if "router_p99_ms" in held[name]:  # the router's p99 against one decode step (all rows)
+            row[name]["router_p99_share_of_step"] = round(held[name]["router_p99_ms"] / 1e3 * med / batch, 4)
     return row
 
 

@@ -49,13 +49,24 @@ class DeferredRead(ABC):
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns in place of the whole K/V: the full-precision tail (may be empty)."""
 
-    def columns(self) -> torch.Tensor | None:
-        """Stored positions ``[B, Hkv, n]`` of the tokens ``scores`` covered, None when all of them."""
-        return None
-
     @abstractmethod
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole K/V ``[B, Hkv, length, D]``, as a non-deferred read returns it."""
+
+
+class NarrowRead(ABC):
+    """A layer's K/V of which an attention call reads only part, chosen from its query (a page
+    selector's read, ``kvfactory.selectors.sparse``): attention runs SDPA over what ``narrow`` returns."""
+
+    @abstractmethod
+    def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns in place of the whole K/V: the step's new tokens."""
+
+    @abstractmethod
+    def narrow(self, query: torch.Tensor, attention_mask: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Keys, values ``[B, Hkv, n, D]`` to attend to for ``query [B, Hq, q, D]``, and the mask
+        (``attention_mask``'s columns of those tokens, broadcastable to ``[B, Hq, q, n]``)."""
 
 
 class Observer(Protocol):
@@ -69,7 +80,7 @@ class Observer(Protocol):
 
 
 class _Pending(threading.local):
-    read: DeferredRead | None = None
+    read: DeferredRead | NarrowRead | None = None
     observer: Observer | None = None
     key: torch.Tensor | None = None
     layer_idx: int | None = None
@@ -78,7 +89,7 @@ class _Pending(threading.local):
 _pending = _Pending()
 
 
-def defer(read: DeferredRead | None, returned_key: torch.Tensor | None = None,
+def defer(read: DeferredRead | NarrowRead | None, returned_key: torch.Tensor | None = None,
           layer_idx: int | None = None, observer: Observer | None = None) -> None:
     """Leave ``read`` of layer ``layer_idx`` for the attention call that receives ``returned_key`` (what
     ``update`` returned), and ``observer`` (a selective store) to take part in that call;
@@ -87,7 +98,8 @@ def defer(read: DeferredRead | None, returned_key: torch.Tensor | None = None,
     _pending.key, _pending.layer_idx = returned_key, layer_idx
 
 
-def take(key: torch.Tensor, layer_idx: int | None) -> tuple[DeferredRead | None, Observer | None]:
+def take(key: torch.Tensor, layer_idx: int | None) -> tuple[DeferredRead | NarrowRead | None,
+                                                            Observer | None]:
     """The read and observer left for ``key`` by layer ``layer_idx``'s update (None, None when it
     returned K/V whole and has nothing to observe).
 
@@ -114,36 +126,31 @@ def attend(query: torch.Tensor, read: DeferredRead, attention_mask: torch.Tensor
 
     Query heads are grouped by KV head as in transformers' ``repeat_kv`` (head ``h`` reads KV head
     ``h // (Hq / Hkv)``); ``attention_mask`` is SDPA's (boolean, True = attend, or additive),
-    broadcastable to ``[B, Hq, q, length]``; without one, queries are causal over the tail. A read
-    of selected tokens (``columns``) is masked at those tokens' columns.
+    broadcastable to ``[B, Hq, q, length]``; without one, queries are causal over the tail.
     """
     b, hq, q, d = query.shape
     hkv = read.kv_heads
     groups = hq // hkv
     scores = read.scores(query.reshape(b, hkv, groups * q, d)).mul_(scaling)
-    mask_scores(scores, attention_mask, q, read.length, read.columns())
+    mask_scores(scores, attention_mask, q, read.length)
     out = read.weighted_sum(scores.softmax(-1))
     return out.view(b, hkv, groups, q, -1).reshape(b, hq, q, -1).transpose(1, 2).contiguous()
 
 
-def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None, q: int, length: int,
-                columns: torch.Tensor | None = None) -> None:
-    """Mask ``scores [B, Hkv, groups * q, n]`` in place: the stored tokens at ``columns [B, Hkv, n]``
-    (None: all ``length`` of them) under SDPA's ``attention_mask``, or causally over the last ``q``."""
-    b, hkv, rows, n = scores.shape
+def mask_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None, q: int, length: int) -> None:
+    """Mask ``scores [B, Hkv, groups * q, length]`` of all stored tokens in place, under SDPA's
+    ``attention_mask`` or, without one, causally over the last ``q``."""
+    b, hkv, rows, _ = scores.shape
     groups = rows // q
     if attention_mask is not None:
-        width = attention_mask.shape[-1]
-        mask = attention_mask.expand(b, hkv * groups, q, width) if attention_mask.shape[1] != 1 else \
-            attention_mask.expand(b, 1, q, width).expand(b, groups, q, width).unsqueeze(1)
-        mask = mask.reshape(b, -1, rows, width)
-        if columns is not None:
-            mask = mask.expand(b, hkv, rows, width).gather(-1, columns[:, :, None, :].expand(b, hkv, rows, n))
+        mask = attention_mask.expand(b, hkv * groups, q, length) if attention_mask.shape[1] != 1 else \
+            attention_mask.expand(b, 1, q, length).expand(b, groups, q, length).unsqueeze(1)
+        mask = mask.reshape(b, -1, rows, length)
         if mask.dtype == torch.bool:
             scores.masked_fill_(~mask, float("-inf"))
         else:
             scores.add_(mask)
     elif q > 1:
-        positions = torch.arange(n, device=scores.device) if columns is None else columns[:, :, None, :]
-        visible = length - q + torch.arange(q, device=scores.device).repeat(groups)[:, None]
-        scores.masked_fill_(positions > visible, float("-inf"))
+        rows_at = torch.arange(q, device=scores.device).repeat(groups)[:, None]
+        scores.masked_fill_(torch.arange(length, device=scores.device) > length - q + rows_at, float("-inf"))
+

@@ -36,13 +36,15 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     read, observer = attention.take(key, getattr(module, "layer_idx", None))
     if observer is not None:  # a selective layer: its stored slots decide the mask
         attention_mask = observer.attention_mask(attention_mask, query)
-    chunked = read is not None and query.shape[2] <= attention.MAX_CHUNKED_QUERY and not dropout \
-        and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    chunked = isinstance(read, attention.DeferredRead) and query.shape[2] <= attention.MAX_CHUNKED_QUERY \
+        and not dropout and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if chunked:
         out = attention.attend(query, read, attention_mask, scale), None
     else:
-        if read is not None:
+        if isinstance(read, attention.NarrowRead):  # a page selector's pages for this query
+            key, value, attention_mask = read.narrow(query, attention_mask)
+        elif read is not None:
             key, value = read.materialize()
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import assert_same_generation, attn_implementation, generate
 from tiny_models import left_padded_batch, random_prompt, tiny_model
 from transformers import DynamicCache
 
-from kvfactory import ConfigError, KVCacheFactory, attention
+from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.selectors import SELECTORS, PageBases
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.quest import QuestSelector
@@ -147,7 +148,9 @@ def test_a_sparse_step_is_exact_attention_over_its_pages(selector: str, new: int
         real = torch.ones(b, t + new, dtype=torch.bool)
         real[1, :6] = False
         mask = (causal[None] & real[:, None])[:, None]  # [B, 1, q, T], SDPA's boolean mask
-    out = attention.attend(query, read, mask, d ** -0.5)
+    keys_read, values_read, mask_read = read.narrow(query, mask)
+    out = F.scaled_dot_product_attention(query, keys_read, values_read, attn_mask=mask_read, scale=d ** -0.5,
+                                         enable_gqa=True).transpose(1, 2)
     chosen = torch.zeros(b, hkv, t + new, dtype=torch.bool)
     for i, pages in enumerate(read.pages.view(b * hkv, -1).tolist()):
         for page in pages:
@@ -164,9 +167,9 @@ def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
     store = store_with(selector, keys[:, :, :70], keys[:, :, :70], sink_pages=2, local_pages=1)
     store.append(keys[:, :, 70:], keys[:, :, 70:])  # 10 new tokens: pages 17..19 of 20
     read = store.deferred_read()
-    read.scores(torch.randn(1, 2, 10, 8, generator=gen))
+    read.narrow(torch.randn(1, 2, 10, 8, generator=gen), None)
     for head_pages in read.pages[0].tolist():
-        assert {0, 1, 17, 18, 19} <= set(head_pages) and head_pages == sorted(head_pages)
+        assert {0, 1, 17, 18, 19} <= set(head_pages) and head_pages[-1] == 19  # the last page last
         assert len(head_pages) == 5  # read_budget 0.25 of 20 pages
 
 
@@ -175,8 +178,8 @@ def test_recent_reads_the_sink_and_the_newest_pages() -> None:
     store = store_with("recent", keys[:, :, :40], keys[:, :, :40], read_budget=0.4)
     store.append(keys[:, :, 40:], keys[:, :, 40:])
     read = store.deferred_read()
-    read.scores(torch.randn(1, 2, 1, 8))
-    assert read.pages[0].tolist() == [[0, 7, 8, 9, 10]] * 2  # ceil(0.4 * 11 pages)
+    read.narrow(torch.randn(1, 2, 1, 8), None)
+    assert read.pages[0].sort(-1).values.tolist() == [[0, 7, 8, 9, 10]] * 2  # ceil(0.4 * 11 pages)
 
 
 def test_random_pages_repeat_with_their_seed() -> None:
@@ -186,7 +189,7 @@ def test_random_pages_repeat_with_their_seed() -> None:
         store = store_with("random", keys[:, :, :80], keys[:, :, :80], seed=seed)
         store.append(keys[:, :, 80:], keys[:, :, 80:])
         read = store.deferred_read()
-        read.scores(torch.randn(1, 2, 1, 8))
+        read.narrow(torch.randn(1, 2, 1, 8), None)
         picks.append(read.pages)
     assert torch.equal(picks[0], picks[1]) and not torch.equal(picks[0], picks[2])
 

@@ -54,6 +54,15 @@ class PageBases:
         last = (self.length + n - 1) // ps + 1
         self._reserve(last, keys)
         offset = self.length - first * ps
+        if n == 1:  # a decode step: widen one page's bounds in place
+            page, key = self._bounds[:, :, first], keys[:, :, 0]
+            if offset:
+                key = torch.cat([torch.maximum(page[..., :d], key), torch.minimum(page[..., d:], key)], -1)
+            else:
+                key = torch.cat([key, key], -1)
+            page.copy_(key)
+            self.length += 1
+            return
         span = (last - first) * ps
         lo = keys.new_full((b, h, span, d), float("inf"))
         lo[:, :, offset:offset + n] = keys

@@ -6,6 +6,7 @@ arrive. For a decode step of a sparse layer it hands kvfactory's attention funct
 new-token pages are added, and exact softmax attention runs over the selected pages' K/V,
 gathered block by block from the pool (the whole layer is never copied out). Prefills, the first
 ``dense_layers`` layers and budgets that cover every page read the whole layer, unchanged.
+The selected K/V go to transformers' SDPA like any other (``kvfactory.attention.NarrowRead``).
 
 The store also takes part in its attention call (``kvfactory.attention.Observer``): on shadow steps
 it computes full attention for the same queries to measure hit rate and recall
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from kvfactory import attention
-from kvfactory.attention import DeferredRead
+from kvfactory.attention import NarrowRead
 from kvfactory.selectors.base import Selector
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.pages import PageBases
@@ -41,6 +42,7 @@ class SparseStore(LayerStore):
         self._mask: torch.Tensor | None = None
         self._read: SparseRead | None = None  # this step's selection, for the shadow measurement
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
+        self._always: tuple[tuple, torch.Tensor] | None = None  # always-read pages of the last step
         metrics.register(self)
 
     def bind(self, layer_idx: int) -> None:
@@ -130,6 +132,13 @@ class SparseStore(LayerStore):
         self._read = SparseRead(self, wanted)
         return self._read
 
+    def always_read(self, lo: int, hi: int, pages: int, device: torch.device) -> torch.Tensor:
+        """Pages ``[0, lo)`` and ``[hi, pages)``, kept from the last step while they are the same."""
+        key = (lo, hi, pages, device)
+        if self._always is None or self._always[0] != key:
+            self._always = key, torch.cat([torch.arange(lo), torch.arange(hi, pages)]).to(device)
+        return self._always[1]
+
     def page_utilisation(self, steps: int) -> float:
         """Fraction of stored pages read in the last ``steps`` decode steps (NaN if never sparse)."""
         if self._last_read is None:
@@ -170,72 +179,66 @@ class SparseStore(LayerStore):
             self.metrics.record_shadow(read.pages, mass.view(b, hkv, pages, ps).sum(-1))
 
 
-class SparseRead(DeferredRead):
-    """One decode step's read of the pages chosen for its queries (chosen when ``scores`` is called)."""
+class SparseRead(NarrowRead):
+    """One decode step's read of the pages chosen for its query (chosen in ``narrow``)."""
 
     def __init__(self, store: SparseStore, wanted: int) -> None:
         self.store, self.wanted = store, wanted
-        self.pages: torch.Tensor | None = None  # [B, Hkv, k] selected pages, ascending
-        self._values: torch.Tensor | None = None
-        self._columns: torch.Tensor | None = None
+        self.pages: torch.Tensor | None = None  # [B, Hkv, k] selected pages (the last page last)
 
     @property
     def length(self) -> int:
         return self.store.size()
 
-    @property
-    def kv_heads(self) -> int:
-        return self.store.inner._table.pool.k.shape[0]
-
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store._new
 
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.inner.gather()
-
-    def columns(self) -> torch.Tensor | None:
-        return self._columns
-
     def select(self, queries: torch.Tensor) -> torch.Tensor:
-        """The pages to read ``[B, Hkv, k]`` (ascending) for ``queries [B, Hkv, R, D]``."""
+        """The pages to read ``[B, Hkv, k]`` for ``queries [B, Hkv, R, D]``: the sink pages, the
+        selector's best of the pages between, then the local and new-token pages (the last page last)."""
         store, spec = self.store, self.store.spec
         pages, ps = store.bases.pages, store.inner.page_size
-        scores = store.selector.page_scores(queries, store.bases).float()
         first_new = (self.length - store._new[0].shape[2]) // ps
-        forced = torch.zeros(pages, dtype=torch.bool, device=scores.device)
-        forced[:spec.sink_pages] = True
-        forced[min(first_new, pages - spec.local_pages):] = True
-        scores = scores.masked_fill(forced, float("inf"))
-        wanted = max(self.wanted, int(forced.sum()))
-        return scores.topk(min(wanted, pages), dim=-1, sorted=False).indices.sort(-1).values
+        lo = min(spec.sink_pages, pages)
+        hi = max(lo, min(first_new, pages - spec.local_pages))
+        b, h = queries.shape[:2]
+        always = store.always_read(lo, hi, pages, queries.device).expand(b, h, -1)
+        chosen = min(self.wanted - always.shape[-1], hi - lo)
+        if chosen <= 0:
+            return always
+        scores = store.selector.page_scores(queries, store.bases)[..., lo:hi]
+        best = scores.topk(chosen, dim=-1, sorted=False).indices + lo
+        return torch.cat([always[..., :lo], best, always[..., lo:]], -1)
 
-    def scores(self, query: torch.Tensor) -> torch.Tensor:
-        store = self.store
-        started = time.perf_counter()
-        self.pages = self.select(query)
-        seconds = time.perf_counter() - started
+    def narrow(self, query: torch.Tensor, attention_mask: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        store, length = self.store, self.length
         table, ps = store.inner._table, store.inner.page_size
         block_pool = table.pool
-        b, hkv, k = self.pages.shape
+        b, hq, q, d = query.shape
+        hkv = block_pool.k.shape[0]
+        started = time.perf_counter()
+        self.pages = self.select(query.reshape(b, hkv, -1, d))
+        seconds = time.perf_counter() - started
+        k = self.pages.shape[-1]
         device = block_pool.k.device
         blocks = table.ids.gather(1, self.pages.flatten(1).cpu()).view(b, hkv, k).to(device)
         rows = (blocks + torch.arange(hkv, device=device)[None, :, None] * block_pool.num_blocks).flatten()
-        keys, self._values = (  # [B, Hkv, k * ps, D]: one row copy per selected block
-            t.flatten(0, 1).index_select(0, rows).view(b, hkv, k * ps, t.shape[-1])
+        n = k * ps - (store.bases.pages * ps - length)  # the last page, read last, may not be full
+        keys, values = (  # [B, Hkv, n, D]: one row copy per selected block
+            t.flatten(0, 1).index_select(0, rows).view(b, hkv, k * ps, t.shape[-1])[:, :, :n]
             for t in (block_pool.k, block_pool.v))
-        columns = (self.pages[..., None] * ps + torch.arange(ps, device=self.pages.device)).flatten(2)
-        self._columns = columns.clamp(max=self.length - 1)
-        scores = query @ keys.transpose(-1, -2)
-        unfilled = store.bases.pages * ps - self.length
-        if unfilled:  # the last page (read by all, sorted last) is not full: its free slots hold garbage
-            self._values[:, :, -unfilled:] = 0.0
-            scores[..., -unfilled:] = float("-inf")
+        mask = attention_mask
+        if mask is not None or q > 1:  # the mask's columns of the tokens read, per KV head's pages
+            columns = (self.pages[..., None] * ps + torch.arange(ps, device=device)).flatten(2)[:, :, :n]
+            columns = columns.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # [B, Hq, 1, n]
+            if mask is None:  # causal: query i sees stored positions up to length - q + i
+                mask = columns <= length - q + torch.arange(q, device=device)[:, None]
+            else:
+                mask = mask.expand(b, hq, q, mask.shape[-1]).gather(-1, columns.expand(b, hq, q, n))
         bases_bytes = store.bases.bounds.nbytes if store.selector.reads_bases else 0
         token_bytes = store._token_bytes()
-        store.metrics.record_read(store.steps, b * k * ps * token_bytes + bases_bytes,
-                                  b * self.length * token_bytes, seconds)
+        store.metrics.record_read(store.steps, b * n * token_bytes + bases_bytes, b * length * token_bytes,
+                                  seconds)
         store._mark_read(self.pages)
-        return scores
-
-    def weighted_sum(self, probs: torch.Tensor) -> torch.Tensor:
-        return probs.to(self._values.dtype) @ self._values
+        return keys, values, mask

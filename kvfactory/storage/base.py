@@ -16,7 +16,7 @@ import torch
 from kvfactory.errors import ShapeError
 
 if TYPE_CHECKING:
-    from kvfactory.attention import DeferredRead
+    from kvfactory.attention import DeferredRead, NarrowRead
     from kvfactory.storage.blocks import PoolSpec
 
 
@@ -136,8 +136,9 @@ class LayerStore(ABC):
         ``batch`` rows would take; none without a pool."""
         return []
 
-    def deferred_read(self) -> DeferredRead | None:
-        """A chunked read for kvfactory's attention (``kvfactory.attention``), or None to be read whole."""
+    def deferred_read(self) -> DeferredRead | NarrowRead | None:
+        """A chunked or narrowed read for kvfactory's attention (``kvfactory.attention``), or None to be
+        read whole."""
         return None
 
     def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract

@@ -1,0 +1,39 @@
+"""Sparse decode (page selectors) against DynamicCache: decode speed, bytes read, router latency.
+
+The same measurement as ``benchmarks/decode.py`` (SmolLM2, fp32, 1 thread, prompts of 2048 and
+6144 WikiText tokens, batch 1 and 8, 64 new tokens, interleaved runs, medians, ratios to
+DynamicCache in the same run), over 16-token pages read by a selector at a read budget, decoded
+with ``attn_implementation="kvfactory"`` (sparse reads happen inside kvfactory's attention).
+Each selector row adds ``read_fraction`` (KV bytes decode read over all stored, page bases
+included), ``recall`` (attention mass on the pages read, from the default shadow steps),
+router p50 / p99 and ``router_p99_share_of_step`` (p99 over one decode step's time).
+``paged16/attn`` is the same storage read whole, the lossless reference.
+DESIGN.md's targets at 6144 tokens and read budget 1/8: >= 1.3x DynamicCache at batch 1 and
+>= 2x at batch 8; router p99 <= 5 % of a decode step.
+
+    python benchmarks/oval.py [--lengths 6144] [--batches 1,8] [--runs 3] [--configs quest/0.125,...]
+"""
+
+from __future__ import annotations
+
+from decode import WithAttention, run
+
+
+def paged(selector: str | None = None, budget: float = 0.125) -> WithAttention:
+    strategies = [{"name": "paged", "page_size": 16}]
+    if selector is not None:
+        strategies.append({"name": selector, "read_budget": budget})
+    return WithAttention({"type": "composite", "strategies": strategies}, "kvfactory")
+
+
+CONFIGS = {
+    "paged16/attn": paged(),
+    "quest/0.25": paged("quest", 0.25),
+    "quest/0.125": paged("quest", 0.125),
+    "quest/0.0625": paged("quest", 0.0625),
+    "recent/0.125": paged("recent", 0.125),
+    "random/0.125": paged("random", 0.125),
+}
+
+if __name__ == "__main__":
+    run(CONFIGS, "oval")
