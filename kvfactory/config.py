@@ -150,19 +150,17 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                           f"a storage strategy ({registered_strategies()}) besides "
                           f"'{QUANTIZED}', '{SELECTIVE}' and selectors {sorted(SELECTORS)}")
     if selector is not None:
-        check_selector_composition(storage, quantization, selective, selector)
+        check_selector_composition(storage, selective, selector)
     return CacheConfig(storage, dict(config), quantization, selective, selector)
 
 
-def check_selector_composition(storage: StrategySpec, quantization: QuantizationSpec | None,
-                               selective: SelectiveSpec | None, selector: SelectorSpec) -> None:
-    """A selector reads pages: it needs paged storage, and does not yet read quantized or evicting ones."""
+def check_selector_composition(storage: StrategySpec, selective: SelectiveSpec | None,
+                               selector: SelectorSpec) -> None:
+    """A selector reads pages: it needs paged storage (plain or quantized), and does not yet read
+    evicting caches."""
     if not issubclass(storage.cls, PagedStore):
         raise ConfigError("strategies", storage.name, f"a paged storage strategy under selector "
                           f"'{selector.selector}' (it reads pages): {{'name': 'paged', 'page_size': 16}}")
-    if quantization is not None:
-        raise ConfigError("strategies", QUANTIZED, f"no '{QUANTIZED}' entry with selector "
-                          f"'{selector.selector}': sparse reads of quantized pages are not supported yet")
     if selective is not None:
         raise ConfigError("strategies", SELECTIVE, f"no '{SELECTIVE}' entry with selector "
                           f"'{selector.selector}': selectors over evicting caches are not supported yet")

@@ -27,6 +27,7 @@ GAUGES = {  # metric name: (RoutingMetrics.as_dict key, help)
     "routing_page_utilisation": ("page_utilisation", "Stored pages read in the last 128 decode steps"),
     "kv_bytes_read_per_step": ("kv_bytes_read_per_step", "KV bytes a decode step read, page bases included"),
     "kv_bytes_full_per_step": ("kv_bytes_full_per_step", "KV bytes a decode step reading every page reads"),
+    "index_bytes_read_per_step": ("index_bytes_read_per_step", "Of the bytes read: page bases scored"),
     "kv_read_fraction": ("read_fraction", "KV bytes read over reading every page"),
 }
 

@@ -11,29 +11,42 @@ from tiny_models import left_padded_batch, random_prompt, tiny_model
 from transformers import DynamicCache
 
 from kvfactory import ConfigError, KVCacheFactory
+from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.selectors import SELECTORS, PageBases
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.quest import QuestSelector
-from kvfactory.selectors.sparse import SparseStore
+from kvfactory.selectors.sparse import SparseRead, SparseStore
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.paged import PagedStore
+from kvfactory.storage.quantized import QuantizedStore
+from kvfactory.storage.workspace import ReadWorkspace
 
 NAMES = sorted(SELECTORS)
 SPARSE = sorted(name for name, cls in SELECTORS.items() if not cls.reads_all)
 PAGE = 4
 
 
-def sparse(selector: str, **options) -> dict:
+INT4 = {"name": "quantized", "codec": "int4", "group_size": 8, "residual": 8}
+
+
+def sparse(selector: str, quantized: bool = False, **options) -> dict:
     entry = {"name": selector, "dense_layers": 0} | options
-    return {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE}, entry]}
+    strategies = [{"name": "paged", "page_size": PAGE}, *([INT4] if quantized else []), entry]
+    return {"type": "composite", "strategies": strategies}
 
 
-def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, **options) -> SparseStore:
+def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: str | None = None,
+               **options) -> SparseStore:
     spec = SelectorSpec.parse(selector, {"read_budget": 0.25, "dense_layers": 0} | options)
-    store = SparseStore(PagedStore(page_size=PAGE), spec.build_selector(), spec, RoutingMetrics())
+    inner = PagedStore(page_size=PAGE)
+    if codec is not None:  # quantized pages: a 6-token full-precision window, KIVI groups of 8
+        quantization = QuantizationSpec(codec=codec, residual=6, group_size=8)
+        inner = QuantizedStore(inner, *quantization.codecs(0, 1), 6, ReadWorkspace())
+    store = SparseStore(inner, spec.build_selector(), spec, RoutingMetrics())
     store.bind(0)
+    store.attach(PagedStore.make_shared({"page_size": PAGE}, 1))
     store.append(keys, values)
-    assert store.deferred_read() is None  # a prefill reads whole
+    assert not isinstance(store.deferred_read(), SparseRead)  # a prefill reads whole
     return store
 
 
@@ -57,7 +70,6 @@ def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
 
 @pytest.mark.parametrize(("strategies", "match"), [
     ([{"name": "dense"}, {"name": "quest"}], "paged storage"),
-    ([{"name": "paged"}, {"name": "quantized", "codec": "int8"}, {"name": "quest"}], "quantized"),
     ([{"name": "paged"}, {"name": "selective", "policy": "h2o", "budget": 8}, {"name": "quest"}], "evicting"),
     ([{"name": "paged"}, {"name": "quest"}, {"name": "recent"}], "one selector"),
 ])
@@ -160,6 +172,32 @@ def test_a_sparse_step_is_exact_attention_over_its_pages(selector: str, new: int
     assert read.pages.shape[-1] == store.spec.pages_to_read(store.bases.pages)
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("new", [1, 3])
+def test_quantized_pages_read_what_the_whole_layer_holds(codec: str, new: int) -> None:
+    """Pages decoded from their packed blocks alone, then the tail (packed part and full-precision
+    window), equal the whole layer's decoded K/V at the same positions."""
+    gen = torch.Generator().manual_seed(5)
+    keys, values = (torch.randn(2, 2, 61 + new, 8, generator=gen) for _ in range(2))
+    store = store_with("quest", keys[:, :, :61], values[:, :, :61], codec=codec)
+    store.append(keys[:, :, 61:], values[:, :, 61:])
+    read = store.deferred_read()
+    query = torch.randn(2, 6, new, 8, generator=gen)
+    got_k, got_v, mask = read.narrow(query, None)
+    whole_k, whole_v = store.gather()
+    assert store.inner.quantized_tokens > 0 and store.inner.inner.size() > 0
+    quantized_pages = store.inner.quantized_tokens // PAGE
+    for row in range(2):
+        for head in range(2):
+            pages = read.pages[row, head].tolist()
+            columns = [p * PAGE + i for p in pages for i in range(PAGE) if p * PAGE + i < store.size()]
+            assert got_k.shape[2] == len(columns)
+            torch.testing.assert_close(got_k[row, head], whole_k[row, head, columns], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got_v[row, head], whole_v[row, head, columns], rtol=0, atol=1e-6)
+    assert set(read.pages[0, 0].tolist()) >= set(range(quantized_pages, store.bases.pages))  # the tail
+    assert (mask is None) == (new == 1)
+
+
 @pytest.mark.parametrize("selector", SPARSE)
 def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
     gen = torch.Generator().manual_seed(3)
@@ -194,6 +232,18 @@ def test_random_pages_repeat_with_their_seed() -> None:
     assert torch.equal(picks[0], picks[1]) and not torch.equal(picks[0], picks[2])
 
 
+def test_reading_every_quantized_page_matches_the_quantized_cache() -> None:
+    model = tiny_model("llama")
+    inputs = {"input_ids": random_prompt(40)}
+    plain = {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE}, INT4]}
+    with attn_implementation(model, "kvfactory"):
+        ref = generate(model, inputs, KVCacheFactory(model.config, plain).create_cache(), max_new_tokens=8,
+                       min_new_tokens=8)
+        out = generate(model, inputs, KVCacheFactory(model.config, sparse("quest", True, read_budget=1.0))
+                       .create_cache(), max_new_tokens=8, min_new_tokens=8)
+    assert_same_generation(ref, out)
+
+
 @pytest.mark.parametrize("model_id", ["llama", "qwen2", "mistral-sw8", "gemma"])
 @pytest.mark.parametrize("config", [sparse("full"), sparse("quest", read_budget=1.0)],
                          ids=["full", "quest-1.0"])
@@ -213,19 +263,24 @@ def test_reading_every_page_matches_dynamic_cache(model_id: str, config: dict) -
 
 
 @pytest.mark.parametrize("selector", SPARSE)
-def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str) -> None:
+@pytest.mark.parametrize("quantized", [False, True], ids=["paged", "paged+int4"])
+def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantized: bool) -> None:
     model = tiny_model("llama")
     inputs = left_padded_batch([60, 45], seed=4)
     with attn_implementation(model, "kvfactory"):
-        config = sparse(selector, read_budget=0.25, shadow_every=2)
+        config = sparse(selector, quantized, read_budget=0.25, shadow_every=2)
         cache = KVCacheFactory(model.config, config).create_cache()
         out = generate(model, inputs, cache, max_new_tokens=9, min_new_tokens=9)
     assert all(torch.isfinite(step).all() for step in out.logits)
     metrics = cache.routing_metrics()
     assert metrics["steps"] == 8 and metrics["shadow_samples"] == 4 * 2  # every 2nd step, 2 layers
-    # 16 to 17 pages stored, 4 or 5 read (plus Quest's page bases: per page 2 key rows of 2 * PAGE)
-    bases = 1 / PAGE if SELECTORS[selector].reads_bases else 0.0
-    assert 4 / 17 + bases - 0.01 < metrics["read_fraction"] < 5 / 16 + bases + 0.01
+    data = (metrics["kv_bytes_read_per_step"] - metrics["index_bytes_read_per_step"]) \
+        / metrics["kv_bytes_full_per_step"]
+    if quantized:  # 4 or 5 of 16 to 17 pages, the full-precision window among them
+        assert 0.2 < data < 0.6
+    else:  # 16 to 17 pages stored, 4 or 5 read (plus Quest's page bases: per page 2 key rows of 2 * PAGE)
+        bases = 1 / PAGE if SELECTORS[selector].reads_bases else 0.0
+        assert 4 / 17 + bases - 0.01 < metrics["read_fraction"] < 5 / 16 + bases + 0.01
     assert 0 <= metrics["hit_rate"] <= 1 and 0 < metrics["recall"] <= 1 + 1e-6
     assert 0 < metrics["page_utilisation"] <= 1
     assert metrics["router_latency_p99_ms"] >= metrics["router_latency_p50_ms"] >= 0

@@ -5,7 +5,7 @@
 - attention-mass recall: the full-attention mass that falls on the pages read (shadow steps);
 - page utilisation: stored pages read at least once in the last ``UTILISATION_STEPS`` steps;
 - router latency: seconds spent choosing pages per decode step (all layers), p50 and p99;
-- KV bytes read per decode step against reading every page (page bases included).
+- KV bytes read per decode step against reading every page (page bases included, and apart).
 Means are over sparse layers, batch rows and KV heads.
 """
 
@@ -32,6 +32,7 @@ class RoutingMetrics:
         self.steps = 0
         self.bytes_read = 0
         self.bytes_full = 0
+        self.bytes_index = 0  # of bytes_read: page bases the selector scored
         self.shadow_samples = 0
         self._hit_sum = self._recall_sum = 0.0  # sums over shadow samples (a server runs for days)
         self._latency: dict[int, float] = {}
@@ -42,14 +43,17 @@ class RoutingMetrics:
     def register(self, store: SparseStore) -> None:
         self._stores.add(store)
 
-    def record_read(self, step: int, read_bytes: int, full_bytes: int, seconds: float) -> None:
-        """One layer's decode step ``step`` (counted by each layer alike)."""
+    def record_read(self, step: int, read_bytes: int, full_bytes: int, seconds: float,
+                    index_bytes: int = 0) -> None:
+        """One layer's decode step ``step`` (counted by each layer alike); ``read_bytes`` includes the
+        ``index_bytes`` of page bases read to choose the pages."""
         if step not in self._latency:
             self._close_steps()
             self.steps += 1
         self._latency[step] = self._latency.get(step, 0.0) + seconds
         self.bytes_read += read_bytes
         self.bytes_full += full_bytes
+        self.bytes_index += index_bytes
 
     def _close_steps(self) -> None:
         self._latencies.extend(self._latency.values())
@@ -92,5 +96,6 @@ class RoutingMetrics:
             "router_latency_p99_ms": p99 * 1e3,
             "kv_bytes_read_per_step": self.bytes_read / steps,
             "kv_bytes_full_per_step": self.bytes_full / steps,
+            "index_bytes_read_per_step": self.bytes_index / steps,
             "read_fraction": self.bytes_read / self.bytes_full if self.bytes_full else float("nan"),
         }

@@ -21,28 +21,32 @@ from typing import Any
 import torch
 
 from kvfactory import attention
-from kvfactory.attention import NarrowRead
+from kvfactory.attention import DeferredRead, NarrowRead
 from kvfactory.selectors.base import Selector
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.pages import PageBases
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import LayerStore, MemoryReport
 from kvfactory.storage.paged import PagedStore
+from kvfactory.storage.quantized import QuantizedStore
 
 
 class SparseStore(LayerStore):
-    """One layer's paged K/V in ``inner``, read sparsely at decode as ``spec`` asks."""
+    """One layer's paged K/V in ``inner`` (plain or quantized pages), read sparsely at decode as
+    ``spec`` asks; ``inner`` serves whole pages (``pageable``, ``read_pages``, ``read_bytes``)."""
 
-    def __init__(self, inner: PagedStore, selector: Selector, spec: SelectorSpec,
+    def __init__(self, inner: PagedStore | QuantizedStore, selector: Selector, spec: SelectorSpec,
                  metrics: RoutingMetrics) -> None:
         self.inner, self.selector, self.spec, self.metrics = inner, selector, spec, metrics
-        self.bases = PageBases(inner.page_size)
+        paged = inner if isinstance(inner, PagedStore) else inner.inner
+        self.page_size = paged.page_size
+        self.bases = PageBases(self.page_size)
         self.steps = 0  # decode steps seen by this layer
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V
         self._mask: torch.Tensor | None = None
         self._read: SparseRead | None = None  # this step's selection, for the shadow measurement
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
-        self._always: tuple[tuple, torch.Tensor] | None = None  # always-read pages of the last step
+        self._always: tuple[tuple, torch.Tensor] | None = None  # the sink pages of the last step
         metrics.register(self)
 
     def bind(self, layer_idx: int) -> None:
@@ -110,33 +114,35 @@ class SparseStore(LayerStore):
         return MemoryReport(report.allocated + held, report.used + held, report.tokens)
 
     # -- reads ------------------------------------------------------------------------------
-    def _token_bytes(self) -> int:
-        """K/V bytes of one stored token in every KV head."""
-        return self.inner._table.pool.block_bytes // self.inner.page_size
+    def full_bytes(self) -> int:
+        """Bytes a decode step reading everything reads (all rows)."""
+        pageable = self.inner.pageable()
+        return self.batch_size * self.inner.read_bytes(pageable, self.size() - pageable)
 
-    def deferred_read(self) -> SparseRead | None:
-        """A sparse read for a decode step of a sparse layer; None (read whole) otherwise."""
+    def deferred_read(self) -> DeferredRead | SparseRead | None:
+        """A sparse read for a decode step of a sparse layer; otherwise what the inner store reads
+        (quantized pages: chunked attention; plain pages: None, read whole)."""
         self._read = None
         new = 0 if self._new is None else self._new[0].shape[2]
         if not new or new > attention.MAX_CHUNKED_QUERY:
-            return None  # a prefill: read whole, not a decode step
+            return self.inner.deferred_read()  # a prefill: not a decode step
         self.steps += 1
         pages = self.bases.pages
         wanted = self.spec.pages_to_read(pages)
-        full_bytes = self.batch_size * self.size() * self._token_bytes()
-        sparse = self.layer_idx >= self.spec.dense_layers and wanted < pages and not self.selector.reads_all \
-            and self.inner._table.start == 0
+        selectable = min(self.inner.pageable() // self.page_size, pages - self.spec.local_pages)
+        sparse = self.layer_idx >= self.spec.dense_layers and not self.selector.reads_all \
+            and wanted < pages and selectable > self.spec.sink_pages
         if not sparse:
-            self.metrics.record_read(self.steps, full_bytes, full_bytes, 0.0)
-            return None
+            full = self.full_bytes()
+            self.metrics.record_read(self.steps, full, full, 0.0)
+            return self.inner.deferred_read()
         self._read = SparseRead(self, wanted)
         return self._read
 
-    def always_read(self, lo: int, hi: int, pages: int, device: torch.device) -> torch.Tensor:
-        """Pages ``[0, lo)`` and ``[hi, pages)``, kept from the last step while they are the same."""
-        key = (lo, hi, pages, device)
-        if self._always is None or self._always[0] != key:
-            self._always = key, torch.cat([torch.arange(lo), torch.arange(hi, pages)]).to(device)
+    def always_read(self, lo: int, device: torch.device) -> torch.Tensor:
+        """The sink pages ``[0, lo)``, kept from the last step while they are the same."""
+        if self._always is None or self._always[0] != (lo, device):
+            self._always = (lo, device), torch.arange(lo, device=device)
         return self._always[1]
 
     def page_utilisation(self, steps: int) -> float:
@@ -173,7 +179,7 @@ class SparseStore(LayerStore):
             scores = query.reshape(b, hkv, -1, d) @ keys.transpose(-1, -2) * scaling
             attention.mask_scores(scores, self._mask, q, length)
             probs = scores.float().softmax(-1).mean(2)  # [B, Hkv, length]: mean over the group's queries
-            ps, pages = self.inner.page_size, self.bases.pages
+            ps, pages = self.page_size, self.bases.pages
             mass = probs.new_zeros((b, hkv, pages * ps))
             mass[:, :, :length] = probs
             self.metrics.record_shadow(read.pages, mass.view(b, hkv, pages, ps).sum(-1))
@@ -184,7 +190,7 @@ class SparseRead(NarrowRead):
 
     def __init__(self, store: SparseStore, wanted: int) -> None:
         self.store, self.wanted = store, wanted
-        self.pages: torch.Tensor | None = None  # [B, Hkv, k] selected pages (the last page last)
+        self.pages: torch.Tensor | None = None  # [B, Hkv, k] every page read (the tail's last)
 
     @property
     def length(self) -> int:
@@ -193,52 +199,48 @@ class SparseRead(NarrowRead):
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store._new
 
-    def select(self, queries: torch.Tensor) -> torch.Tensor:
-        """The pages to read ``[B, Hkv, k]`` for ``queries [B, Hkv, R, D]``: the sink pages, the
-        selector's best of the pages between, then the local and new-token pages (the last page last)."""
+    def select(self, queries: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """For ``queries [B, Hkv, R, D]``: the sink pages and the selector's best of the pages after
+        them ``[B, Hkv, k]``, and the first page of the tail read whole (the local pages, the
+        step's new tokens and what the inner store cannot serve as pages, e.g. a full-precision window)."""
         store, spec = self.store, self.store.spec
-        pages, ps = store.bases.pages, store.inner.page_size
+        pages, ps = store.bases.pages, store.page_size
         first_new = (self.length - store._new[0].shape[2]) // ps
         lo = min(spec.sink_pages, pages)
-        hi = max(lo, min(first_new, pages - spec.local_pages))
+        hi = max(lo, min(first_new, pages - spec.local_pages, store.inner.pageable() // ps))
         b, h = queries.shape[:2]
-        always = store.always_read(lo, hi, pages, queries.device).expand(b, h, -1)
-        chosen = min(self.wanted - always.shape[-1], hi - lo)
+        sink = store.always_read(lo, queries.device).expand(b, h, -1)
+        chosen = min(self.wanted - lo - (pages - hi), hi - lo)
         if chosen <= 0:
-            return always
+            return sink, hi
         scores = store.selector.page_scores(queries, store.bases)[..., lo:hi]
         best = scores.topk(chosen, dim=-1, sorted=False).indices + lo
-        return torch.cat([always[..., :lo], best, always[..., lo:]], -1)
+        return torch.cat([sink, best], -1), hi
 
     def narrow(self, query: torch.Tensor, attention_mask: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        store, length = self.store, self.length
-        table, ps = store.inner._table, store.inner.page_size
-        block_pool = table.pool
+        store, length, ps = self.store, self.length, self.store.page_size
         b, hq, q, d = query.shape
-        hkv = block_pool.k.shape[0]
+        hkv = store._new[0].shape[1]
         started = time.perf_counter()
-        self.pages = self.select(query.reshape(b, hkv, -1, d))
+        chosen, tail = self.select(query.reshape(b, hkv, -1, d))
         seconds = time.perf_counter() - started
-        k = self.pages.shape[-1]
-        device = block_pool.k.device
-        blocks = table.ids.gather(1, self.pages.flatten(1).cpu()).view(b, hkv, k).to(device)
-        rows = (blocks + torch.arange(hkv, device=device)[None, :, None] * block_pool.num_blocks).flatten()
-        n = k * ps - (store.bases.pages * ps - length)  # the last page, read last, may not be full
-        keys, values = (  # [B, Hkv, n, D]: one row copy per selected block
-            t.flatten(0, 1).index_select(0, rows).view(b, hkv, k * ps, t.shape[-1])[:, :, :n]
-            for t in (block_pool.k, block_pool.v))
+        keys, values = store.inner.read_pages(chosen, tail)  # [B, Hkv, n, D]
+        device, k = keys.device, chosen.shape[-1]
+        self.pages = torch.cat([chosen, torch.arange(tail, store.bases.pages, device=chosen.device)
+                                .expand(b, hkv, -1)], -1)
         mask = attention_mask
         if mask is not None or q > 1:  # the mask's columns of the tokens read, per KV head's pages
-            columns = (self.pages[..., None] * ps + torch.arange(ps, device=device)).flatten(2)[:, :, :n]
-            columns = columns.repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # [B, Hq, 1, n]
+            at = chosen.device
+            columns = torch.cat([(chosen[..., None] * ps + torch.arange(ps, device=at)).flatten(2),
+                                 torch.arange(tail * ps, length, device=at).expand(b, hkv, -1)], -1)
+            columns = columns.to(device).repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # [B, Hq, 1, n]
             if mask is None:  # causal: query i sees stored positions up to length - q + i
                 mask = columns <= length - q + torch.arange(q, device=device)[:, None]
             else:
-                mask = mask.expand(b, hq, q, mask.shape[-1]).gather(-1, columns.expand(b, hq, q, n))
+                mask = mask.expand(b, hq, q, mask.shape[-1]).gather(-1, columns.expand(b, hq, q, -1))
         bases_bytes = store.bases.bounds.nbytes if store.selector.reads_bases else 0
-        token_bytes = store._token_bytes()
-        store.metrics.record_read(store.steps, b * n * token_bytes + bases_bytes, b * length * token_bytes,
-                                  seconds)
+        read = b * store.inner.read_bytes(k * ps, length - tail * ps) + bases_bytes
+        store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, bases_bytes)
         store._mark_read(self.pages)
         return keys, values, mask

@@ -131,6 +131,30 @@ class PagedStore(LayerStore):
         block_pool.decref(self._ids[:, kept_blocks:])
         table.ids = self._ids[:, :kept_blocks]
 
+    # -- page reads (sparse decode, ``kvfactory.selectors``) -----------------------------------
+    def pageable(self) -> int:
+        """Stored tokens that ``read_pages`` serves as whole pages (from the first stored token)."""
+        return self.size() if self._table.start == 0 else 0
+
+    def read_pages(self, pages: torch.Tensor, tail_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the stored pages ``pages [B, H, k]`` (``page_size`` tokens each), then of every token
+        from page ``tail_page`` on: ``[B, H, k * page_size + size() - tail_page * page_size, D]``, one row
+        copy per block read."""
+        table, ps = self._table, self.page_size
+        block_pool = table.pool
+        b, h, k = pages.shape
+        tail = torch.arange(tail_page, table.blocks_for(table.length), device=pages.device).expand(b, h, -1)
+        device = block_pool.k.device
+        blocks = table.ids.gather(1, torch.cat([pages, tail], -1).flatten(1).cpu()).view(b, h, -1).to(device)
+        rows = (blocks + torch.arange(h, device=device)[None, :, None] * block_pool.num_blocks).flatten()
+        n = k * ps + table.length - tail_page * ps  # the last page may not be full
+        return tuple(t.flatten(0, 1).index_select(0, rows).view(b, h, -1, t.shape[-1])[:, :, :n]
+                     for t in (block_pool.k, block_pool.v))
+
+    def read_bytes(self, page_tokens: int, tail_tokens: int) -> int:
+        """Bytes one row reads for ``page_tokens`` tokens in pages and ``tail_tokens`` in the tail."""
+        return (page_tokens + tail_tokens) * self._table.pool.block_bytes // self.page_size
+
     def drop_front(self, n: int) -> None:
         table = self._table
         n = min(n, table.length)

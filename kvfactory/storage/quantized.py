@@ -311,6 +311,57 @@ class QuantizedStore(LayerStore):
         if self._like is not None:
             self._like = tuple(t.index_select(0, rows.to(t.device)) for t in self._like)
 
+    # -- page reads (sparse decode over quantized pages, ``kvfactory.selectors``) ------------------
+    def pageable(self) -> int:
+        """Tokens ``read_pages`` serves as whole pages: the quantized ones (paged storage only)."""
+        return self.quantized_tokens if isinstance(self._packed, PagedRuns) else 0
+
+    @torch.no_grad()
+    def read_pages(self, pages: torch.Tensor, tail_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the quantized pages ``pages [B, H, k]`` (the pool's ``page_size`` tokens each),
+        decoded from their packed blocks only, then every token from page ``tail_page`` on (packed ones
+        decoded, then the full-precision window): ``PagedStore.read_pages``' layout."""
+        ps = self.inner.page_size
+        bt = self._packed.block_tokens
+        b, h, k = pages.shape
+        first = pages * ps
+        keys, values = self._decode_blocks(first // bt)  # [B, H, k * bt, D]: whole packed blocks
+        sub = (first % bt // ps)[..., None, None, None].expand(b, h, k, 1, ps, keys.shape[-1])
+        parts = [[x.view(b, h, k, bt // ps, ps, -1).gather(3, sub).view(b, h, k * ps, -1)]
+                 for x in (keys, values)]
+        start, quantized = tail_page * ps, self.quantized_tokens
+        if start < quantized:  # the packed part of the tail
+            blocks = torch.arange(start // bt, -(-quantized // bt), device=pages.device).expand(b, h, -1)
+            offset = start - start // bt * bt
+            for part, x in zip(parts, self._decode_blocks(blocks), strict=True):
+                part.append(x[:, :, offset:offset + quantized - start])
+        if self.inner.size():
+            for part, x in zip(parts, self.inner.gather(), strict=True):
+                part.append(x[:, :, max(0, start - quantized):])
+        return tuple(torch.cat(part, 2) for part in parts)
+
+    def _decode_blocks(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed blocks ``index [B, H, m]`` (each row's block positions) decoded: ``[B, H, m * bt, D]``."""
+        table = self._packed.table
+        block_pool = table.pool
+        b, h, m = index.shape
+        blocks = table.ids.gather(1, index.flatten(1).cpu()).view(b, h, m)
+        streams = {}
+        for name, t in block_pool.tensors.items():
+            heads = torch.arange(h, device=t.device)[None, :, None] * t.shape[1]
+            rows = (blocks.to(t.device) + heads).flatten()
+            streams[name] = t.flatten(0, 1).index_select(0, rows).view(b, h, m * t.shape[2], *t.shape[3:])
+        ek, ev = _split(streams, m * self._packed.block_tokens)
+        return self.key_codec.decode(ek), self.value_codec.decode(ev)
+
+    def read_bytes(self, page_tokens: int, tail_tokens: int) -> int:
+        """Bytes one row reads for ``page_tokens`` quantized tokens in pages and ``tail_tokens`` in the tail
+        (counted as full precision)."""
+        packed = self._packed.table.pool.block_bytes / self._packed.block_tokens if page_tokens else 0.0
+        k, v = self._like
+        fp = k.shape[1] * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+        return int(page_tokens * packed + tail_tokens * fp)
+
     def residual_report(self) -> MemoryReport:
         """The full-precision window's share (reported apart from the packed bytes)."""
         return self.inner.memory_report()
