@@ -1,6 +1,6 @@
 """kvfactory: composable KV-cache management for Hugging Face transformers."""
 
-from kvfactory.cache import KVCache
+from kvfactory.cache import KVCache, watch_hidden_states
 from kvfactory.config import CacheConfig, register_cache_strategy, registered_strategies
 from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError, ShapeError
 from kvfactory.factory import KVCacheFactory
@@ -13,4 +13,5 @@ __all__ = [
     "CacheConfig", "CacheFullError", "ConfigError", "DenseStore", "KVCache", "KVCacheFactory",
     "KVFactoryError", "LayerStore", "MemoryReport", "Observation", "PagedPool", "PagedStore", "Policy",
     "ShapeError", "register_cache_strategy", "register_policy", "registered_strategies",
+    "watch_hidden_states",
 ]

@@ -57,6 +57,25 @@ AttentionInterface.register(ATTENTION, kvfactory_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
+def watch_hidden_states(model: torch.nn.Module) -> torch.nn.Module:
+    """Hand each forward's last hidden state (of the last position) to the cache it ran with, for
+    selectors that route from the decoder's state (OVAL): a forward hook on the model's decoder.
+    Idempotent; ``kvfactory.models.load_model`` calls it. Returns ``model``."""
+    decoder = model.get_decoder()
+    if not getattr(decoder, "_kvfactory_watched", False):
+        decoder.register_forward_hook(_hand_hidden_state, with_kwargs=True)
+        decoder._kvfactory_watched = True
+    return model
+
+
+def _hand_hidden_state(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    context = getattr(cache, "routing_context", None)
+    hidden = getattr(output, "last_hidden_state", None)
+    if context is not None and hidden is not None:
+        context.hidden = hidden[:, -1].detach()
+
+
 def check_kvfactory_attention(implementation: str | None, config: Any) -> None:
     """Selective policies and selectors work inside kvfactory's attention function: refuse a model set
     to another, which would silently keep or read everything."""
@@ -220,10 +239,12 @@ class KVCache(Cache):
     """A transformers ``Cache`` built by ``KVCacheFactory``; see the module docstring."""
 
     def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
-                 config: Any = None, workspace: Any = None, model_config: Any = None, routing: Any = None):
+                 config: Any = None, workspace: Any = None, model_config: Any = None, routing: Any = None,
+                 routing_context: Any = None):
         super().__init__(layers=layers)
         self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
         self.routing = routing  # a selector's RoutingMetrics (kvfactory.selectors.metrics), else None
+        self.routing_context = routing_context  # what its layers' selectors share (selectors.base)
         # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
         self._attention_config = None if model_config is None else model_config.get_text_config(decoder=True)
 

@@ -226,3 +226,50 @@ def calibrate(
     console.print(f"wrote {path}: |K| and |V| maxima of {layers} layers x {heads} KV heads over "
                   f"{ids.shape[1]} tokens of {text.name}. Use it as "
                   f"{{\"quantization\": {{\"codec\": \"fp8\", \"scales\": \"{path}\"}}}}")
+
+
+oval_app = typer.Typer(help="OVAL page routing: train a router for a model.", no_args_is_help=True)
+app.add_typer(oval_app, name="oval")
+
+
+@oval_app.command("train")
+def oval_train(
+    text: Annotated[list[Path], typer.Option(help="UTF-8 text to train on (repeat; not evaluation text)")],
+    val_text: Annotated[list[Path], typer.Option(help="held-out UTF-8 text for the hit-rate curves")],
+    out: Annotated[Path, typer.Option(help="the router file to write (safetensors)")]
+    = Path("router.safetensors"),
+    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
+    = models.EMBEDDED,
+    dense_layers: Annotated[int, typer.Option(min=0, help="first layers read whole (not routed)")] = 2,
+    chunks: Annotated[int, typer.Option(min=1, help="training chunks of --chunk tokens")] = 48,
+    val_chunks: Annotated[int, typer.Option(min=1, help="held-out chunks")] = 12,
+    chunk: Annotated[int, typer.Option(min=256, help="tokens per chunk")] = 2048,
+    positions: Annotated[int, typer.Option(min=1, help="query positions sampled per chunk")] = 32,
+    epochs: Annotated[int, typer.Option(min=1)] = 40,
+    budget: Annotated[float, typer.Option(min=0.01, max=1.0, help="read budget of the top-k target")] = 0.125,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 2,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the report here")] = None,
+) -> None:
+    """Distil full attention into an OVAL router (the LM stays frozen) and print hit-rate curves of
+    the router, Quest, recent pages and the oracle on held-out text."""
+    import json
+
+    import torch
+
+    from kvfactory.selectors.oval import train as oval_training
+
+    texts = []
+    for path in [*text, *val_text]:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise typer.BadParameter(f"{path}: cannot read it as UTF-8 text ({exc})") from exc
+    torch.set_num_threads(threads)
+    console = Console()
+    with console.status(f"loading {model}"):
+        loaded, tokenizer = models.load_model(model)
+    report = oval_training.run(loaded, tokenizer, texts[:len(text)], texts[len(text):], str(out), model,
+                               dense_layers, chunk, positions, chunks, val_chunks, epochs, budget, console)
+    console.print(f"wrote {out}: router for layers {report['layers'][0]}..{report['layers'][-1]} of {model}")
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2) + "\n")

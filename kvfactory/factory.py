@@ -8,6 +8,7 @@ from typing import Any
 from kvfactory.cache import KVCache, KVLayer, attention_layout, check_kvfactory_attention
 from kvfactory.config import CacheConfig, load_yaml, parse_config
 from kvfactory.policies.selective import SelectiveStore
+from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.sparse import SparseStore
 from kvfactory.storage.quantized import QuantizedStore
@@ -46,6 +47,7 @@ class KVCacheFactory:
             check_kvfactory_attention(getattr(self.model_config.get_text_config(decoder=True),
                                               "_attn_implementation", None), self.config)
         routing = RoutingMetrics() if selector is not None else None
+        context = RoutingContext() if selector is not None else None
         for layer_idx, window in enumerate(self.windows):
             store = self.config.storage.build()
             codecs = quantization.codecs(layer_idx, len(self.windows)) if quantization else None
@@ -55,10 +57,11 @@ class KVCacheFactory:
             if selective is not None and window is None:  # sliding layers are bounded by their window
                 store = SelectiveStore(store, selective.build_policy(), selective, len(self.windows))
             if selector is not None and window is None:  # sliding layers read their window whole
-                store = SparseStore(store, selector.build_selector(), selector, routing)
+                store = SparseStore(store, selector.build_selector(), selector, routing, context,
+                                    len(self.windows))
             store.bind(layer_idx)
             if self.pool is not None:
                 store.attach(self.pool)
             layers.append(KVLayer(store, sliding_window=window))
         return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
-                       model_config=self.model_config, routing=routing)
+                       model_config=self.model_config, routing=routing, routing_context=context)

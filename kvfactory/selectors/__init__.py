@@ -8,6 +8,7 @@ from __future__ import annotations
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import Selector
 from kvfactory.selectors.full import FullSelector
+from kvfactory.selectors.oval import OvalSelector
 from kvfactory.selectors.pages import PageBases
 from kvfactory.selectors.quest import QuestSelector
 from kvfactory.selectors.random_pages import RandomSelector
@@ -15,6 +16,7 @@ from kvfactory.selectors.recent import RecentSelector
 
 SELECTORS: dict[str, type[Selector]] = {
     "full": FullSelector,
+    "oval": OvalSelector,
     "quest": QuestSelector,
     "random": RandomSelector,
     "recent": RecentSelector,

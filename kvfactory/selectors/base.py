@@ -1,20 +1,40 @@
 """The selector interface: score a layer's pages for one decode step, read the best.
 
 A selector is a dataclass whose fields are its hyperparameters. ``page_scores`` sees the step's
-queries grouped by KV head and the layer's page bases (``kvfactory.selectors.pages``) and returns
-one score per page and KV head, higher = read; ``kvfactory.selectors.sparse.SparseStore`` always
-adds the sink and local pages and reads the top-scoring rest up to the read budget.
+queries grouped by KV head, the layer's page bases (``kvfactory.selectors.pages``) and what the
+cache's selectors share (``RoutingContext``: the decoder's last hidden state, per-step memos) and
+returns one score per page and KV head, higher = read; ``kvfactory.selectors.sparse.SparseStore``
+always adds the sink and local pages and reads the top-scoring rest up to the read budget.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
 from kvfactory.selectors.pages import PageBases
+
+
+@dataclass
+class RoutingContext:
+    """What the selectors of one cache share. ``hidden`` ``[B, hidden_size]`` is the decoder's last
+    hidden state of the previous forward (the state that produced the token now decoded), set by
+    ``kvfactory.cache.watch_hidden_states``; ``remember`` computes a value once per step for all layers."""
+
+    hidden: torch.Tensor | None = None
+    _memo: dict[Any, tuple[torch.Tensor | None, Any]] = field(default_factory=dict)
+
+    def remember(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed again only when ``hidden`` has changed (a new step)."""
+        entry = self._memo.get(key)
+        if entry is None or entry[0] is not self.hidden:
+            entry = self.hidden, make()
+            self._memo[key] = entry
+        return entry[1]
 
 
 @dataclass
@@ -23,8 +43,12 @@ class Selector(ABC):
 
     reads_all: ClassVar[bool] = False  # True: decode reads every page whatever the budget
     reads_bases: ClassVar[bool] = True  # scoring reads the page bases (counted in the bytes read)
+    uses_mean: ClassVar[bool] = False  # the page bases keep each page's mean key
+
+    def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
+        """Called once by the factory: which model layer this selector serves."""
 
     @abstractmethod
-    def page_scores(self, queries: torch.Tensor, bases: PageBases) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         """``queries [B, Hkv, R, D]`` (the query heads of each KV head, after RoPE) against the
         ``bases.pages`` stored pages: ``[B, Hkv, pages]`` scores, higher = read."""

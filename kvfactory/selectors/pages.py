@@ -3,8 +3,9 @@
 A page is ``page_size`` consecutive stored tokens (the paged store's blocks); per page, batch row
 and KV head the bases keep the per-channel maximum and minimum of its keys, Quest's bound
 (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"),
-side by side in one ``[B, Hkv, pages, 2 * D]`` tensor so that scoring is one matrix product.
-They are updated as tokens are appended, one vectorised reduction per append.
+and, for selectors that embed pages (OVAL), the mean key; side by side in one
+``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one matrix product. They are updated as
+tokens are appended, one vectorised reduction per append.
 """
 
 from __future__ import annotations
@@ -17,33 +18,46 @@ GROWTH = 1.25  # capacity grows by a quarter, as paged pools do
 
 
 class PageBases:
-    """Per-page key bounds of one layer's stored tokens: ``bounds`` = ``[kmax | kmin]``."""
+    """Per-page key statistics of one layer's stored tokens: ``[kmax | kmin]`` (+ ``| kmean``)."""
 
-    def __init__(self, page_size: int) -> None:
-        self.page_size = page_size
+    def __init__(self, page_size: int, with_mean: bool = False) -> None:
+        self.page_size, self.with_mean = page_size, with_mean
         self.length = 0
-        self._bounds: torch.Tensor | None = None  # [B, Hkv, capacity, 2 * D]
+        self._bases: torch.Tensor | None = None  # [B, Hkv, capacity, (2 or 3) * D]
 
     @property
     def pages(self) -> int:
         return math.ceil(self.length / self.page_size)
 
     @property
+    def features(self) -> torch.Tensor:
+        """``[B, Hkv, pages, (2 or 3) * D]``: per-channel key maximum, minimum (and mean) per page."""
+        return self._bases[:, :, :self.pages]
+
+    @property
+    def head_dim(self) -> int:
+        return self._bases.shape[-1] // (3 if self.with_mean else 2)
+
+    @property
     def bounds(self) -> torch.Tensor:
         """``[B, Hkv, pages, 2 * D]``: each page's per-channel key maximum, then minimum."""
-        return self._bounds[:, :, :self.pages]
+        return self.features[..., :2 * self.head_dim]
 
     @property
     def kmax(self) -> torch.Tensor:
-        return self.bounds[..., :self._bounds.shape[-1] // 2]
+        return self.features[..., :self.head_dim]
 
     @property
     def kmin(self) -> torch.Tensor:
-        return self.bounds[..., self._bounds.shape[-1] // 2:]
+        return self.features[..., self.head_dim:2 * self.head_dim]
+
+    @property
+    def kmean(self) -> torch.Tensor:
+        return self.features[..., 2 * self.head_dim:]
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._bounds is None else self._bounds.nbytes
+        return 0 if self._bases is None else self._bases.nbytes
 
     def append(self, keys: torch.Tensor) -> None:
         """Add ``keys [B, Hkv, n, D]`` after the ``length`` tokens already covered."""
@@ -55,13 +69,7 @@ class PageBases:
         self._reserve(last, keys)
         offset = self.length - first * ps
         if n == 1:  # a decode step: widen one page's bounds in place
-            page, key = self._bounds[:, :, first], keys[:, :, 0]
-            if offset:
-                key = torch.cat([torch.maximum(page[..., :d], key), torch.minimum(page[..., d:], key)], -1)
-            else:
-                key = torch.cat([key, key], -1)
-            page.copy_(key)
-            self.length += 1
+            self._add_one(keys[:, :, 0], first, offset, d)
             return
         span = (last - first) * ps
         lo = keys.new_full((b, h, span, d), float("inf"))
@@ -69,27 +77,46 @@ class PageBases:
         hi = lo.clone()
         hi[:, :, :offset] = hi[:, :, offset + n:] = float("-inf")
         shape = (b, h, last - first, ps, d)
-        new = torch.cat([hi.view(shape).amax(3), lo.view(shape).amin(3)], -1)
+        parts = [hi.view(shape).amax(3), lo.view(shape).amin(3)]
+        if self.with_mean:
+            total = lo.masked_fill(lo == float("inf"), 0).view(shape).sum(3)
+            starts = torch.arange(first, last, device=keys.device) * ps
+            filled = (self.length + n - starts).clamp_(max=ps)  # tokens each page holds after the append
+            if offset:
+                total[:, :, 0] += self._bases[:, :, first, 2 * d:] * offset
+            parts.append(total / filled[:, None].to(total.dtype))
+        new = torch.cat(parts, -1)
         if offset:  # the first page already holds tokens: combine with its bounds
-            old = self._bounds[:, :, first]
+            old = self._bases[:, :, first]
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
-            new[:, :, 0, d:] = torch.minimum(new[:, :, 0, d:], old[..., d:])
-        self._bounds[:, :, first:last] = new
+            new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
+        self._bases[:, :, first:last] = new
         self.length += n
 
+    def _add_one(self, key: torch.Tensor, page: int, offset: int, d: int) -> None:
+        slot = self._bases[:, :, page]
+        if offset:
+            parts = [torch.maximum(slot[..., :d], key), torch.minimum(slot[..., d:2 * d], key)]
+            if self.with_mean:
+                parts.append((slot[..., 2 * d:] * offset + key) / (offset + 1))
+        else:
+            parts = [key] * (3 if self.with_mean else 2)
+        slot.copy_(torch.cat(parts, -1))
+        self.length += 1
+
     def _reserve(self, pages: int, like: torch.Tensor) -> None:
-        if self._bounds is not None and self._bounds.shape[2] >= pages:
+        if self._bases is not None and self._bases.shape[2] >= pages:
             return
         b, h, _, d = like.shape
-        capacity = max(pages, math.ceil((0 if self._bounds is None else self._bounds.shape[2]) * GROWTH))
-        grown = like.new_empty((b, h, capacity, 2 * d))
-        if self._bounds is not None:
-            grown[:, :, :self.pages] = self.bounds
-        self._bounds = grown
+        capacity = max(pages, math.ceil((0 if self._bases is None else self._bases.shape[2]) * GROWTH))
+        grown = like.new_empty((b, h, capacity, (3 if self.with_mean else 2) * d))
+        if self._bases is not None:
+            grown[:, :, :self.pages] = self.features
+        self._bases = grown
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        if self._bounds is not None:
-            self._bounds = self._bounds[rows.to(self._bounds.device)]
+        if self._bases is not None:
+            self._bases = self._bases[rows.to(self._bases.device)]
 
     def rebuild(self, keys: torch.Tensor | None) -> None:
         """Recompute from all stored ``keys`` (after a crop, a row selection or a compaction)."""
@@ -98,5 +125,5 @@ class PageBases:
             self.append(keys)
 
     def clear(self) -> None:
-        self._bounds = None
+        self._bases = None
         self.length = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfactory.selectors.base import Selector
+from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.pages import PageBases
 
 
@@ -21,7 +21,7 @@ from kvfactory.selectors.pages import PageBases
 class QuestSelector(Selector):
     """Training-free: needs only the page key bounds (no hyperparameters of its own)."""
 
-    def page_scores(self, queries: torch.Tensor, bases: PageBases) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         bounds = bases.bounds  # [B, Hkv, pages, 2D]: max then min per channel
         queries = queries.to(bounds.dtype)
         split = torch.cat([queries.clamp(min=0), queries.clamp(max=0)], -1)  # q+ meets the max, q- the min

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvfactory.selectors.base import Selector
+from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.pages import PageBases
 
 
@@ -23,6 +23,6 @@ class RandomSelector(Selector):
     def __post_init__(self) -> None:
         self._generator = torch.Generator().manual_seed(self.seed)
 
-    def page_scores(self, queries: torch.Tensor, bases: PageBases) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         b, h = queries.shape[:2]
         return torch.rand((b, h, bases.pages), generator=self._generator).to(queries.device)

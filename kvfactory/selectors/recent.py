@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from kvfactory.selectors.base import Selector
+from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.pages import PageBases
 
 
@@ -17,6 +17,6 @@ class RecentSelector(Selector):
 
     reads_bases: ClassVar[bool] = False
 
-    def page_scores(self, queries: torch.Tensor, bases: PageBases) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         b, h = queries.shape[:2]
         return torch.arange(bases.pages, device=queries.device, dtype=torch.float32).expand(b, h, -1)

@@ -22,7 +22,7 @@ import torch
 
 from kvfactory import attention
 from kvfactory.attention import DeferredRead, NarrowRead
-from kvfactory.selectors.base import Selector
+from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.pages import PageBases
 from kvfactory.selectors.spec import SelectorSpec
@@ -36,11 +36,12 @@ class SparseStore(LayerStore):
     ``spec`` asks; ``inner`` serves whole pages (``pageable``, ``read_pages``, ``read_bytes``)."""
 
     def __init__(self, inner: PagedStore | QuantizedStore, selector: Selector, spec: SelectorSpec,
-                 metrics: RoutingMetrics) -> None:
+                 metrics: RoutingMetrics, context: RoutingContext, num_layers: int) -> None:
         self.inner, self.selector, self.spec, self.metrics = inner, selector, spec, metrics
+        self.context, self.num_layers = context, num_layers
         paged = inner if isinstance(inner, PagedStore) else inner.inner
         self.page_size = paged.page_size
-        self.bases = PageBases(self.page_size)
+        self.bases = PageBases(self.page_size, with_mean=selector.uses_mean)
         self.steps = 0  # decode steps seen by this layer
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V
         self._mask: torch.Tensor | None = None
@@ -52,6 +53,7 @@ class SparseStore(LayerStore):
     def bind(self, layer_idx: int) -> None:
         super().bind(layer_idx)
         self.inner.bind(layer_idx)
+        self.selector.bind(layer_idx, self.num_layers)
 
     def attach(self, pool: object) -> None:
         self.inner.attach(pool)
@@ -213,7 +215,7 @@ class SparseRead(NarrowRead):
         chosen = min(self.wanted - lo - (pages - hi), hi - lo)
         if chosen <= 0:
             return sink, hi
-        scores = store.selector.page_scores(queries, store.bases)[..., lo:hi]
+        scores = store.selector.page_scores(queries, store.bases, store.context)[..., lo:hi]
         best = scores.topk(chosen, dim=-1, sorted=False).indices + lo
         return torch.cat([sink, best], -1), hi
 

@@ -1,0 +1,74 @@
+"""OVAL (Output-Aware Local page bases): pages chosen by a trained router from the decoder's state.
+
+``OvalSelector`` scores each layer's pages with ``router.Router`` from the decoder's last hidden
+state of the previous step (``RoutingContext.hidden``, handed over by
+``kvfactory.cache.watch_hidden_states``, which ``kvfactory.models.load_model`` installs). The
+router for the embedded model ships in this package (``router = "embedded"``); ``kvfactory oval
+train`` (``train.py``) trains one for any model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from kvfactory.errors import ConfigError
+from kvfactory.selectors.base import RoutingContext, Selector
+from kvfactory.selectors.oval.router import Router
+from kvfactory.selectors.pages import PageBases
+
+EMBEDDED_ROUTER = "smollm2_router.safetensors"
+
+
+def router_path(name: str) -> Path:
+    """``"embedded"``: the shipped router of the embedded model; else a file path."""
+    if name == "embedded":
+        return Path(str(resources.files("kvfactory.selectors.oval").joinpath(EMBEDDED_ROUTER)))
+    return Path(name)
+
+
+@functools.lru_cache(maxsize=8)
+def load_router(path: str) -> Router:
+    """One router per file, shared by every layer and cache that uses it (inference only)."""
+    router = Router.load(path)
+    router.requires_grad_(False)
+    return router
+
+
+@dataclass
+class OvalSelector(Selector):
+    """``router``: a router file or ``"embedded"``; ``decay``: the positional term (an ablation switch)."""
+
+    router: str = "embedded"
+    decay: bool = True
+    uses_mean: ClassVar[bool] = True
+    _layer: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        path = router_path(self.router)
+        if not path.is_file():
+            raise ConfigError("router", self.router, "'embedded' or the path of a router file written by "
+                              "`kvfactory oval train`")
+
+    def bind(self, layer_idx: int, num_layers: int) -> None:
+        self._layer = layer_idx
+
+    @torch.no_grad()
+    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
+        router = load_router(str(router_path(self.router)))
+        if context.hidden is None:
+            raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
+                               "received: load the model with kvfactory.models.load_model or call "
+                               "kvfactory.watch_hidden_states(model) once")
+        if context.hidden.shape[-1] != router.shape.hidden_size:
+            raise ConfigError("router", self.router, f"a router for hidden size {context.hidden.shape[-1]} "
+                              f"(this one was trained for {router.shape.hidden_size}, "
+                              f"{router.shape.model}): train one with `kvfactory oval train`")
+        vectors = context.remember(("oval", id(router)), lambda: router.key_vectors(context.hidden))
+        group = router.shape.group_of(self._layer)
+        return router.logits(vectors[:, group], bases.features, bases.pages - 1, self.decay)

@@ -1,0 +1,117 @@
+"""OVAL's router: which pages the next decode step needs, predicted from the decoder's own state.
+
+DESIGN.md's "OVAL, as we build it" (seed ``000``): from the decoder's last hidden state of the
+previous step, a small MLP (``width`` 64, its second layer a base plus a LoRA of rank 4, a learnable
+temperature) produces a routing query per layer group and KV head; a page's logit is that query
+dotted with the page's embedding (a learned projection of its basis: key maximum, minimum and mean
+per channel) plus a positional decay ``exp(-Δpages / 32)`` from the current page. Scores are
+content-based, so they generalise across sequences (the seed's logits over fixed page ids do not),
+and inference takes a deterministic top-k.
+
+The projection is applied to the query side (``key_vectors``: one vector per layer group and KV
+head in the page-basis space, computed once per step), so scoring a layer is one product with
+the bases the store keeps anyway. Weights and the architecture live in one safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from kvfactory.errors import ConfigError
+
+DECAY_PAGES = 32.0
+
+
+@dataclass(frozen=True)
+class RouterShape:
+    """The architecture a router file was trained for."""
+
+    hidden_size: int
+    kv_heads: int
+    head_dim: int
+    layers: tuple[int, ...]  # model layers it routes (the sparse ones)
+    group_size: int = 4  # layers sharing one routing query
+    width: int = 64
+    dim: int = 32  # routing query size
+    rank: int = 4  # LoRA rank on the second layer
+    model: str = ""  # what it was trained on (informational)
+
+    @property
+    def groups(self) -> int:
+        return math.ceil(len(self.layers) / self.group_size)
+
+    def group_of(self, layer_idx: int) -> int:
+        if layer_idx not in self.layers:
+            raise ConfigError("router layers", list(self.layers), f"a router trained for layer {layer_idx}: "
+                              f"train one with `kvfactory oval train` for this model and dense_layers")
+        return self.layers.index(layer_idx) // self.group_size
+
+
+class Router(torch.nn.Module):
+    """The OVAL router (see the module docstring)."""
+
+    def __init__(self, shape: RouterShape) -> None:
+        super().__init__()
+        self.shape = shape
+        out = shape.groups * shape.kv_heads * shape.dim
+        self.inp = torch.nn.Linear(shape.hidden_size, shape.width)
+        self.out = torch.nn.Linear(shape.width, out)  # the base, frozen when only the LoRA adapts
+        self.lora_a = torch.nn.Parameter(torch.randn(shape.rank, shape.width) / shape.width)
+        self.lora_b = torch.nn.Parameter(torch.zeros(out, shape.rank))
+        features = 3 * shape.head_dim
+        self.page = torch.nn.Parameter(torch.randn(shape.groups, shape.kv_heads, shape.dim, features)
+                                       / math.sqrt(features))
+        self.log_temperature = torch.nn.Parameter(torch.zeros(()))
+        self.decay = torch.nn.Parameter(torch.zeros(()))
+
+    def key_vectors(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> ``[N, groups, kv_heads, 3 * head_dim]``: each routing query
+        through its group's page projection, over the temperature."""
+        s = self.shape
+        x = F.gelu(self.inp(hidden.to(self.inp.weight.dtype)))
+        query = self.out(x) + (x @ self.lora_a.T) @ self.lora_b.T
+        query = query.view(-1, s.groups, s.kv_heads, s.dim)
+        return torch.einsum("nghr,ghrf->nghf", query, self.page) / self.log_temperature.exp()
+
+    def decay_bonus(self, distance: torch.Tensor) -> torch.Tensor:
+        """The positional term of pages ``distance`` pages behind the current one."""
+        return self.decay * torch.exp(-distance.clamp(min=0) / DECAY_PAGES)
+
+    def logits(self, vectors: torch.Tensor, features: torch.Tensor, current_page: int,
+               decay: bool = True) -> torch.Tensor:
+        """Page logits ``[B, Hkv, pages]`` from one group's ``vectors [B, Hkv, 3D]`` and the page
+        ``features [B, Hkv, pages, 3D]``; ``current_page`` (the page being written) sets the decay."""
+        scores = (features @ vectors.to(features.dtype)[..., None]).squeeze(-1)
+        if decay:
+            pages = torch.arange(features.shape[-2], device=features.device, dtype=scores.dtype)
+            scores = scores + self.decay_bonus(current_page - pages)
+        return scores
+
+    def save(self, path: str | Path) -> None:
+        """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tensors = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
+        save_file(tensors, str(tmp), metadata={"router_shape": json.dumps(asdict(self.shape))})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Router:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            shape = json.loads(meta["router_shape"])
+            router = cls(RouterShape(**(shape | {"layers": tuple(shape["layers"])})))
+            router.load_state_dict(load_file(str(path)))
+        except (OSError, KeyError, ValueError, RuntimeError, TypeError, SafetensorError) as exc:
+            raise ConfigError("router", str(path), f"an OVAL router file written by `kvfactory oval train` "
+                              f"({type(exc).__name__}: {exc})") from exc
+        return router.eval()

@@ -1,0 +1,268 @@
+"""``kvfactory oval train``: distil a model's full attention into an OVAL router (DESIGN.md).
+
+1. **Teacher.** Text is cut into chunks of ``chunk`` tokens and run through the frozen model once
+   each with full attention. At ``positions`` sampled query positions ``t`` per chunk, every routed
+   layer records the attention mass each page of 16 tokens gets from the query at ``t`` (the
+   group's query heads averaged per KV head, causal), Quest's bound for comparison, the pages'
+   bases (key maximum, minimum and mean per channel) and the decoder's last hidden state at
+   ``t - 1`` (what the router sees when decoding the token at ``t``).
+2. **Training.** The router's logits over the candidate pages (after the sink page, before the
+   current one, which are always read) are fitted to the teacher's mass with KL divergence plus a
+   focal loss on membership of the teacher's top-k at the read budget; the LM stays frozen.
+3. **Report.** On held-out text: hit rate and attention-mass recall at the read budget of the
+   router, Quest, recent pages and the oracle (the teacher's own top-k), per epoch.
+
+Train on the Gutenberg books in ``shared/data``, never on the evaluation text (WikiText).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvfactory.selectors.oval.router import Router, RouterShape
+
+PAGE = 16
+TEACHER = "kvfactory_oval_teacher"
+
+
+@dataclass
+class Chunk:
+    """One chunk's teacher record (``S`` query positions, ``L`` routed layers, ``P`` pages)."""
+
+    features: torch.Tensor  # [L, Hkv, P, 3D]: key max | min | mean per page
+    hidden: torch.Tensor  # [S, hidden]: the decoder's last hidden state before each query position
+    current: torch.Tensor  # [S]: the page holding each query position
+    mass: torch.Tensor  # [S, L, Hkv, P]: full-attention mass per page (0 after the current page)
+    quest: torch.Tensor  # [S, L, Hkv, P]: Quest's bound per page
+
+
+class _Recorder:
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int]) -> None:
+        self.positions, self.layers = positions, set(layers)
+        self.out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+_recording: _Recorder | None = None
+
+
+def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA, and for routed layers the teacher's record of the sampled queries."""
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layer = getattr(module, "layer_idx", None)
+    if _recording is not None and layer in _recording.layers:
+        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"))
+    return out
+
+
+AttentionInterface.register(TEACHER, _teacher_attention)
+
+
+def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+                scaling: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's bound
+    ``[S, Hkv, P]`` of the queries at ``positions``."""
+    _, hq, t, d = query.shape
+    hkv = key.shape[1]
+    groups, pages = hq // hkv, t // PAGE
+    keys = key[0, :, :pages * PAGE].float()
+    q = query[0, :, positions].float().view(hkv, groups, -1, d)  # [Hkv, G, S, D]
+    scores = q @ keys[:, None].transpose(-1, -2) * (scaling if scaling is not None else d ** -0.5)
+    causal = torch.arange(pages * PAGE) > positions[:, None]
+    probs = scores.masked_fill(causal, float("-inf")).softmax(-1).mean(1)  # [Hkv, S, T]
+    mass = probs.view(hkv, -1, pages, PAGE).sum(-1)
+    by_page = keys.view(hkv, pages, PAGE, d)
+    features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
+    split = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1)  # Quest: q+ meets the max, q- the min
+    quest = (split @ features[:, None, :, :2 * d].transpose(-1, -2)).amax(1)  # [Hkv, S, P]
+    return features, mass.transpose(0, 1), quest.transpose(0, 1)
+
+
+@torch.no_grad()
+def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
+            advance: Callable[[], None] = lambda: None) -> list[Chunk]:
+    """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
+    positions each (uniform over the chunk's second half and beyond the first eighth)."""
+    global _recording
+    gen = random.Random(seed)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(TEACHER)
+    records = []
+    try:
+        for start in range(0, ids.numel() - chunk + 1, chunk):
+            window = ids[start:start + chunk][None]
+            at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
+            _recording = _Recorder(at, layers)
+            hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
+            out = [_recording.out[layer] for layer in layers]
+            records.append(Chunk(
+                features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
+                current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
+                quest=torch.stack([o[2] for o in out], 1).half()))
+            advance()
+    finally:
+        _recording = None
+        model.set_attn_implementation(previous)
+    return records
+
+
+def candidates(current: torch.Tensor, pages: int) -> torch.Tensor:
+    """``[S, P]``: the pages a selector chooses among (after the sink page, before the current one)."""
+    index = torch.arange(pages)
+    return (index >= 1) & (index < current[:, None])
+
+
+def chosen_count(current: torch.Tensor, budget: float) -> torch.Tensor:
+    """Pages chosen besides the sink and current page at ``budget`` of ``current + 1`` pages: ``[S]``."""
+    return (torch.ceil(budget * (current + 1).float()).long() - 2).clamp(min=1)
+
+
+def router_logits(router: Router, chunk: Chunk) -> torch.Tensor:
+    """``[S, L, Hkv, P]``: the router's page logits for every sampled position and layer."""
+    vectors = router.key_vectors(chunk.hidden)  # [S, G, Hkv, F]
+    groups = torch.tensor([router.shape.group_of(layer) for layer in router.shape.layers])
+    content = torch.einsum("slhf,lhpf->slhp", vectors[:, groups], chunk.features.float())
+    distance = (chunk.current[:, None] - torch.arange(chunk.features.shape[2])).float()
+    return content + router.decay_bonus(distance)[:, None, None, :]
+
+
+def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0, gamma: float = 2.0
+         ) -> torch.Tensor:
+    """KL(teacher mass || router softmax) over the candidates, plus a focal loss on top-k membership."""
+    logits = router_logits(router, chunk)
+    allowed = candidates(chunk.current, logits.shape[-1])[:, None, None, :]
+    mass = chunk.mass.float().masked_fill(~allowed, 0)
+    target = mass / mass.sum(-1, keepdim=True).clamp(min=1e-9)
+    log_probs = logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    kl = torch.where(allowed & (target > 0), target * (target.clamp(min=1e-9).log() - log_probs), 0).sum(-1)
+    k = chosen_count(chunk.current, budget)
+    rank = mass.argsort(-1, descending=True).argsort(-1)  # 0 = most mass
+    member = (rank < k[:, None, None, None]) & allowed
+    p = torch.sigmoid(logits)
+    p_true = torch.where(member, p, 1 - p)
+    focal = torch.where(allowed, -(1 - p_true) ** gamma * p_true.clamp(min=1e-9).log(), 0)
+    return kl.mean() + focal_weight * focal.sum(-1).mean() / allowed.sum(-1).clamp(min=1).float().mean()
+
+
+@torch.no_grad()
+def evaluate(router: Router, chunks: Sequence[Chunk], budget: float) -> dict[str, dict[str, float]]:
+    """Hit rate and mass recall at ``budget`` per method, as the cache measures them (the sink and
+    current page always read), mean over positions, layers and KV heads."""
+    totals: dict[str, list[float]] = {}
+    for chunk in chunks:
+        pages = chunk.features.shape[2]
+        allowed = candidates(chunk.current, pages)[:, None, None, :]
+        mass = chunk.mass.float()
+        k = chosen_count(chunk.current, budget)
+        ranked = {"router": router_logits(router, chunk), "quest": chunk.quest.float(),
+                  "recent": torch.arange(pages, dtype=torch.float32).expand_as(mass), "oracle": mass}
+        forced = torch.zeros(mass.shape, dtype=torch.bool)
+        forced[..., 0] = True
+        forced.scatter_(-1, chunk.current[:, None, None, None].expand(*mass.shape[:3], 1), True)
+        truth_rank = mass.argsort(-1, descending=True).argsort(-1)
+        for name, scores in ranked.items():
+            rank = scores.masked_fill(~allowed, float("-inf")).argsort(-1, descending=True).argsort(-1)
+            read = (rank < k[:, None, None, None]) & allowed | forced
+            total = read.sum(-1)
+            recall = (mass * read).sum(-1)
+            hit = ((truth_rank < total[..., None]) & read).sum(-1).float() / total
+            stats = totals.setdefault(name, [0.0, 0.0, 0.0])
+            stats[0] += float(recall.sum())
+            stats[1] += float(hit.sum())
+            stats[2] += recall.numel()
+    return {name: {"recall": s[0] / s[2], "hit_rate": s[1] / s[2]} for name, s in totals.items()}
+
+
+def train(router: Router, chunks: Sequence[Chunk], epochs: int, budget: float, lr: float = 3e-3,
+          seed: int = 0, on_epoch: Callable[[int, float], None] = lambda epoch, loss: None) -> None:
+    """Adam over the chunks, one chunk (all its positions) per step, shuffled each epoch."""
+    gen = random.Random(seed)
+    optimizer = torch.optim.Adam(router.parameters(), lr=lr)
+    order = list(range(len(chunks)))
+    router.train()
+    for epoch in range(epochs):
+        gen.shuffle(order)
+        total = 0.0
+        for i in order:
+            optimizer.zero_grad()
+            value = loss(router, chunks[i], budget)
+            value.backward()
+            optimizer.step()
+            total += value.item()
+        on_epoch(epoch, total / max(len(order), 1))
+    router.eval()
+
+
+def new_router(model: Any, dense_layers: int, name: str) -> Router:
+    """An untrained router for ``model``'s full-attention layers after the first ``dense_layers``."""
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = tuple(range(dense_layers, config.num_hidden_layers))
+    torch.manual_seed(0)
+    return Router(RouterShape(config.hidden_size, config.num_key_value_heads, head_dim, layers, model=name))
+
+
+def tokens_of(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
+    return torch.cat([tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+                      for text in texts])
+
+
+def fit_summary(report: dict[str, dict[str, float]]) -> str:
+    return ", ".join(f"{name} recall {v['recall']:.3f} hit {v['hit_rate']:.3f}" for name, v in report.items())
+
+
+def cap(ids: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
+    """The first ``chunks`` whole chunks of ``ids``."""
+    return ids[:min(ids.numel() // chunk, chunks) * chunk]
+
+
+def learning_curve_points(epochs: int) -> set[int]:
+    """Epochs after which held-out metrics are printed (about eight, and the last)."""
+    return {e for e in range(epochs) if e % max(1, math.ceil(epochs / 8)) == 0} | {epochs - 1}
+
+
+
+def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Sequence[str], out: str,
+        name: str, dense_layers: int = 2, chunk: int = 2048, positions: int = 32, train_chunks: int = 48,
+        val_chunks: int = 12, epochs: int = 40, budget: float = 0.125,
+        console: Any = None) -> dict[str, Any]:
+    """Collect, train, evaluate per epoch on held-out text, save to ``out``; returns the report."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    router = new_router(model, dense_layers, name)
+    layers = router.shape.layers
+    train_ids = cap(tokens_of(tokenizer, train_texts), train_chunks, chunk)
+    val_ids = cap(tokens_of(tokenizer, val_texts), val_chunks, chunk)
+    curve: list[dict[str, Any]] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("teacher: full attention on the training text",
+                                 total=train_ids.numel() // chunk)
+        train_set = collect(model, train_ids, layers, positions, chunk, 0, lambda: progress.advance(task))
+        task = progress.add_task("teacher: held-out text", total=val_ids.numel() // chunk)
+        val_set = collect(model, val_ids, layers, positions, chunk, 1, lambda: progress.advance(task))
+        task = progress.add_task("training the router", total=epochs)
+        points = learning_curve_points(epochs)
+
+        def on_epoch(epoch: int, value: float) -> None:
+            progress.advance(task)
+            if epoch in points:
+                held_out = evaluate(router, val_set, budget)
+                curve.append({"epoch": epoch + 1, "loss": value} | held_out)
+                progress.console.print(f"epoch {epoch + 1}: loss {value:.4f}; held-out at read budget "
+                                       f"{budget:g}: {fit_summary(held_out)}")
+
+        train(router, train_set, epochs, budget, on_epoch=on_epoch)
+    router.save(out)
+    return {"router": str(out), "model": name, "layers": list(layers), "budget": budget, "chunk": chunk,
+            "positions": positions, "train_tokens": train_ids.numel(), "val_tokens": val_ids.numel(),
+            "epochs": epochs, "curve": curve}

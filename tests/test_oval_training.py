@@ -1,0 +1,70 @@
+"""OVAL router training: the teacher's record against a direct computation, and a short fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import random_prompt, tiny_model
+from typer.testing import CliRunner
+
+from kvfactory.cli import app
+from kvfactory.selectors.oval import train as oval_train
+from kvfactory.selectors.oval.router import Router
+
+
+def test_the_teacher_records_full_attention_mass_per_page() -> None:
+    gen = torch.Generator().manual_seed(0)
+    query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
+    positions = torch.tensor([20, 47, 63])
+    features, mass, quest = oval_train.page_record(query, key, positions, 0.5)
+    assert features.shape == (2, 4, 24) and mass.shape == quest.shape == (3, 2, 4)
+    for s, t in enumerate(positions.tolist()):
+        for h in range(2):
+            group = (2 * h, 2 * h + 1)
+            probs = torch.stack([(query[0, g, t] @ key[0, h, :t + 1].T * 0.5).softmax(-1) for g in group])
+            per_page = torch.zeros(64)
+            per_page[:t + 1] = probs.mean(0)
+            torch.testing.assert_close(mass[s, h], per_page.view(4, 16).sum(-1))
+            pages = key[0, h].view(4, 16, 8)
+            best = torch.stack([(query[0, g, t] @ pages.transpose(-1, -2)).amax(-1) for g in group]).amax(0)
+            assert (quest[s, h] >= best - 1e-5).all()  # Quest's bound is an upper bound
+    torch.testing.assert_close(features[..., 16:], key[0].view(2, 4, 16, 8).mean(2))
+
+
+def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
+    model = tiny_model("llama", max_position_embeddings=1024)
+    ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
+    router = oval_train.new_router(model, 0, "tiny")
+    chunks = oval_train.collect(model, ids, router.shape.layers, 8, 256, seed=0)
+    assert len(chunks) == 4 and chunks[0].mass.shape == (8, 2, 2, 16)
+    assert torch.allclose(chunks[0].mass.float().sum(-1), torch.ones(8, 2, 2), atol=1e-2)
+    with torch.no_grad():
+        before = sum(float(oval_train.loss(router, c, 0.25)) for c in chunks)
+    oval_train.train(router, chunks, epochs=15, budget=0.25)
+    with torch.no_grad():
+        after = sum(float(oval_train.loss(router, c, 0.25)) for c in chunks)
+    assert after < before
+    report = oval_train.evaluate(router, chunks, 0.25)
+    assert set(report) == {"router", "quest", "recent", "oracle"}
+    assert all(report["oracle"]["recall"] >= v["recall"] - 1e-6 for v in report.values())
+    assert model.config._attn_implementation == "sdpa"  # the teacher's attention is switched back
+
+
+@pytest.mark.slow
+def test_the_train_command_writes_a_router_and_its_curves(tmp_path) -> None:
+    from conftest import DATA_DIR
+
+    books = sorted(DATA_DIR.glob("pg*.txt"))
+    if len(books) < 2:
+        pytest.skip("the Gutenberg books of shared/data are not here")
+    out, report = tmp_path / "router.safetensors", tmp_path / "train.json"
+    result = CliRunner().invoke(app, [
+        "oval", "train", "--text", str(books[0]), "--val-text", str(books[1]), "--out", str(out),
+        "--chunks", "1", "--val-chunks", "1", "--chunk", "512", "--positions", "4", "--epochs", "2",
+        "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    assert Router.load(out).shape.layers == tuple(range(2, 30))
+    curve = json.loads(report.read_text())["curve"]
+    assert [c["epoch"] for c in curve] == [1, 2] and set(curve[-1]) >= {"router", "quest", "oracle"}
