@@ -267,6 +267,24 @@ class KVCache(Cache):
             check([request for layer in self.layers
                    for request in layer.store.block_requests(new_tokens, batch, key_states, value_states)])
 
+    # beams and returned sequences rearrange rows between steps: the routed hidden state follows
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._rows_of_hidden(lambda h: h.index_select(0, beam_idx.to(h.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._rows_of_hidden(lambda h: h.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._rows_of_hidden(lambda h: h[indices.to(h.device)])
+
+    def _rows_of_hidden(self, rearrange: Any) -> None:
+        context = self.routing_context
+        if context is not None and context.hidden is not None:
+            context.hidden = rearrange(context.hidden)
+
     @property
     def batch_size(self) -> int:
         return max((layer.store.batch_size for layer in self.layers), default=0)

@@ -387,3 +387,35 @@ def test_a_router_file_round_trips() -> None:
     hidden = torch.randn(3, 64)
     assert router.shape == again.shape and router.shape.layers == (0, 1)
     torch.testing.assert_close(router.key_vectors(hidden), again.key_vectors(hidden), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("selector", SPARSE)
+def test_beams_and_returned_sequences_carry_the_routed_rows(selector: str) -> None:
+    model = tiny_model("llama")
+    inputs = {"input_ids": random_prompt(40)}
+    with attn_implementation(model, "kvfactory"):
+        for kwargs in ({"num_beams": 3}, {"do_sample": True, "num_return_sequences": 2}):
+            ref = generate(model, inputs, DynamicCache(config=model.config), seed=0, max_new_tokens=8,
+                           min_new_tokens=8, **kwargs)
+            whole = KVCacheFactory(model.config, sparse(selector, read_budget=1.0)).create_cache()
+            assert_same_generation(ref, generate(model, inputs, whole, seed=0, max_new_tokens=8,
+                                                 min_new_tokens=8, **kwargs))
+            cache = KVCacheFactory(model.config, sparse(selector, read_budget=0.25)).create_cache()
+            out = generate(model, inputs, cache, seed=0, max_new_tokens=8, min_new_tokens=8, **kwargs)
+            assert out.sequences.shape[1] == 48 and cache.routing_metrics()["steps"] == 7
+            assert cache.routing_context.hidden.shape[0] == cache.batch_size
+
+
+def test_row_rearrangements_move_the_routed_hidden_state() -> None:
+    model = tiny_model("llama")
+    with attn_implementation(model, "kvfactory"):
+        cache = KVCacheFactory(model.config, sparse("oval")).create_cache()
+        model(random_prompt(12).repeat(3, 1), past_key_values=cache)
+    hidden = torch.arange(3.0)[:, None].expand(3, TINY_HIDDEN).clone()
+    cache.routing_context.hidden = hidden
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    assert cache.routing_context.hidden[:, 0].tolist() == [2, 2, 0]
+    cache.batch_repeat_interleave(2)
+    assert cache.routing_context.hidden[:, 0].tolist() == [2, 2, 2, 2, 0, 0]
+    cache.batch_select_indices(torch.tensor([0, 5]))
+    assert cache.routing_context.hidden[:, 0].tolist() == [2, 0] and cache.batch_size == 2
