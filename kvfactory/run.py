@@ -4,7 +4,8 @@ The embedded model reads at least ``context`` tokens of shipped WikiText-2 text 
 about it (plain prompt, no chat template) and decodes greedily under transformers' ``DynamicCache``
 (the baseline, always run first) and each kvfactory config, lossless (dense, paged) and quantized
 (int8, int4), evicting (SnapKV compressing the prompt by 75 %, StreamingLLM bounded to 1024 tokens
-per layer) and reading sparsely (Quest reading 1/8 of the pages per decode step). The table shows
+per layer) and reading sparsely (Quest and the OVAL router reading 1/8 of the pages per decode
+step). The table shows
 KV bytes held after generation, prefill time, decode speed against the baseline, whether the
 tokens match it (for lossy configs: how many leading tokens do) and the start of each config's
 answer.
@@ -59,6 +60,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         {"name": "selective", "policy": "streaming_llm", "budget": 1024}]},
     "paged/16+quest/0.125": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": 16}, {"name": "quest", "read_budget": 0.125}]},
+    "paged/16+oval/0.125": {"type": "composite", "strategies": [
+        {"name": "paged", "page_size": 16}, {"name": "oval", "read_budget": 0.125}]},
 }
 _SENTENCE_END = re.compile(r" \.(?= )|\n")  # WikiText writes "word . Next"
 # About the first article: some 4,000 tokens before the question at the default context.
