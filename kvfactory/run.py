@@ -5,10 +5,9 @@ about it (plain prompt, no chat template) and decodes greedily under transformer
 (the baseline, always run first) and each kvfactory config, lossless (dense, paged) and quantized
 (int8, int4), evicting (SnapKV compressing the prompt by 75 %, StreamingLLM bounded to 1024 tokens
 per layer) and reading sparsely (Quest and the OVAL router reading 1/8 of the pages per decode
-step). The table shows
-KV bytes held after generation, prefill time, decode speed against the baseline, whether the
-tokens match it (for lossy configs: how many leading tokens do) and the start of each config's
-answer.
+step). The table shows KV bytes held after generation, prefill time, decode speed against the
+baseline, whether the tokens match it (for lossy configs: how many leading tokens do) and the
+start of each config's answer.
 """
 
 from __future__ import annotations
