@@ -31,6 +31,7 @@ CONFIGS = {
     "quest/0.25": paged("quest", 0.25),
     "quest/0.125": paged("quest", 0.125),
     "quest/0.0625": paged("quest", 0.0625),
+    "oval/0.125": paged("oval", 0.125),
     "recent/0.125": paged("recent", 0.125),
     "random/0.125": paged("random", 0.125),
 }
