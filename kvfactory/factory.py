@@ -46,8 +46,8 @@ class KVCacheFactory:
         if selective is not None or selector is not None:
             check_kvfactory_attention(getattr(self.model_config.get_text_config(decoder=True),
                                               "_attn_implementation", None), self.config)
-        routing = RoutingMetrics() if selector is not None else None
         context = RoutingContext() if selector is not None else None
+        routing = RoutingMetrics(context) if selector is not None else None
         for layer_idx, window in enumerate(self.windows):
             store = self.config.storage.build()
             codecs = quantization.codecs(layer_idx, len(self.windows)) if quantization else None

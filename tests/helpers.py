@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvfactory.selectors.oval.router import Router, RouterShape
 
 LOGITS_ATOL = 1e-5  # DESIGN.md: lossless configs give logits within 1e-5 of DynamicCache in fp32
 
@@ -110,3 +115,12 @@ def attn_implementation(model: torch.nn.Module, name: str):
         yield model
     finally:
         model.set_attn_implementation("sdpa")
+
+
+@functools.cache
+def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ...]) -> str:
+    """An untrained OVAL router file for these shapes (the matrix checks mechanics, not routing)."""
+    path = Path(tempfile.mkdtemp()) / "router.safetensors"
+    torch.manual_seed(0)
+    Router(RouterShape(hidden, kv_heads, head_dim, layers, group_size=1)).save(path)
+    return str(path)

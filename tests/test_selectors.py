@@ -3,14 +3,10 @@ bound, the page bases and the routing metrics against direct computations."""
 
 from __future__ import annotations
 
-import functools
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_same_generation, attn_implementation, generate
+from helpers import assert_same_generation, attn_implementation, generate, tiny_router
 from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -19,7 +15,7 @@ from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.selectors import SELECTORS, PageBases
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
-from kvfactory.selectors.oval.router import Router, RouterShape
+from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.quest import QuestSelector
 from kvfactory.selectors.sparse import SparseRead, SparseStore
 from kvfactory.selectors.spec import SelectorSpec
@@ -32,15 +28,6 @@ SPARSE = sorted(name for name, cls in SELECTORS.items() if not cls.reads_all)
 PAGE = 4
 INT4 = {"name": "quantized", "codec": "int4", "group_size": 8, "residual": 8}
 TINY_HIDDEN = 64  # tiny_models' hidden size, 2 KV heads of 16 dims, 2 layers
-
-
-@functools.cache
-def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ...]) -> str:
-    """An untrained OVAL router file for these shapes (the matrix checks mechanics, not routing)."""
-    path = Path(tempfile.mkdtemp()) / "router.safetensors"
-    torch.manual_seed(0)
-    Router(RouterShape(hidden, kv_heads, head_dim, layers, group_size=1)).save(path)
-    return str(path)
 
 
 def own_options(selector: str, hidden: int = TINY_HIDDEN, kv_heads: int = 2, head_dim: int = 16,

@@ -26,6 +26,7 @@ class RoutingContext:
     ``kvfactory.cache.watch_hidden_states``; ``remember`` computes a value once per step for all layers."""
 
     hidden: torch.Tensor | None = None
+    shared: dict[str, Any] = field(default_factory=dict)  # selector state that lives as long as the cache
     _memo: dict[Any, tuple[torch.Tensor | None, Any]] = field(default_factory=dict)
 
     def remember(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -47,6 +48,9 @@ class Selector(ABC):
 
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
+
+    def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
+        """Called with every page ``[B, Hkv, k]`` this layer read in this step."""
 
     @abstractmethod
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:

@@ -245,4 +245,5 @@ class SparseRead(NarrowRead):
         read = b * store.inner.read_bytes(k * ps, length - tail * ps) + bases_bytes
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, bases_bytes)
         store._mark_read(self.pages)
+        store.selector.selected(self.pages, store.context)
         return keys, values, mask

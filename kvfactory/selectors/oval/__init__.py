@@ -19,6 +19,7 @@ import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
+from kvfactory.selectors.oval.locality import CooccurrenceGraph
 from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.pages import PageBases
 
@@ -42,14 +43,24 @@ def load_router(path: str) -> Router:
 
 @dataclass
 class OvalSelector(Selector):
-    """``router``: a router file or ``"embedded"``; ``decay``: the positional term (an ablation switch)."""
+    """``router``: a router file or ``"embedded"``; ``decay``: the positional term; ``graph``: the
+    co-occurrence GCN's mixing weight (0: off), over the last ``window`` steps, rebuilt every
+    ``rebuild_every`` (``locality.py``). ``decay`` and ``graph`` are the ablation switches."""
 
     router: str = "embedded"
     decay: bool = True
+    graph: float = 0.3
+    window: int = 128
+    rebuild_every: int = 100
     uses_mean: ClassVar[bool] = True
     _layer: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.graph <= 1.0:
+            raise ConfigError("graph", self.graph, "a mixing weight in [0, 1] (0: no co-occurrence graph)")
+        if self.window < 1 or self.rebuild_every < 1:
+            raise ConfigError("window", (self.window, self.rebuild_every),
+                              "window and rebuild_every: integers >= 1 (decode steps)")
         path = router_path(self.router)
         if not path.is_file():
             raise ConfigError("router", self.router, "'embedded' or the path of a router file written by "
@@ -71,4 +82,15 @@ class OvalSelector(Selector):
                               f"{router.shape.model}): train one with `kvfactory oval train`")
         vectors = context.remember(("oval", id(router)), lambda: router.key_vectors(context.hidden))
         group = router.shape.group_of(self._layer)
-        return router.logits(vectors[:, group], bases.features, bases.pages - 1, self.decay)
+        scores = router.logits(vectors[:, group], bases.features, bases.pages - 1, self.decay)
+        return self._graph(context).aggregate(scores, self.graph)
+
+    def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:
+        if self.graph:
+            self._graph(context).record(pages)
+
+    def _graph(self, context: RoutingContext) -> CooccurrenceGraph:
+        """The cache's graph; its step closes when the next step's hidden state arrives."""
+        graph = context.shared.setdefault("oval.graph", CooccurrenceGraph(self.window, self.rebuild_every))
+        context.remember("oval.step", graph.end_step)
+        return graph
