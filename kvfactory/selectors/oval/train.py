@@ -125,11 +125,13 @@ def chosen_count(current: torch.Tensor, budget: float) -> torch.Tensor:
     return (torch.ceil(budget * (current + 1).float()).long() - 2).clamp(min=1)
 
 
-def router_logits(router: Router, chunk: Chunk) -> torch.Tensor:
+def router_logits(router: Router, chunk: Chunk, decay: bool = True) -> torch.Tensor:
     """``[S, L, Hkv, P]``: the router's page logits for every sampled position and layer."""
     vectors = router.key_vectors(chunk.hidden)  # [S, G, Hkv, F]
     groups = torch.tensor([router.shape.group_of(layer) for layer in router.shape.layers])
     content = torch.einsum("slhf,lhpf->slhp", vectors[:, groups], chunk.features.float())
+    if not decay:
+        return content
     distance = (chunk.current[:, None] - torch.arange(chunk.features.shape[2])).float()
     return content + router.decay_bonus(distance)[:, None, None, :]
 
@@ -153,10 +155,13 @@ def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0,
 
 
 @torch.no_grad()
-def evaluate(router: Router, chunks: Sequence[Chunk], budget: float) -> dict[str, dict[str, float]]:
+def evaluate(router: Router, chunks: Sequence[Chunk], budget: float, ablations: bool = False,
+             ) -> dict[str, dict[str, float]]:
     """Hit rate and mass recall at ``budget`` per method, as the cache measures them (the sink and
-    current page always read), mean over positions, layers and KV heads."""
+    current page always read), mean over positions, layers and KV heads. ``ablations`` adds the
+    router without its positional decay and the random baseline."""
     totals: dict[str, list[float]] = {}
+    gen = torch.Generator().manual_seed(0)
     for chunk in chunks:
         pages = chunk.features.shape[2]
         allowed = candidates(chunk.current, pages)[:, None, None, :]
@@ -164,6 +169,9 @@ def evaluate(router: Router, chunks: Sequence[Chunk], budget: float) -> dict[str
         k = chosen_count(chunk.current, budget)
         ranked = {"router": router_logits(router, chunk), "quest": chunk.quest.float(),
                   "recent": torch.arange(pages, dtype=torch.float32).expand_as(mass), "oracle": mass}
+        if ablations:
+            ranked |= {"router_no_decay": router_logits(router, chunk, decay=False),
+                       "random": torch.rand(mass.shape, generator=gen)}
         forced = torch.zeros(mass.shape, dtype=torch.bool)
         forced[..., 0] = True
         forced.scatter_(-1, chunk.current[:, None, None, None].expand(*mass.shape[:3], 1), True)

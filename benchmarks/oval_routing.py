@@ -1,0 +1,56 @@
+"""Which pages each method would read, on held-out text: OVAL's router against Quest, recent pages,
+random pages and the oracle, at several read budgets, from one teacher pass (no decoding).
+
+The teacher (``kvfactory.selectors.oval.train``) runs the frozen SmolLM2 with full attention over
+``--chunks`` chunks of ``--chunk`` tokens of a book the shipped router was not trained on
+(Frankenstein; it was trained on Pride and Prejudice) and records, at ``--positions`` query
+positions per chunk, the attention mass per 16-token page. Each method then picks pages at each
+read budget as sparse decode does (the sink and current page always read); the hit rate and the
+attention-mass recall are means over positions, the 28 routed layers and the KV heads.
+``router_no_decay`` is the ablation without the positional term. Prints JSON.
+
+    python benchmarks/oval_routing.py [--budgets 0.25,0.125,0.0625] [--chunks 12] [--router embedded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvfactory.models import load_model
+from kvfactory.selectors.oval import load_router, router_path
+from kvfactory.selectors.oval import train as oval_train
+
+BOOK = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg84_frankenstein.txt"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", default="0.25,0.125,0.0625")
+    parser.add_argument("--chunks", type=int, default=12)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--positions", type=int, default=32)
+    parser.add_argument("--router", default="embedded")
+    parser.add_argument("--text", type=Path, default=BOOK)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    model, tokenizer = load_model()
+    router = load_router(str(router_path(args.router)))
+    ids = oval_train.cap(oval_train.tokens_of(tokenizer, [args.text.read_text()]), args.chunks, args.chunk)
+    chunks = oval_train.collect(model, ids, router.shape.layers, args.positions, args.chunk, seed=1,
+                                advance=lambda: print(".", end="", file=sys.stderr, flush=True))
+    results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True)
+               for budget in map(float, args.budgets.split(","))}
+    print(json.dumps({"benchmark": "oval_routing", "text": args.text.name, "tokens": ids.numel(),
+                      "positions": args.positions * len(chunks), "router": args.router,
+                      "seconds": round(time.perf_counter() - started, 1), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
