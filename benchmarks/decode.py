@@ -69,17 +69,33 @@ def prompt_rows(tokenizer, length: int, batch: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill(model, rows: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Keys/values per layer ``[batch, heads, L, dim]`` and the first greedy token of each row."""
-    per_row, first = [], []
-    for row in rows:
-        cache = DynamicCache(config=model.config)
-        out = model(row[None], past_key_values=cache, use_cache=True)
-        per_row.append([(layer.keys, layer.values) for layer in cache.layers])
-        first.append(out.logits[:, -1].argmax(-1))
+@dataclass
+class Prefilled:
+    """The prompt's keys/values per layer ``[batch, heads, L, dim]``, the first greedy token of each
+    row and the decoder's last hidden state ``[batch, hidden]`` (what OVAL routes the first step from)."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    first: torch.Tensor
+    hidden: torch.Tensor
+
+
+def prefill(model, rows: torch.Tensor) -> Prefilled:
+    per_row, first, hidden = [], [], []
+    def keep_last(module, args, out) -> None:
+        hidden.append(out.last_hidden_state[:, -1].clone())
+
+    hook = model.get_decoder().register_forward_hook(keep_last)
+    try:
+        for row in rows:
+            cache = DynamicCache(config=model.config)
+            out = model(row[None], past_key_values=cache, use_cache=True)
+            per_row.append([(layer.keys, layer.values) for layer in cache.layers])
+            first.append(out.logits[:, -1].argmax(-1))
+    finally:
+        hook.remove()
     layers = [(torch.cat([r[i][0] for r in per_row]), torch.cat([r[i][1] for r in per_row]))
               for i in range(len(per_row[0]))]
-    return layers, torch.stack(first)
+    return Prefilled(layers, torch.stack(first), torch.cat(hidden))
 
 
 def cache_maker(model, config: Config) -> Callable[[], Any]:
@@ -88,7 +104,9 @@ def cache_maker(model, config: Config) -> Callable[[], Any]:
         config = config.config
     if isinstance(config, str) and is_peer(config):
         return peer_maker(config, model)
-    return KVCacheFactory(model.config, config).create_cache
+    # a factory (and its paged pool) per cache: pools of every config alive at once would not fit
+    # batch 8 x 6144 tokens in 24 GiB
+    return lambda: KVCacheFactory(model.config, config).create_cache()
 
 
 def held_bytes(cache) -> dict[str, float]:
@@ -108,10 +126,13 @@ def held_bytes(cache) -> dict[str, float]:
     return held
 
 
-def filled_cache(make_cache: Callable[[], Any], kv: list[tuple[torch.Tensor, torch.Tensor]]):
+def filled_cache(make_cache: Callable[[], Any], kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 hidden: torch.Tensor | None = None):
     cache = make_cache()
     for layer_idx, (k, v) in enumerate(kv):
         cache.update(k.clone(), v.clone(), layer_idx)
+    if getattr(cache, "routing_context", None) is not None:  # as if the prompt had run through it
+        cache.routing_context.hidden = hidden
     return cache
 
 
@@ -138,7 +159,8 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
             new_tokens: int) -> dict[str, Any]:
     """One (length, batch) point: every config's decode speed, ratio to DynamicCache, tokens and bytes."""
     torch.set_num_threads(2)  # the one-off prefill is not what is measured
-    kv, first = prefill(model, prompt_rows(tokenizer, length, batch))
+    prefilled = prefill(model, prompt_rows(tokenizer, length, batch))
+    kv, first = prefilled.kv, prefilled.first
     torch.set_num_threads(1)
     makers = {"dynamic": lambda: DynamicCache(config=model.config)}
     makers |= {name: cache_maker(model, config) for name, config in configs.items()}
@@ -149,12 +171,13 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
     attentions = {n: c.attention if isinstance(c, WithAttention) else "sdpa" for n, c in configs.items()}
     for name, make in makers.items():  # warm-up: compiled kernels build here, not in a timed run
         model.set_attn_implementation(attentions.get(name, "sdpa"))
-        decode(model, filled_cache(make, kv), first, WARMUP_STEPS)
+        decode(model, filled_cache(make, kv, prefilled.hidden), first, WARMUP_STEPS)
     for _ in range(runs):
         for name, make in makers.items():
             model.set_attn_implementation(attentions.get(name, "sdpa"))
             cache = filled_cache(make, kv if name != "no_kv_floor" else
-                                 [(k[:, :, -FLOOR_TOKENS:], v[:, :, -FLOOR_TOKENS:]) for k, v in kv])
+                                 [(k[:, :, -FLOOR_TOKENS:], v[:, :, -FLOOR_TOKENS:]) for k, v in kv],
+                                 prefilled.hidden)
             speed, tokens[name] = decode(model, cache, first, new_tokens)
             speeds[name].append(speed)
             held[name] = held_bytes(cache)
