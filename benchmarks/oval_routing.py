@@ -7,9 +7,11 @@ The teacher (``kvfactory.selectors.oval.train``) runs the frozen SmolLM2 with fu
 positions per chunk, the attention mass per 16-token page. Each method then picks pages at each
 read budget as sparse decode does (the sink and current page always read); the hit rate and the
 attention-mass recall are means over positions, the 28 routed layers and the KV heads.
-``router_no_decay`` is the ablation without the positional term. Prints JSON.
+``router_no_decay`` is the ablation without the positional term. Prints JSON; ``--plot FILE``
+also draws recall and hit rate against the read budget (``--replot JSON`` redraws a saved run).
 
     python benchmarks/oval_routing.py [--budgets 0.25,0.125,0.0625] [--chunks 12] [--router embedded]
+        [--plot docs/oval_routing.png] [--replot results.json]
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=32)
     parser.add_argument("--router", default="embedded")
     parser.add_argument("--text", type=Path, default=BOOK)
+    parser.add_argument("--plot", type=Path)
+    parser.add_argument("--replot", type=Path, help="a saved JSON output to draw instead of measuring")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
+        return
     torch.set_num_threads(2)
     started = time.perf_counter()
     model, tokenizer = load_model()
@@ -47,9 +54,36 @@ def main() -> None:
                                 advance=lambda: print(".", end="", file=sys.stderr, flush=True))
     results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True)
                for budget in map(float, args.budgets.split(","))}
-    print(json.dumps({"benchmark": "oval_routing", "text": args.text.name, "tokens": ids.numel(),
-                      "positions": args.positions * len(chunks), "router": args.router,
-                      "seconds": round(time.perf_counter() - started, 1), "results": results}, indent=2))
+    report = {"benchmark": "oval_routing", "text": args.text.name, "tokens": ids.numel(),
+              "positions": args.positions * len(chunks), "router": args.router,
+              "seconds": round(time.perf_counter() - started, 1), "results": results}
+    print(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report, args.plot)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Recall and hit rate against the read budget, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted(report["results"], key=float)
+    methods = list(report["results"][budgets[0]])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("recall", "hit_rate"), strict=True):
+        for method in methods:
+            ax.plot([float(b) for b in budgets], [report["results"][b][method][metric] for b in budgets],
+                    marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("read budget (fraction of pages)")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"Pages read on held-out text ({report['text']}, {report['positions']} positions)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
