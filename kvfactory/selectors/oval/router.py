@@ -89,7 +89,8 @@ class Router(torch.nn.Module):
                decay: bool = True) -> torch.Tensor:
         """Page logits ``[B, Hkv, pages]`` from one group's ``vectors [B, Hkv, 3D]`` and the page
         ``features [B, Hkv, pages, 3D]``; ``current_page`` (the page being written) sets the decay."""
-        scores = (features @ vectors.to(features.dtype)[..., None]).squeeze(-1)
+        # a row times the transposed features: torch's batched matrix-vector product is ~7x slower here
+        scores = (vectors.to(features.dtype)[..., None, :] @ features.transpose(-1, -2)).squeeze(-2)
         if decay:
             pages = torch.arange(features.shape[-2], device=features.device, dtype=scores.dtype)
             scores = scores + self.decay_bonus(current_page - pages)
