@@ -43,7 +43,7 @@ class SparseStore(LayerStore):
         self.page_size = paged.page_size
         self.bases = PageBases(self.page_size, with_mean=selector.uses_mean)
         self.steps = 0  # decode steps seen by this layer
-        self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V
+        self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V (decode steps)
         self._mask: torch.Tensor | None = None
         self._read: SparseRead | None = None  # this step's selection, for the shadow measurement
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
@@ -64,10 +64,17 @@ class SparseStore(LayerStore):
         return getattr(self.inner, name)
 
     # -- storage, delegated; bases follow ---------------------------------------------------
+    @property
+    def routed(self) -> bool:
+        """Whether decode may read this layer sparsely (else it keeps no page bases)."""
+        return self.layer_idx >= self.spec.dense_layers and not self.selector.reads_all
+
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.inner.append(key, value)
-        self.bases.append(key)
-        self._new = (key, value)
+        if self.routed:
+            self.bases.append(key)
+        # a prompt's K/V is not kept: only a decode step's tail is handed back to attention
+        self._new = (key, value) if key.shape[2] <= attention.MAX_CHUNKED_QUERY else None
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.gather()
@@ -85,7 +92,7 @@ class SparseStore(LayerStore):
         self._new, self._last_read = None, None
 
     def _rebuild(self) -> None:
-        self.bases.rebuild(self.inner.gather()[0] if self.inner.size() else None)
+        self.bases.rebuild(self.inner.gather()[0] if self.inner.size() and self.routed else None)
         self._last_read = None
 
     def keep(self, index: torch.Tensor) -> None:
@@ -125,15 +132,13 @@ class SparseStore(LayerStore):
         """A sparse read for a decode step of a sparse layer; otherwise what the inner store reads
         (quantized pages: chunked attention; plain pages: None, read whole)."""
         self._read = None
-        new = 0 if self._new is None else self._new[0].shape[2]
-        if not new or new > attention.MAX_CHUNKED_QUERY:
+        if self._new is None:
             return self.inner.deferred_read()  # a prefill: not a decode step
         self.steps += 1
-        pages = self.bases.pages
+        pages = -(-self.size() // self.page_size)
         wanted = self.spec.pages_to_read(pages)
         selectable = min(self.inner.pageable() // self.page_size, pages - self.spec.local_pages)
-        sparse = self.layer_idx >= self.spec.dense_layers and not self.selector.reads_all \
-            and wanted < pages and selectable > self.spec.sink_pages
+        sparse = self.routed and wanted < pages and selectable > self.spec.sink_pages
         if not sparse:
             full = self.full_bytes()
             self.metrics.record_read(self.steps, full, full, 0.0)
