@@ -33,11 +33,15 @@ def router_path(name: str) -> Path:
     return Path(name)
 
 
-@functools.lru_cache(maxsize=8)
 def load_router(path: str) -> Router:
-    """One router per file, shared by every layer and cache that uses it (inference only)."""
+    """One router per file (and version of it), shared by every layer and cache that uses it."""
+    return _load_router(path, Path(path).stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_router(path: str, version: int) -> Router:
     router = Router.load(path)
-    router.requires_grad_(False)
+    router.requires_grad_(False)  # inference only
     return router
 
 
