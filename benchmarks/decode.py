@@ -68,7 +68,6 @@ def prompt_rows(tokenizer, length: int, batch: int) -> torch.Tensor:
     return ids[: length * batch].view(batch, length)
 
 
-@torch.inference_mode()
 @dataclass
 class Prefilled:
     """The prompt's keys/values per layer ``[batch, heads, L, dim]``, the first greedy token of each
@@ -79,6 +78,7 @@ class Prefilled:
     hidden: torch.Tensor
 
 
+@torch.inference_mode()
 def prefill(model, rows: torch.Tensor) -> Prefilled:
     per_row, first, hidden = [], [], []
     def keep_last(module, args, out) -> None:
@@ -104,9 +104,7 @@ def cache_maker(model, config: Config) -> Callable[[], Any]:
         config = config.config
     if isinstance(config, str) and is_peer(config):
         return peer_maker(config, model)
-    # a factory (and its paged pool) per cache: pools of every config alive at once would not fit
-    # batch 8 x 6144 tokens in 24 GiB
-    return lambda: KVCacheFactory(model.config, config).create_cache()
+    return KVCacheFactory(model.config, config).create_cache
 
 
 def held_bytes(cache) -> dict[str, float]:
