@@ -6,7 +6,8 @@ DynamicCache in the same run), over 16-token pages read by a selector at a read 
 with ``attn_implementation="kvfactory"`` (sparse reads happen inside kvfactory's attention).
 Each selector row adds ``read_fraction`` (KV bytes decode read over all stored, page bases
 included), ``recall`` (attention mass on the pages read, from the default shadow steps),
-router p50 / p99 and ``router_p99_share_of_step`` (p99 over one decode step's time).
+router p50 / p99 and ``router_p50_share_of_step`` / ``router_p99_share_of_step`` (over one
+decode step's time).
 ``paged16/attn`` is the same storage read whole, the lossless reference.
 DESIGN.md's targets at 6144 tokens and read budget 1/8: >= 1.3x DynamicCache at batch 1 and
 >= 2x at batch 8; router p99 <= 5 % of a decode step.
