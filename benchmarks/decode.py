@@ -196,8 +196,9 @@ def measure(model, tokenizer, configs: dict[str, Config], length: int, batch: in
                      "bytes_ratio_to_fp16": round(held[name]["bytes"] / row["fp16_dense_bytes"], 4),
                      **held[name]}
         if "router_p99_ms" in held[name]:  # the router's p50 / p99 against one decode step (all rows)
+            step_s = batch / med
             for q in ("p50", "p99"):
-                row[name][f"router_{q}_share_of_step"] = round(held[name][f"router_{q}_ms"] / 1e3 * med / batch, 4)
+                row[name][f"router_{q}_share_of_step"] = round(held[name][f"router_{q}_ms"] / 1e3 / step_s, 4)
     return row
 
 
