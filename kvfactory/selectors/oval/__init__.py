@@ -86,7 +86,9 @@ class OvalSelector(Selector):
                               f"{router.shape.model}): train one with `kvfactory oval train`")
         vectors = context.remember(("oval", id(router)), lambda: router.key_vectors(context.hidden))
         group = router.shape.group_of(self._layer)
-        scores = router.logits(vectors[:, group], bases.features, bases.pages - 1, self.decay)
+        positional = context.remember("oval.decay", lambda: router.positional(bases.pages, vectors.device)) \
+            if self.decay else None  # the same for every layer of a step
+        scores = router.logits(vectors[:, group], bases.features, positional)
         return self._graph(context).aggregate(scores, self.graph)
 
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:

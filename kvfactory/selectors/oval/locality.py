@@ -23,20 +23,26 @@ class CooccurrenceGraph:
     def __init__(self, window: int = 128, rebuild_every: int = 100) -> None:
         self.window, self.rebuild_every = window, rebuild_every
         self._steps: deque[torch.Tensor] = deque(maxlen=window)  # per step: pages read (1-D indices)
-        self._current: set[int] = set()
+        self._current = torch.zeros(0, dtype=torch.bool)  # pages read so far in this step
         self.steps = 0
         self.adjacency: torch.Tensor | None = None  # [P, P], symmetric normalised, self-loops included
         self.density = float("nan")  # non-zero off-diagonal fraction of the last rebuild's counts
 
     def record(self, pages: torch.Tensor) -> None:
         """Pages one layer read this step (any shape of page indices)."""
-        self._current.update(pages.flatten().tolist())
+        pages = pages.flatten().cpu()
+        needed = int(pages.max()) + 1 if pages.numel() else 0
+        if needed > self._current.numel():
+            grown = torch.zeros(max(needed, 2 * self._current.numel()), dtype=torch.bool)
+            grown[:self._current.numel()] = self._current
+            self._current = grown
+        self._current[pages] = True
 
     def end_step(self) -> None:
         """Close the step: keep what it read, rebuild every ``rebuild_every`` steps."""
-        if self._current:
-            self._steps.append(torch.tensor(sorted(self._current)))
-        self._current = set()
+        if self._current.any():
+            self._steps.append(self._current.nonzero().flatten())
+            self._current.zero_()
         self.steps += 1
         if self.steps % self.rebuild_every == 0:
             self.rebuild()

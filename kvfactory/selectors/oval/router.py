@@ -85,16 +85,17 @@ class Router(torch.nn.Module):
         """The positional term of pages ``distance`` pages behind the current one."""
         return self.decay * torch.exp(-distance.clamp(min=0) / DECAY_PAGES)
 
-    def logits(self, vectors: torch.Tensor, features: torch.Tensor, current_page: int,
-               decay: bool = True) -> torch.Tensor:
+    def positional(self, pages: int, device: torch.device) -> torch.Tensor:
+        """The decay term ``[pages]`` of each page when the last one is being written."""
+        return self.decay_bonus(torch.arange(pages - 1, -1, -1, device=device, dtype=self.decay.dtype))
+
+    def logits(self, vectors: torch.Tensor, features: torch.Tensor, positional: torch.Tensor | None
+               ) -> torch.Tensor:
         """Page logits ``[B, Hkv, pages]`` from one group's ``vectors [B, Hkv, 3D]`` and the page
-        ``features [B, Hkv, pages, 3D]``; ``current_page`` (the page being written) sets the decay."""
+        ``features [B, Hkv, pages, 3D]``, plus the ``positional`` term (None: the decay ablated)."""
         # a row times the transposed features: torch's batched matrix-vector product is ~7x slower here
         scores = (vectors.to(features.dtype)[..., None, :] @ features.transpose(-1, -2)).squeeze(-2)
-        if decay:
-            pages = torch.arange(features.shape[-2], device=features.device, dtype=scores.dtype)
-            scores = scores + self.decay_bonus(current_page - pages)
-        return scores
+        return scores if positional is None else scores + positional.to(scores.dtype)
 
     def save(self, path: str | Path) -> None:
         """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
