@@ -246,7 +246,7 @@ class SparseRead(NarrowRead):
                 mask = columns <= length - q + torch.arange(q, device=device)[:, None]
             else:
                 mask = mask.expand(b, hq, q, mask.shape[-1]).gather(-1, columns.expand(b, hq, q, -1))
-        bases_bytes = store.bases.bounds.nbytes if store.selector.reads_bases else 0
+        bases_bytes = store.bases.features.nbytes if store.selector.reads_bases else 0
         read = b * store.inner.read_bytes(k * ps, length - tail * ps) + bases_bytes
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, bases_bytes)
         store._mark_read(self.pages)
