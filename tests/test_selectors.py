@@ -302,8 +302,9 @@ def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantiz
         / metrics["kv_bytes_full_per_step"]
     if quantized:  # 4 or 5 of 16 to 17 pages, the full-precision window among them
         assert 0.2 < data < 0.6
-    else:  # 16 to 17 pages stored, 4 or 5 read (plus Quest's page bases: per page 2 key rows of 2 * PAGE)
-        bases = 1 / PAGE if SELECTORS[selector].reads_bases else 0.0
+    else:  # 16 to 17 pages stored, 4 or 5 read, plus the page bases (2 or 3 key vectors of 2 * PAGE per page)
+        cls = SELECTORS[selector]
+        bases = (3 if cls.uses_mean else 2) / (2 * PAGE) if cls.reads_bases else 0.0
         assert 4 / 17 + bases - 0.01 < metrics["read_fraction"] < 5 / 16 + bases + 0.01
     assert 0 <= metrics["hit_rate"] <= 1 and 0 < metrics["recall"] <= 1 + 1e-6
     assert 0 < metrics["page_utilisation"] <= 1
