@@ -37,9 +37,12 @@ def test_quest_reads_the_passkey_page_that_recent_and_random_miss(smollm2) -> No
     recall = {name: m["recall"] for name, m in metrics.items()}
     assert recall["quest"] > 0.85 and recall["quest"] > recall["recent"] > recall["random"], recall
     assert recall["oval"] > recall["recent"], recall
-    # 28 sparse layers read 1/8 of the pages (+ Quest's bounds, 1/16 of a page each), 2 read all
+    # 28 sparse layers read 1/8 of the pages plus the page bases they score (2 key vectors per
+    # 16-token page for Quest, 3 for OVAL: 1/32 of a page's K and V each); 2 layers read all
     for name, m in metrics.items():
-        assert m["steps"] == 7 and m["read_fraction"] < 0.26, (name, m)
+        vectors = {"quest": 2, "oval": 3}.get(name, 0)
+        expected = (2 + 28 * (1 / 8 + vectors / 32)) / 30
+        assert m["steps"] == 7 and m["read_fraction"] < expected + 0.01, (name, m)
 
 
 def test_the_readme_example_turns_sparse_decode_on_in_at_most_15_lines(smollm2) -> None:
