@@ -21,7 +21,7 @@ import torch
 
 from kvfactory.policies.base import Observation, Policy
 from kvfactory.policies.spec import DENSE_SLACK, SelectiveSpec
-from kvfactory.storage.base import LayerStore, MemoryReport, take_tokens
+from kvfactory.storage.base import LayerStore, MemoryReport, WrappedStore, take_tokens
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
 
@@ -35,7 +35,7 @@ def visible_columns(mask: torch.Tensor | None, query_len: int, batch: int,
     return last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
 
 
-class SelectiveStore(LayerStore):
+class SelectiveStore(WrappedStore):
     """One layer's K/V in ``inner``, bounded by ``spec`` (see ``kvfactory.policies.spec``)."""
 
     def __init__(self, inner: LayerStore, policy: Policy, spec: SelectiveSpec, num_layers: int) -> None:
@@ -55,18 +55,6 @@ class SelectiveStore(LayerStore):
             return self.spec.slack
         return self.inner.page_size if isinstance(self.inner, PagedStore) else DENSE_SLACK
 
-    def bind(self, layer_idx: int) -> None:
-        super().bind(layer_idx)
-        self.inner.bind(layer_idx)
-
-    def attach(self, pool: object) -> None:
-        self.inner.attach(pool)
-
-    def __getattr__(self, name: str) -> Any:  # what the inner store adds (residual_report, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
     # -- storage, delegated -----------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.inner.append(key, value)
@@ -75,16 +63,6 @@ class SelectiveStore(LayerStore):
         if self.policy.accumulates:
             zeros = key.new_zeros((*key.shape[:3],), dtype=torch.float32)
             self.accumulated = zeros if self.accumulated is None else torch.cat([self.accumulated, zeros], -1)
-
-    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.gather()
-
-    def size(self) -> int:
-        return self.inner.size()
-
-    @property
-    def batch_size(self) -> int:
-        return self.inner.batch_size
 
     def clear(self) -> None:
         self.inner.clear()
@@ -121,8 +99,6 @@ class SelectiveStore(LayerStore):
     def memory_report(self) -> MemoryReport:
         return self.inner.memory_report()
 
-    def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor, value: torch.Tensor) -> list:
-        return self.inner.block_requests(new_tokens, batch, key, value)
 
     def deferred_read(self) -> Any:
         return self.inner.deferred_read()

@@ -16,7 +16,6 @@ it computes full attention for the same queries to measure hit rate and recall
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -26,12 +25,12 @@ from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.pages import PageBases
 from kvfactory.selectors.spec import SelectorSpec
-from kvfactory.storage.base import LayerStore, MemoryReport
+from kvfactory.storage.base import MemoryReport, WrappedStore
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.quantized import QuantizedStore
 
 
-class SparseStore(LayerStore):
+class SparseStore(WrappedStore):
     """One layer's paged K/V in ``inner`` (plain or quantized pages), read sparsely at decode as
     ``spec`` asks; ``inner`` serves whole pages (``pageable``, ``read_pages``, ``read_bytes``)."""
 
@@ -52,16 +51,7 @@ class SparseStore(LayerStore):
 
     def bind(self, layer_idx: int) -> None:
         super().bind(layer_idx)
-        self.inner.bind(layer_idx)
         self.selector.bind(layer_idx, self.num_layers)
-
-    def attach(self, pool: object) -> None:
-        self.inner.attach(pool)
-
-    def __getattr__(self, name: str) -> Any:  # what the inner store adds (page_size, pool, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     # -- storage, delegated; bases follow ---------------------------------------------------
     @property
@@ -75,16 +65,6 @@ class SparseStore(LayerStore):
             self.bases.append(key)
         # a prompt's K/V is not kept: only a decode step's tail is handed back to attention
         self._new = (key, value) if key.shape[2] <= attention.MAX_CHUNKED_QUERY else None
-
-    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.gather()
-
-    def size(self) -> int:
-        return self.inner.size()
-
-    @property
-    def batch_size(self) -> int:
-        return self.inner.batch_size
 
     def clear(self) -> None:
         self.inner.clear()
@@ -111,10 +91,6 @@ class SparseStore(LayerStore):
         self.inner.select_rows(rows)
         self.bases.select_rows(rows)
         self._last_read = None
-
-    def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor,
-                       value: torch.Tensor) -> list:
-        return self.inner.block_requests(new_tokens, batch, key, value)
 
     def memory_report(self) -> MemoryReport:
         """The pages plus the page bases (held for the selector)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -143,3 +143,36 @@ class LayerStore(ABC):
 
     def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Decide what stays after a step read the cache. Default: keep everything."""
+
+
+class WrappedStore(LayerStore):
+    """A store that adds behaviour on top of another one, ``inner`` (a policy, a selector): binding,
+    pool attachment, reads, pool requests and whatever else ``inner`` offers are ``inner``'s."""
+
+    inner: LayerStore
+
+    def bind(self, layer_idx: int) -> None:
+        super().bind(layer_idx)
+        self.inner.bind(layer_idx)
+
+    def attach(self, pool: object) -> None:
+        self.inner.attach(pool)
+
+    def __getattr__(self, name: str) -> Any:  # what the inner store adds (residual_report, page_size, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.gather()
+
+    def size(self) -> int:
+        return self.inner.size()
+
+    @property
+    def batch_size(self) -> int:
+        return self.inner.batch_size
+
+    def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor,
+                       value: torch.Tensor) -> list[tuple[PoolSpec, int]]:
+        return self.inner.block_requests(new_tokens, batch, key, value)
