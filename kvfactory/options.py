@@ -7,6 +7,8 @@ import types
 import typing
 from typing import Any
 
+from kvfactory.errors import ConfigError
+
 
 def options_of(cls: type) -> dict[str, Any]:
     """Config options of a strategy class: its init fields and their type hints."""
@@ -35,3 +37,12 @@ def describe(hint: Any) -> str:
     if typing.get_origin(hint) is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def check_registration(kind: str, name: Any, cls: Any, base: type) -> None:
+    """A user's ``kind`` (policy, selector) must be a ``@dataclass`` subclass of ``base`` with a name."""
+    if not (isinstance(cls, type) and issubclass(cls, base) and "__dataclass_fields__" in cls.__dict__):
+        raise ConfigError(f"{kind} class", cls, f"a subclass of {base.__name__} ({base.__module__}) "
+                          f"decorated with @dataclass")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{kind} name", name, "a non-empty string")

@@ -5,7 +5,7 @@ One file per method; ``register_policy`` adds a user's own (a ``Policy`` datacla
 
 from __future__ import annotations
 
-from kvfactory.errors import ConfigError
+from kvfactory.options import check_registration
 from kvfactory.policies.base import Observation, Policy
 from kvfactory.policies.h2o import H2OPolicy
 from kvfactory.policies.knorm import KnormPolicy
@@ -28,11 +28,7 @@ POLICIES: dict[str, type[Policy]] = {
 
 def register_policy(name: str, cls: type[Policy]) -> type[Policy]:
     """Make ``cls`` usable as ``{"name": "selective", "policy": name, ...}``."""
-    if not (isinstance(cls, type) and issubclass(cls, Policy) and "__dataclass_fields__" in cls.__dict__):
-        raise ConfigError("policy class", cls,
-                          "a subclass of kvfactory.policies.Policy decorated with @dataclass")
-    if not isinstance(name, str) or not name:
-        raise ConfigError("policy name", name, "a non-empty string")
+    check_registration("policy", name, cls, Policy)
     POLICIES[name] = cls
     return cls
 

@@ -5,7 +5,7 @@ One file per method; ``register_selector`` adds a user's own (a ``Selector`` dat
 
 from __future__ import annotations
 
-from kvfactory.errors import ConfigError
+from kvfactory.options import check_registration
 from kvfactory.selectors.base import Selector
 from kvfactory.selectors.full import FullSelector
 from kvfactory.selectors.oval import OvalSelector
@@ -25,11 +25,7 @@ SELECTORS: dict[str, type[Selector]] = {
 
 def register_selector(name: str, cls: type[Selector]) -> type[Selector]:
     """Make ``cls`` usable as a composite strategy ``{"name": name, "read_budget": ...}``."""
-    if not (isinstance(cls, type) and issubclass(cls, Selector) and "__dataclass_fields__" in cls.__dict__):
-        raise ConfigError("selector class", cls,
-                          "a subclass of kvfactory.selectors.Selector decorated with @dataclass")
-    if not isinstance(name, str) or not name:
-        raise ConfigError("selector name", name, "a non-empty string")
+    check_registration("selector", name, cls, Selector)
     SELECTORS[name] = cls
     return cls
 
