@@ -23,8 +23,6 @@ from kvfactory.errors import ConfigError
 from kvfactory.options import describe, options_of, type_ok
 from kvfactory.selectors import SELECTORS, Selector
 
-_OWN = {"read_budget": float, "top_k": int, "sink_pages": int, "local_pages": int, "dense_layers": int,
-        "shadow_every": int}
 DEFAULT_READ_BUDGET = 0.125
 
 
@@ -46,9 +44,8 @@ class SelectorSpec:
             raise ConfigError("read_budget", self.read_budget, "one of read_budget and top_k, not both")
         if self.read_budget is not None and not 0.0 < self.read_budget <= 1.0:
             raise ConfigError("read_budget", self.read_budget, "a fraction of the stored pages in (0, 1]")
-        for key in ("top_k",):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(key, getattr(self, key), "an integer >= 1 (pages read per step)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError("top_k", self.top_k, "an integer >= 1 (pages read per step)")
         for key in ("sink_pages", "local_pages", "dense_layers", "shadow_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, getattr(self, key), "an integer >= 0")
@@ -56,16 +53,17 @@ class SelectorSpec:
 
     @classmethod
     def parse(cls, name: str, options: dict[str, Any], where: str = "") -> SelectorSpec:
+        own = {k: hint for k, hint in options_of(cls).items() if k not in ("selector", "options")}
         hyper = options_of(SELECTORS[name])
         for key, value in options.items():
-            if key not in _OWN and key not in hyper:
+            if key not in own and key not in hyper:
                 raise ConfigError(f"{where}{key}", value, f"options of selector '{name}': "
-                                                          f"{sorted(set(_OWN) | set(hyper))}")
-            hint = _OWN.get(key, hyper.get(key))
+                                                          f"{sorted(set(own) | set(hyper))}")
+            hint = own.get(key, hyper.get(key))
             if not type_ok(value, hint):
                 raise ConfigError(f"{where}{key}", value, describe(hint))
         try:
-            return cls(name, **{k: v for k, v in options.items() if k in _OWN},
+            return cls(name, **{k: v for k, v in options.items() if k in own},
                        options={k: v for k, v in options.items() if k in hyper})
         except (ConfigError, TypeError) as exc:
             if isinstance(exc, TypeError):
