@@ -150,20 +150,23 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                           f"a storage strategy ({registered_strategies()}) besides "
                           f"'{QUANTIZED}', '{SELECTIVE}' and selectors {sorted(SELECTORS)}")
     if selector is not None:
-        check_selector_composition(storage, selective, selector)
+        check_selector_composition(storage, selective, selector, quantization)
     return CacheConfig(storage, dict(config), quantization, selective, selector)
 
 
 def check_selector_composition(storage: StrategySpec, selective: SelectiveSpec | None,
-                               selector: SelectorSpec) -> None:
-    """A selector reads pages: it needs paged storage (plain or quantized), and does not yet read
-    evicting caches."""
+                               selector: SelectorSpec, quantization: QuantizationSpec | None) -> None:
+    """A selector reads pages: it needs paged storage (plain or quantized; dynamic pages: plain), and
+    does not yet read evicting caches."""
     if not issubclass(storage.cls, PagedStore):
         raise ConfigError("strategies", storage.name, f"a paged storage strategy under selector "
                           f"'{selector.selector}' (it reads pages): {{'name': 'paged', 'page_size': 16}}")
     if selective is not None:
         raise ConfigError("strategies", SELECTIVE, f"no '{SELECTIVE}' entry with selector "
                           f"'{selector.selector}': selectors over evicting caches are not supported yet")
+    if selector.dynamic_pages and quantization is not None:
+        raise ConfigError("dynamic_pages", True, "plain paged storage (dynamic pages read single tokens, "
+                          "which quantized pages do not serve)")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

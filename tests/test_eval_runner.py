@@ -65,6 +65,10 @@ def test_presets_load() -> None:
     quest = resolve_cache("quest@0.125").config["strategies"]
     assert quest == [{"name": "paged", "page_size": 16}, {"name": "quest", "read_budget": 0.125}]
     assert resolve_cache("quest@1").config["strategies"][1]["read_budget"] == 1.0
+    dynamic = resolve_cache("quest-dynamic@0.125").config["strategies"][1]
+    assert dynamic == {"name": "quest", "read_budget": 0.125, "dynamic_pages": True}
+    with pytest.raises(EvalError):
+        resolve_cache("snapkv-dynamic@0.75")  # pages are a selector's: no dynamic eviction policy
 
 
 def test_cache_values(tmp_path) -> None:

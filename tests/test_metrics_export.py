@@ -88,5 +88,6 @@ def test_the_alert_watches_a_caches_shadow_samples() -> None:
     alert = HitRateAlert(lambda rate, seconds: calls.append(rate), threshold=1.0, duration_s=0)
     cache = routed_cache("random")
     alert.attach(cache)
-    cache.routing.record_shadow(torch.tensor([[[0]]]), torch.tensor([[[0.0, 1.0]]]))  # all mass missed
+    missed = torch.tensor([[[True, False]]]), torch.tensor([[[0.0, 1.0]]])  # read page 0: all mass missed
+    cache.routing.record_shadow(*missed)
     assert calls and calls[-1] < 1.0

@@ -77,6 +77,9 @@ def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: s
     ({"name": "quest", "shadow_every": 1.5}, "strategies[1].shadow_every"),
     ({"name": "quest", "seed": 1}, "strategies[1].seed"),
     ({"name": "random", "seed": "x"}, "strategies[1].seed"),
+    ({"name": "quest", "dynamic_pages": True, "top_k": 4}, "strategies[1].top_k"),
+    ({"name": "quest", "dynamic_pages": True, "max_page": 0}, "strategies[1].max_page"),
+    ({"name": "quest", "entropy_jump": -1.0}, "strategies[1].entropy_jump"),
 ])
 def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     config = {"type": "composite", "strategies": [{"name": "paged"}, entry]}
@@ -89,6 +92,8 @@ def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     ([{"name": "dense"}, {"name": "quest"}], "paged storage"),
     ([{"name": "paged"}, {"name": "selective", "policy": "h2o", "budget": 8}, {"name": "quest"}], "evicting"),
     ([{"name": "paged"}, {"name": "quest"}, {"name": "recent"}], "one selector"),
+    ([{"name": "paged"}, {"name": "quantized", "codec": "int8"}, {"name": "quest", "dynamic_pages": True}],
+     "plain paged storage"),
 ])
 def test_selectors_refuse_what_they_cannot_read(strategies: list, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -313,14 +318,13 @@ def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantiz
 
 def test_shadow_metrics_follow_their_definitions() -> None:
     metrics = RoutingMetrics()
-    mass = torch.tensor([[[0.5, 0.1, 0.3, 0.1], [0.25, 0.25, 0.25, 0.25]]])  # [B=1, Hkv=2, 4 pages]
-    selected = torch.tensor([[[0, 1], [2, 3]]])
-    metrics.record_shadow(selected, mass)
-    # head 0: true top-2 {0, 2}, read {0, 1}: hit 1/2, recall 0.6; head 1: ties, recall 0.5
-    top = mass[0, 1].topk(2).indices.tolist()
+    mass = torch.tensor([[[0.5, 0.1, 0.3, 0.1], [0.4, 0.3, 0.2, 0.1]]])  # [B=1, Hkv=2, 4 pages]
+    read = torch.tensor([[[True, True, False, False], [False, True, True, True]]])  # 2 and 3 pages
+    metrics.record_shadow(read, mass)
+    # head 0: true top-2 {0, 2}, read {0, 1}: hit 1/2, recall 0.6; head 1: top-3 {0, 1, 2}: 2/3, 0.6
     values = metrics.as_dict()
-    assert values["shadow_samples"] == 1 and values["recall"] == pytest.approx(0.55)
-    assert values["hit_rate"] == pytest.approx((1 + len({2, 3} & set(top))) / 4)
+    assert values["shadow_samples"] == 1 and values["recall"] == pytest.approx(0.6)
+    assert values["hit_rate"] == pytest.approx((1 / 2 + 2 / 3) / 2)
 
 
 def test_a_cache_without_selector_has_no_routing_metrics() -> None:

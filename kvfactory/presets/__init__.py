@@ -1,7 +1,7 @@
 """Named cache configs shipped with the package: ``kvfactory/presets/NAME.yaml``, ``POLICY@RATIO``
 (e.g. ``snapkv@0.75``): 16-token pages with that eviction policy compressing prefills by ``RATIO``,
 and ``SELECTOR@BUDGET`` (e.g. ``quest@0.125``): 16-token pages that decode reads sparsely, that
-fraction of the pages per step.
+fraction of the pages per step (``quest-dynamic@0.125``: of the tokens, over dynamic pages).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def preset_names() -> list[str]:
     return sorted(f.name[:-5] for f in files if f.name.endswith(".yaml"))
 
 
-_NAME_AT_FRACTION = re.compile(r"(?P<name>[a-z0-9_]+)@(?P<fraction>0?\.[0-9]+|1(\.0*)?)")
+_NAME_AT_FRACTION = re.compile(
+    r"(?P<name>[a-z0-9_]+)(?P<dynamic>-dynamic)?@(?P<fraction>0?\.[0-9]+|1(\.0*)?)")
 
 
 def policy_preset(name: str) -> dict[str, Any] | None:
@@ -31,10 +32,12 @@ def policy_preset(name: str) -> dict[str, Any] | None:
     match = _NAME_AT_FRACTION.fullmatch(name)
     if match is None:
         return None
-    if match["name"] in POLICIES:
+    if match["name"] in POLICIES and not match["dynamic"]:
         entry = {"name": "selective", "policy": match["name"], "compression_ratio": float(match["fraction"])}
     elif match["name"] in SELECTORS:
         entry = {"name": match["name"], "read_budget": float(match["fraction"])}
+        if match["dynamic"]:
+            entry["dynamic_pages"] = True
     else:
         return None
     return {"type": "composite", "strategies": [{"name": "paged", "page_size": 16}, entry]}

@@ -50,7 +50,8 @@ class Selector(ABC):
         """Called once by the factory: which model layer this selector serves."""
 
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
-        """Called with every page ``[B, Hkv, k]`` this layer read in this step."""
+        """Called with the indices of the pages this layer read in this step (``[B, Hkv, k]`` per head
+        with fixed pages; a flat list of every page any head read with dynamic ones)."""
 
     @abstractmethod
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:

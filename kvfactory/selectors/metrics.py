@@ -62,14 +62,15 @@ class RoutingMetrics:
         self._latencies.extend(self._latency.values())
         self._latency.clear()
 
-    def record_shadow(self, selected: torch.Tensor, mass: torch.Tensor) -> None:
-        """``selected [B, Hkv, k]`` pages read and ``mass [B, Hkv, pages]`` full-attention mass per page."""
-        k = selected.shape[-1]
-        truth = mass.topk(k, dim=-1).indices
-        hit = float((selected[..., :, None] == truth[..., None, :]).any(-1).float().mean())
+    def record_shadow(self, read: torch.Tensor, mass: torch.Tensor) -> None:
+        """``read [B, Hkv, pages]`` (bool) the pages read and ``mass [B, Hkv, pages]`` the full-attention
+        mass per page; each head reads its own number of pages."""
+        k = read.sum(-1, keepdim=True)
+        rank = mass.argsort(-1, descending=True).argsort(-1)  # 0: the page with the most mass
+        hit = float(((rank < k) & read).sum(-1).div(k.squeeze(-1).clamp_min(1)).mean())
         self.shadow_samples += 1
         self._hit_sum += hit
-        self._recall_sum += float(mass.gather(-1, selected).sum(-1).mean())
+        self._recall_sum += float((mass * read).sum(-1).mean())
         for listener in self.listeners:
             listener(hit)
 

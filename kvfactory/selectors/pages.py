@@ -5,7 +5,8 @@ and KV head the bases keep the per-channel maximum and minimum of its keys, Ques
 (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"),
 and, for selectors that embed pages (OVAL), the mean key; side by side in one
 ``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one matrix product. They are updated as
-tokens are appended, one vectorised reduction per append.
+tokens are appended, one vectorised reduction per append. ``DynamicPageBases`` keeps the same
+features for pages of varying size (``layout.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kvfactory.selectors.layout import PageLayout
 
 GROWTH = 1.25  # capacity grows by a quarter, as paged pools do
 
@@ -127,3 +130,52 @@ class PageBases:
     def clear(self) -> None:
         self._bases = None
         self.length = 0
+
+
+class DynamicPageBases(PageBases):
+    """The same features over a ``PageLayout``'s pages of 1..32 tokens (``layout.py``), reduced by
+    scatter over each token's page; ``append`` places tokens the layout has not yet cut as decoded
+    ones (``PageLayout.cover``)."""
+
+    def __init__(self, layout: PageLayout, with_mean: bool = False) -> None:
+        super().__init__(layout.page_size, with_mean)
+        self.layout = layout
+        self._pages = 0
+
+    @property
+    def pages(self) -> int:
+        return self._pages
+
+    def append(self, keys: torch.Tensor) -> None:
+        b, h, n, d = keys.shape
+        if n == 0:
+            return
+        end = self.length + n
+        self.layout.cover(end)
+        page = self.layout.page_of(self.length, end).to(keys.device)
+        first, last = int(page[0]), int(page[-1]) + 1
+        self._reserve(last, keys)
+        local = page - first
+        index = local[None, None, :, None].expand(b, h, n, d)
+        shape = (b, h, last - first, d)
+        parts = [keys.new_full(shape, float("-inf")).scatter_reduce_(2, index, keys, "amax"),
+                 keys.new_full(shape, float("inf")).scatter_reduce_(2, index, keys, "amin")]
+        held = self.length - int(self.layout.starts[first])  # tokens the first page already holds
+        if self.with_mean:
+            total = keys.new_zeros(shape).index_add_(2, local, keys)
+            count = torch.bincount(local, minlength=last - first).to(keys.dtype)
+            if held:
+                total[:, :, 0] += self._bases[:, :, first, 2 * d:] * held
+                count[0] += held
+            parts.append(total / count[:, None])
+        new = torch.cat(parts, -1)
+        if held:
+            old = self._bases[:, :, first]
+            new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
+            new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
+        self._bases[:, :, first:last] = new
+        self.length, self._pages = end, last
+
+    def clear(self) -> None:
+        super().clear()
+        self._pages = 0

@@ -8,6 +8,10 @@ gathered block by block from the pool (the whole layer is never copied out). Pre
 ``dense_layers`` layers and budgets that cover every page read the whole layer, unchanged.
 The selected K/V go to transformers' SDPA like any other (``kvfactory.attention.NarrowRead``).
 
+With ``dynamic_pages`` the pages are the token ranges of a ``PageLayout`` (``layout.py``), shared by
+the cache's layers and cut at prefill by the first sparse layer from its attention entropy; a
+``DynamicRead`` then reads the best pages up to a token budget, token by token from the pool.
+
 The store also takes part in its attention call (``kvfactory.attention.Observer``): on shadow steps
 it computes full attention for the same queries to measure hit rate and recall
 (``metrics.py``).
@@ -22,8 +26,9 @@ import torch
 from kvfactory import attention
 from kvfactory.attention import DeferredRead, NarrowRead
 from kvfactory.selectors.base import RoutingContext, Selector
+from kvfactory.selectors.layout import OVERLAP, PageLayout, attention_entropy
 from kvfactory.selectors.metrics import RoutingMetrics
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import DynamicPageBases, PageBases
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import MemoryReport, WrappedStore
 from kvfactory.storage.paged import PagedStore
@@ -40,9 +45,16 @@ class SparseStore(WrappedStore):
         self.context, self.num_layers = context, num_layers
         paged = inner if isinstance(inner, PagedStore) else inner.inner
         self.page_size = paged.page_size
-        self.bases = PageBases(self.page_size, with_mean=selector.uses_mean)
+        self.layout: PageLayout | None = None
+        if spec.dynamic_pages:
+            self.layout = context.shared.setdefault(
+                "pages.layout", PageLayout(self.page_size, spec.max_page, spec.entropy_jump))
+            self.bases = DynamicPageBases(self.layout, with_mean=selector.uses_mean)
+        else:
+            self.bases = PageBases(self.page_size, with_mean=selector.uses_mean)
         self.steps = 0  # decode steps seen by this layer
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V (decode steps)
+        self._heads = 0  # KV heads stored
         self._mask: torch.Tensor | None = None
         self._read: SparseRead | None = None  # this step's selection, for the shadow measurement
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
@@ -61,7 +73,8 @@ class SparseStore(WrappedStore):
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.inner.append(key, value)
-        if self.routed:
+        self._heads = key.shape[1]
+        if self.routed and self.layout is None:  # dynamic pages: once the prefill is cut (sync_bases)
             self.bases.append(key)
         # a prompt's K/V is not kept: only a decode step's tail is handed back to attention
         self._new = (key, value) if key.shape[2] <= attention.MAX_CHUNKED_QUERY else None
@@ -69,11 +82,33 @@ class SparseStore(WrappedStore):
     def clear(self) -> None:
         self.inner.clear()
         self.bases.clear()
+        if self.layout is not None:
+            self.layout.clear()
         self._new, self._last_read = None, None
 
     def _rebuild(self) -> None:
-        self.bases.rebuild(self.inner.gather()[0] if self.inner.size() and self.routed else None)
+        if self.layout is not None:  # dynamic pages: rebuilt from the layout at the next decode step
+            self.layout.truncate(self.size())
+            self.bases.clear()
+        else:
+            self.bases.rebuild(self.inner.gather()[0] if self.inner.size() and self.routed else None)
         self._last_read = None
+
+    def sync_bases(self) -> None:
+        """Dynamic pages: bring the bases up to the stored tokens (the step's own, or all after a prefill)."""
+        size, covered = self.size(), self.bases.length
+        if covered == size:
+            return
+        if self._new is not None and covered == size - self._new[0].shape[2]:
+            self.bases.append(self._new[0])
+        else:
+            self.bases.rebuild(self.inner.gather()[0])
+
+    def page_index(self, length: int, device: torch.device) -> torch.Tensor:
+        """The page of each of the first ``length`` stored tokens ``[length]``."""
+        if self.layout is not None:
+            return self.layout.page_of(0, length).to(device)
+        return torch.arange(length, device=device) // self.page_size
 
     def keep(self, index: torch.Tensor) -> None:
         self.inner.keep(index)
@@ -111,10 +146,16 @@ class SparseStore(WrappedStore):
         if self._new is None:
             return self.inner.deferred_read()  # a prefill: not a decode step
         self.steps += 1
+        if self.layout is not None and self.routed:
+            self.sync_bases()
+            wanted = self.spec.tokens_to_read(self.size())
+            if wanted < self.size() and self.bases.pages > self.spec.sink_pages + self.spec.local_pages:
+                self._read = DynamicRead(self, wanted)
+                return self._read
         pages = -(-self.size() // self.page_size)
         wanted = self.spec.pages_to_read(pages)
         selectable = min(self.inner.pageable() // self.page_size, pages - self.spec.local_pages)
-        sparse = self.routed and wanted < pages and selectable > self.spec.sink_pages
+        sparse = self.routed and self.layout is None and wanted < pages and selectable > self.spec.sink_pages
         if not sparse:
             full = self.full_bytes()
             self.metrics.record_read(self.steps, full, full, 0.0)
@@ -135,15 +176,16 @@ class SparseStore(WrappedStore):
         last = self._last_read[:, :, :self.bases.pages]
         return float((last > self.steps - steps).float().mean())
 
-    def _mark_read(self, pages: torch.Tensor) -> None:
-        b, h, total = *pages.shape[:2], self.bases.pages
+    def _mark_read(self, read: torch.Tensor) -> None:
+        """``read [B, Hkv, pages]``: the pages this step read."""
+        b, h, total = read.shape
         if self._last_read is None or self._last_read.shape[2] < total:
             grown = torch.zeros((b, h, max(total, 2 * (0 if self._last_read is None else
                                                        self._last_read.shape[2]))), dtype=torch.long)
             if self._last_read is not None:
                 grown[:, :, :self._last_read.shape[2]] = self._last_read
             self._last_read = grown
-        self._last_read.scatter_(2, pages.cpu(), self.steps)
+        self._last_read[:, :, :total].masked_fill_(read.cpu(), self.steps)
 
     # -- Observer: shadow full attention on sampled steps -------------------------------------
     def attention_mask(self, mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
@@ -152,8 +194,11 @@ class SparseStore(WrappedStore):
 
     def observe(self, query: torch.Tensor, scaling: float) -> None:
         read, self._read = self._read, None
+        if read is None and self.layout is not None and query.shape[2] > attention.MAX_CHUNKED_QUERY \
+                and self.routed and self.layer_idx == self.spec.dense_layers:
+            self._cut_pages(query, scaling)  # a prefill: the first sparse layer sizes the pages
         every = self.spec.shadow_every
-        if read is None or read.pages is None or not every or self.steps % every:
+        if read is None or read.read is None or not every or self.steps % every:
             return
         b, hq, q, d = query.shape
         keys = self.inner.gather()[0]
@@ -162,10 +207,40 @@ class SparseStore(WrappedStore):
             scores = query.reshape(b, hkv, -1, d) @ keys.transpose(-1, -2) * scaling
             attention.mask_scores(scores, self._mask, q, length)
             probs = scores.float().softmax(-1).mean(2)  # [B, Hkv, length]: mean over the group's queries
-            ps, pages = self.page_size, self.bases.pages
-            mass = probs.new_zeros((b, hkv, pages * ps))
-            mass[:, :, :length] = probs
-            self.metrics.record_shadow(read.pages, mass.view(b, hkv, pages, ps).sum(-1))
+            mass = probs.new_zeros((b, hkv, self.bases.pages))
+            mass.index_add_(2, self.page_index(length, probs.device), probs)
+            self.metrics.record_shadow(read.read, mass)
+
+    @torch.no_grad()
+    def _cut_pages(self, query: torch.Tensor, scaling: float) -> None:
+        """Cut the prefill's ``query.shape[2]`` new tokens into pages by their attention entropy."""
+        size = self.size()
+        self.layout.cover(size - query.shape[2])  # tokens before the prefill (decoded ones)
+        if self.layout.length == size - query.shape[2]:
+            b, hkv = query.shape[0], self._heads
+            positions = torch.arange(max(0, size - query.shape[2] - OVERLAP), size).expand(b, hkv, -1)
+            self.layout.cut(attention_entropy(query, self.inner.read_tokens(positions)[0], scaling))
+
+
+def column_mask(columns: torch.Tensor, valid: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                query: torch.Tensor, length: int) -> torch.Tensor | None:
+    """The mask for attending to the stored tokens ``columns [B, Hkv, n]`` (``valid``: which of them
+    count) with ``query [B, Hq, q, D]``: ``attention_mask``'s columns of them, else causal; broadcastable
+    to ``[B, Hq, q, n]``; None where every token read is visible to every query."""
+    b, hq, q, _ = query.shape
+    if attention_mask is None and q == 1 and valid is None:
+        return None
+    hkv, device = columns.shape[1], query.device
+    columns = columns.to(device).repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # [B, Hq, 1, n]
+    if attention_mask is None:  # causal: query i sees stored positions up to length - q + i
+        mask = columns <= length - q + torch.arange(q, device=device)[:, None]
+    else:
+        mask = attention_mask.expand(b, hq, q, attention_mask.shape[-1]).gather(
+            -1, columns.expand(b, hq, q, -1))
+    if valid is not None:
+        valid = valid.to(device).repeat_interleave(hq // hkv, dim=1)[:, :, None, :]
+        mask = mask & valid if mask.dtype == torch.bool else mask.masked_fill(~valid, float("-inf"))
+    return mask
 
 
 class SparseRead(NarrowRead):
@@ -173,7 +248,8 @@ class SparseRead(NarrowRead):
 
     def __init__(self, store: SparseStore, wanted: int) -> None:
         self.store, self.wanted = store, wanted
-        self.pages: torch.Tensor | None = None  # [B, Hkv, k] every page read (the tail's last)
+        self.read: torch.Tensor | None = None  # [B, Hkv, pages]: every page read (set by ``narrow``)
+        self.pages: torch.Tensor | None = None  # fixed pages: [B, Hkv, k] in the order read (the tail's last)
 
     @property
     def length(self) -> int:
@@ -209,22 +285,64 @@ class SparseRead(NarrowRead):
         chosen, tail = self.select(query.reshape(b, hkv, -1, d))
         seconds = time.perf_counter() - started
         keys, values = store.inner.read_pages(chosen, tail)  # [B, Hkv, n, D]
-        device, k = keys.device, chosen.shape[-1]
-        self.pages = torch.cat([chosen, torch.arange(tail, store.bases.pages, device=chosen.device)
-                                .expand(b, hkv, -1)], -1)
-        mask = attention_mask
-        if mask is not None or q > 1:  # the mask's columns of the tokens read, per KV head's pages
-            at = chosen.device
-            columns = torch.cat([(chosen[..., None] * ps + torch.arange(ps, device=at)).flatten(2),
-                                 torch.arange(tail * ps, length, device=at).expand(b, hkv, -1)], -1)
-            columns = columns.to(device).repeat_interleave(hq // hkv, dim=1)[:, :, None, :]  # [B, Hq, 1, n]
-            if mask is None:  # causal: query i sees stored positions up to length - q + i
-                mask = columns <= length - q + torch.arange(q, device=device)[:, None]
-            else:
-                mask = mask.expand(b, hq, q, mask.shape[-1]).gather(-1, columns.expand(b, hq, q, -1))
+        at, k = chosen.device, chosen.shape[-1]
+        columns = torch.cat([(chosen[..., None] * ps + torch.arange(ps, device=at)).flatten(2),
+                             torch.arange(tail * ps, length, device=at).expand(b, hkv, -1)], -1)
+        mask = column_mask(columns, None, attention_mask, query, length)
+        pages = store.bases.pages
+        self.pages = torch.cat([chosen, torch.arange(tail, pages, device=at).expand(b, hkv, -1)], -1)
+        self.read = torch.zeros((b, hkv, pages), dtype=torch.bool, device=at).scatter_(2, self.pages, True)
         bases_bytes = store.bases.features.nbytes if store.selector.reads_bases else 0
         read = b * store.inner.read_bytes(k * ps, length - tail * ps) + bases_bytes
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, bases_bytes)
-        store._mark_read(self.pages)
+        store._mark_read(self.read)
         store.selector.selected(self.pages, store.context)
+        return keys, values, mask
+
+
+class DynamicRead(SparseRead):
+    """A decode step's read over dynamic pages (``layout.py``): the sink pages, the local pages and
+    the step's new tokens, and the selector's best middle pages, best first, while their tokens fit
+    the budget ``wanted`` (tokens). Heads read different numbers of tokens: the shorter reads are
+    padded and masked."""
+
+    def narrow(self, query: torch.Tensor, attention_mask: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        store, spec, length = self.store, self.store.spec, self.length
+        layout, pages = store.layout, store.bases.pages
+        b, hq, q, d = query.shape
+        hkv = store._new[0].shape[1]
+        started = time.perf_counter()
+        starts = layout.starts[:pages]
+        first_new = int(layout.page_of(length - store._new[0].shape[2], length - store._new[0].shape[2] + 1))
+        lo = min(spec.sink_pages, pages)
+        hi = max(lo, min(first_new, pages - spec.local_pages))
+        sink_end = int(starts[lo]) if lo < pages else length
+        tail = int(starts[hi]) if hi < pages else length
+        read = torch.zeros((b, hkv, pages), dtype=torch.bool)
+        read[..., :lo] = read[..., hi:] = True
+        budget = self.wanted - sink_end - (length - tail)  # tokens left for the middle pages
+        if budget > 0 and hi > lo:
+            scores = store.selector.page_scores(query.reshape(b, hkv, -1, d), store.bases, store.context)
+            order = scores[..., lo:hi].cpu().argsort(-1, descending=True)
+            fits = layout.sizes(length)[lo:hi][order].cumsum(-1) <= budget
+            read[..., lo:hi] = torch.zeros_like(fits).scatter_(-1, order, fits)
+        middle = read[..., lo:hi].gather(-1, (layout.page_of(sink_end, tail) - lo).expand(b, hkv, -1))
+        count = middle.sum(-1)  # [B, Hkv] middle tokens each head reads
+        widest = int(count.max()) if middle.numel() else 0
+        picked = middle.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :widest] + sink_end
+        columns = torch.cat([torch.arange(sink_end).expand(b, hkv, -1), picked,
+                             torch.arange(tail, length).expand(b, hkv, -1)], -1)
+        valid = torch.ones(columns.shape, dtype=torch.bool)
+        valid[..., sink_end:sink_end + widest] = torch.arange(widest) < count[..., None]
+        seconds = time.perf_counter() - started
+        keys, values = store.inner.read_tokens(columns)
+        mask = column_mask(columns, None if bool(valid.all()) else valid, attention_mask, query, length)
+        self.read = read.to(query.device)
+        tokens = int(valid.sum())
+        bases_bytes = store.bases.features.nbytes if store.selector.reads_bases else 0
+        read_bytes = store.inner.read_bytes(tokens, 0) // hkv + bases_bytes
+        store.metrics.record_read(store.steps, read_bytes, store.full_bytes(), seconds, bases_bytes)
+        store._mark_read(read)
+        store.selector.selected(read.any(1).any(0).nonzero().flatten(), store.context)
         return keys, values, mask

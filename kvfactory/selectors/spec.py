@@ -11,6 +11,9 @@ hyperparameters under their names.
   ``kvfactory.attention.MAX_CHUNKED_QUERY`` new tokens) read everything, as DESIGN.md fixes.
 - ``shadow_every``: every so many decode steps each sparse layer also computes full attention to
   measure hit rate and attention-mass recall (0: never).
+- ``dynamic_pages``: pages of 1..``max_page`` tokens cut at prefill where attention entropy jumps
+  (``entropy_jump`` standard deviations; ``layout.py``) instead of the storage's fixed pages; the
+  budget is then counted in tokens (``read_budget`` only), and storage must be plain paged.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class SelectorSpec:
     local_pages: int = 1
     dense_layers: int = 2
     shadow_every: int = 32
+    dynamic_pages: bool = False
+    max_page: int = 32
+    entropy_jump: float = 2.0
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -49,6 +55,12 @@ class SelectorSpec:
         for key in ("sink_pages", "local_pages", "dense_layers", "shadow_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, getattr(self, key), "an integer >= 0")
+        if not 1 <= self.max_page <= 1024:
+            raise ConfigError("max_page", self.max_page, "an integer in [1, 1024] (tokens per dynamic page)")
+        if self.entropy_jump < 0:
+            raise ConfigError("entropy_jump", self.entropy_jump, "a number >= 0 (standard deviations)")
+        if self.dynamic_pages and self.top_k is not None:
+            raise ConfigError("top_k", self.top_k, "read_budget with dynamic_pages (pages differ in size)")
         self.build_selector()
 
     @classmethod
@@ -72,6 +84,10 @@ class SelectorSpec:
 
     def build_selector(self) -> Selector:
         return SELECTORS[self.selector](**self.options)
+
+    def tokens_to_read(self, tokens: int) -> int:
+        """Tokens one decode step over dynamic pages reads out of ``tokens`` stored."""
+        return min(tokens, math.ceil((self.read_budget or DEFAULT_READ_BUDGET) * tokens))
 
     def pages_to_read(self, pages: int) -> int:
         """Pages one decode step reads out of ``pages`` stored, always-read pages included."""
