@@ -2,8 +2,18 @@
 
 from kvfactory.cache import KVCache, watch_hidden_states
 from kvfactory.config import CacheConfig, register_cache_strategy, registered_strategies
-from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError, ShapeError
+from kvfactory.errors import (
+    CacheFullError,
+    ConfigError,
+    KVFactoryError,
+    SequenceFileError,
+    SequenceStateError,
+    ShapeError,
+    UnknownSequenceError,
+    UnsupportedError,
+)
 from kvfactory.factory import KVCacheFactory
+from kvfactory.manager import KVCacheManager
 from kvfactory.policies import Observation, Policy, register_policy
 from kvfactory.storage import DenseStore, LayerStore, MemoryReport, PagedPool, PagedStore
 
@@ -11,7 +21,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheConfig", "CacheFullError", "ConfigError", "DenseStore", "KVCache", "KVCacheFactory",
-    "KVFactoryError", "LayerStore", "MemoryReport", "Observation", "PagedPool", "PagedStore", "Policy",
-    "ShapeError", "register_cache_strategy", "register_policy", "registered_strategies",
+    "KVCacheManager", "KVFactoryError", "LayerStore", "MemoryReport", "Observation", "PagedPool",
+    "PagedStore", "Policy", "SequenceFileError", "SequenceStateError", "ShapeError", "UnknownSequenceError",
+    "UnsupportedError", "register_cache_strategy", "register_policy", "registered_strategies",
     "watch_hidden_states",
 ]

@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfactory import attention
-from kvfactory.errors import ConfigError
+from kvfactory.errors import ConfigError, SequenceStateError
 from kvfactory.storage.base import LayerStore, MemoryReport
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -243,6 +243,9 @@ class KVCache(Cache):
                  routing_context: Any = None):
         super().__init__(layers=layers)
         self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
+        self.model_config = model_config
+        self.paused = False  # set by KVCacheManager.pause: its tokens live in the host tier
+        self.cached_tokens = 0  # tokens it started with from shared blocks (adopt_blocks)
         self.routing = routing  # a selector's RoutingMetrics (kvfactory.selectors.metrics), else None
         self.routing_context = routing_context  # what its layers' selectors share (selectors.base)
         # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
@@ -253,11 +256,43 @@ class KVCache(Cache):
         implementation = getattr(self._attention_config, "_attn_implementation", None)
         deferred = implementation == ATTENTION
         if layer_idx == 0:
+            self._check_live()
             config = self.config
             if config is not None and (config.selective or config.selector) is not None and not deferred:
                 check_kvfactory_attention(implementation or "unset", config)
             self._reserve(key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, deferred=deferred, **kwargs)
+
+    def _check_live(self) -> None:
+        if self.paused:
+            raise SequenceStateError(f"sequence {self.seq_id!r} is paused (its KV is in the host tier): "
+                                     f"resume it before generating")
+
+    def fork(self, seq_id: str | None = None) -> KVCache:
+        """A cache holding the same tokens that continues on its own: paged blocks are shared by refcount
+        and copied on write, so a fork costs no KV memory until one side writes into a shared block.
+        ``UnsupportedError`` for strategies that cannot fork yet (quantized, selective, sparse)."""
+        self._check_live()
+        layers = []
+        for layer in self.layers:
+            twin = KVLayer(layer.store.fork(), layer.sliding_window)
+            twin.seen, twin.record_past = layer.seen, layer.record_past
+            twin.is_initialized = layer.is_initialized
+            if layer.is_initialized:
+                twin.device = layer.device
+            layers.append(twin)
+        return KVCache(layers, shared=self.shared, seq_id=seq_id, config=self.config,
+                       workspace=self.workspace, model_config=self.model_config)
+
+    def adopt_blocks(self, ids: list[torch.Tensor], tokens: int, device: torch.device) -> None:
+        """Start this empty cache from ``tokens`` tokens already in the pool: blocks ``ids`` (per layer
+        ``[batch, blocks]``), referenced and copied on write (a cached or shared prefix)."""
+        if self.get_seq_length():
+            raise SequenceStateError(f"adopt_blocks into a cache holding {self.get_seq_length()} tokens")
+        for layer, layer_ids in zip(self.layers, ids, strict=True):
+            layer.store.adopt(layer_ids, tokens)
+            layer.seen, layer.is_initialized, layer.device = tokens, True, device
+        self.cached_tokens = tokens
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Check every layer's pool before the first layer writes: a step is written whole or not at all."""
@@ -342,6 +377,7 @@ class KVCache(Cache):
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``."""
         if layer_idx == 0:
+            self._check_live()
             self._reserve(key, value)
         self.layers[layer_idx].append(key, value)
 

@@ -28,3 +28,27 @@ class CacheFullError(KVFactoryError, RuntimeError):
 
 class ShapeError(KVFactoryError, ValueError):
     """Key/value tensors do not match each other or what the cache already holds."""
+
+
+class UnsupportedError(KVFactoryError, NotImplementedError):
+    """The cache's strategies do not offer the operation asked for (yet); nothing was changed."""
+
+
+class UnknownSequenceError(KVFactoryError, KeyError):
+    """A ``KVCacheManager`` holds no sequence of that id."""
+
+    def __init__(self, seq_id: str, known: list[str]):
+        self.seq_id = seq_id
+        shown = ", ".join(repr(k) for k in known[:8]) + (", ..." if len(known) > 8 else "")
+        super().__init__(f"no sequence {seq_id!r} in this manager ({len(known)} held: {shown or 'none'})")
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return self.args[0]
+
+
+class SequenceStateError(KVFactoryError, RuntimeError):
+    """The sequence exists but is not in a state that allows the operation (e.g. resumed twice)."""
+
+
+class SequenceFileError(KVFactoryError, ValueError):
+    """A saved sequence file is corrupted, truncated, or was written for another model or cache."""

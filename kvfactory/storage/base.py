@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvfactory.errors import ShapeError
+from kvfactory.errors import ShapeError, UnsupportedError
 
 if TYPE_CHECKING:
     from kvfactory.attention import DeferredRead, NarrowRead
@@ -140,6 +140,11 @@ class LayerStore(ABC):
         """A chunked or narrowed read for kvfactory's attention (``kvfactory.attention``), or None to be
         read whole."""
         return None
+
+    def fork(self) -> LayerStore:
+        """A store holding the same tokens, independent from now on (``KVCache.fork``)."""
+        raise UnsupportedError(f"layer {self.layer_idx}: {type(self).__name__} cannot be forked, paused or "
+                               f"saved yet; use plain paged storage ({{'type': 'paged'}})")
 
     def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Decide what stays after a step read the cache. Default: keep everything."""

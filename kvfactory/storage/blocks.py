@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +163,7 @@ class PagedPool:
         self._tokens = blocks * page_size if blocks is not None else tokens
         self._bytes = bytes
         self.pools: dict[tuple[str, int], BlockPool] = {}
+        self.reclaimers: list[Callable[[], bool]] = []  # each frees some blocks if it can: True if it did
         self._workspace = ReadWorkspace()
 
     @property
@@ -197,10 +199,20 @@ class PagedPool:
         return None if self._tokens is None else math.ceil(self._tokens / spec.page_size)
 
     def check(self, requests: list[tuple[PoolSpec, int]]) -> None:
-        """Raise ``CacheFullError`` unless every pool can hand out the blocks requested of it.
+        """Raise ``CacheFullError`` unless every pool can hand out the blocks requested of it, after
+        asking the ``reclaimers`` (e.g. a prefix cache dropping unused blocks) for room while any
+        frees something.
 
         A pool that is not allocated yet is judged by the size it will get.
         """
+        while True:
+            try:
+                return self._check(requests)
+            except CacheFullError:
+                if not any(reclaim() for reclaim in self.reclaimers):
+                    raise
+
+    def _check(self, requests: list[tuple[PoolSpec, int]]) -> None:
         for spec, needed in requests:
             pool = self.pools.get((spec.kind, spec.layer_idx))
             if pool is not None:
@@ -267,6 +279,16 @@ class BlockTable:
             self.pool.decref(self._ids)
         self.ids = None
         self.start = self.length = 0
+
+    def adopt(self, block_pool: BlockPool, ids: torch.Tensor, start: int, length: int) -> None:
+        """Hold tokens ``[start, start + length)`` of blocks ``ids [batch, blocks]`` already filled
+        elsewhere (a fork, a cached prefix): referenced, not copied; a write into a shared block
+        copies it first."""
+        self.release()
+        block_pool.incref(ids)
+        self.pool = block_pool
+        self.ids = ids.clone()
+        self.start, self.length = start, length
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)

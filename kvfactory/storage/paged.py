@@ -7,6 +7,7 @@ on write (as in vLLM's block manager and nano-vllm's ``block_manager.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -130,6 +131,35 @@ class PagedStore(LayerStore):
         table.start, table.length = 0, kept
         block_pool.decref(self._ids[:, kept_blocks:])
         table.ids = self._ids[:, :kept_blocks]
+
+    # -- sharing blocks (forks and cached prefixes, ``kvfactory.manager``) ------------------------
+    def fork(self) -> PagedStore:
+        """A store of the same tokens in the same blocks, refcounted: whichever of the two writes
+        into a shared block first gets its own copy (copy-on-write)."""
+        twin = dataclasses.replace(self)
+        twin.bind(self.layer_idx)
+        twin.kind, twin.pool = self.kind, self.pool
+        table = self._table
+        if table.ids is not None:
+            twin._table.adopt(table.pool, table.ids, table.start, table.length)
+        return twin
+
+    def block_ids(self) -> torch.Tensor | None:
+        """The blocks ``[batch, blocks]`` holding the stored tokens, the first from stored token 0
+        (None when empty or when the oldest tokens were dropped)."""
+        table = self._table
+        return None if table.ids is None or table.start else table.ids
+
+    def adopt(self, ids: torch.Tensor, tokens: int) -> None:
+        """Start from ``tokens`` tokens in blocks ``ids [batch, blocks]`` of this layer's pool, filled by
+        another store (a cached prefix); they are referenced, not copied."""
+        if self.size():
+            raise ShapeError(f"layer {self.layer_idx}: adopt() into a store holding {self.size()} tokens")
+        block_pool = self.ensure_pool().pools.get((self.kind, self.layer_idx))
+        if block_pool is None or tokens > ids.shape[1] * self.page_size:
+            raise ShapeError(f"layer {self.layer_idx}: {tokens} tokens in {ids.shape[1]} blocks of "
+                             f"{self.page_size} that this pool does not hold")
+        self._table.adopt(block_pool, ids, 0, tokens)
 
     # -- page reads (sparse decode, ``kvfactory.selectors``) -----------------------------------
     def pageable(self) -> int:

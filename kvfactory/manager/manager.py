@@ -1,0 +1,348 @@
+"""``KVCacheManager``: many sequences over one block pool (seed 004's manager and its lifecycle).
+
+Every sequence is a normal kvfactory cache for ``model.generate(past_key_values=...)``; they share
+the factory's paged pool. The manager adds what serving needs around them:
+
+- ``create`` / ``get`` / ``free`` / ``fork`` (copy-on-write: a fork shares every block until one side
+  writes into a shared one) and ``with manager.sequence(id) as cache`` (freed on exit);
+- prefix sharing (``prefix.py``): ``create(id, prompt=token_ids)`` starts the cache from the cached full
+  blocks of the longest known prefix, so generation prefills only the rest; a prompt's blocks are
+  cached once the cache holds them, stay cached after ``free`` (LRU, reclaimed when the pool needs
+  room) and can be pinned; the seed's explicit ``mark_as_shareable`` / ``attach_shared_cache`` too;
+- ``pause`` / ``resume``: the sequence's K/V moves to a host tier (CPU tensors, within
+  ``host_bytes``) and its blocks go back to the pool; resuming writes it back bit-exactly;
+- ``save`` / ``load`` (``persist.py``): safetensors + checked metadata, written atomically;
+- ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved.
+
+Errors are specific (``UnknownSequenceError``, ``SequenceStateError``, ``SequenceFileError``,
+``CacheFullError``) and leave the manager as it was.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvfactory.cache import KVCache
+from kvfactory.config import CacheConfig
+from kvfactory.errors import ConfigError, SequenceStateError, UnknownSequenceError
+from kvfactory.factory import KVCacheFactory
+from kvfactory.manager.persist import load_state, save_state
+from kvfactory.manager.prefix import PrefixIndex, block_hashes
+from kvfactory.manager.state import SequenceState
+from kvfactory.storage.blocks import PagedPool
+from kvfactory.storage.paged import PagedStore
+
+SILENT_LOOKUPS = 8  # prompts looked up without a single cached block before the manager warns
+
+
+@dataclass
+class _Shared:
+    """A prefix marked shareable: its blocks in every layer, referenced by the manager."""
+
+    ids: list[torch.Tensor]  # per layer: [1, blocks]
+    tokens: int
+
+
+@dataclass
+class _Counters:
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    pauses: int = 0
+    resumes: int = 0
+    forks: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_cached: int = 0
+    warned: bool = field(default=False, repr=False)
+
+
+class KVCacheManager:
+    """Sequences by id over one paged pool; see the module docstring."""
+
+    def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
+                 pool: PagedPool | None = None, *, prefix_caching: bool = True,
+                 host_bytes: int | None = None) -> None:
+        self.factory = KVCacheFactory(model_config, cache_config or {"type": "paged"}, pool=pool)
+        config = self.factory.config
+        if not issubclass(config.storage.cls, PagedStore) or config.quantization or config.selective \
+                or config.selector:
+            raise ConfigError("kv_cache_config", config.raw, "plain paged storage for a KVCacheManager "
+                              "(quantized, selective and sparse caches are not managed yet)")
+        self.pool: PagedPool = self.factory.pool
+        self.page_size = self.pool.page_size
+        self.prefix_caching, self.host_bytes = prefix_caching, host_bytes
+        self.index = PrefixIndex()
+        self.pool.reclaimers.append(self._reclaim)
+        self._caches: dict[str, KVCache] = {}
+        self._host: dict[str, SequenceState] = {}  # paused sequences' K/V
+        self._prompts: dict[str, list[bytes]] = {}  # block names of prompts not yet all cached
+        self._shared: dict[str, _Shared] = {}
+        self.counters = _Counters()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def create(self, seq_id: str, prompt: Sequence[int] | torch.Tensor | None = None) -> KVCache:
+        """A new empty cache for ``seq_id``; with ``prompt`` (its token ids) and prefix caching on, it
+        starts holding the longest cached prefix of whole blocks (see ``cached_tokens``)."""
+        self._check_new(seq_id)
+        cache = self.factory.create_cache(seq_id)
+        if prompt is not None and self.prefix_caching:
+            tokens = torch.as_tensor(prompt).flatten().tolist()
+            names = block_hashes(tokens[:-1], self.page_size)  # at least one token is left to prefill
+            self._cache_prompts()
+            found = self.index.match(names)
+            if found:
+                ids = torch.tensor([entry.ids for entry in found]).T  # [layers, blocks]
+                cache.adopt_blocks([row[None] for row in ids], len(found) * self.page_size, self._device())
+            self._prompts[seq_id] = names
+            self._count_prompt(len(tokens), len(found) * self.page_size)
+        self._caches[seq_id] = cache
+        return cache
+
+    def get(self, seq_id: str) -> KVCache:
+        return self._cache(seq_id)
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence; its prompt's full blocks stay cached for later prompts."""
+        cache = self._cache(seq_id)
+        self._cache_prompts()
+        self._prompts.pop(seq_id, None)
+        self._host.pop(seq_id, None)
+        cache.paused = False
+        cache.reset()
+        del self._caches[seq_id]
+
+    def fork(self, seq_id: str, new_id: str) -> KVCache:
+        """A new sequence holding ``seq_id``'s tokens in the same blocks (copy-on-write)."""
+        self._check_new(new_id)
+        cache = self._live(seq_id).fork(new_id)
+        self._caches[new_id] = cache
+        self.counters.forks += 1
+        return cache
+
+    @contextmanager
+    def sequence(self, seq_id: str, prompt: Sequence[int] | torch.Tensor | None = None) -> Iterator[KVCache]:
+        """``create`` on entry, ``free`` on exit."""
+        cache = self.create(seq_id, prompt)
+        try:
+            yield cache
+        finally:
+            if seq_id in self._caches:
+                self.free(seq_id)
+
+    def __enter__(self) -> KVCacheManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free every sequence, shared prefix and cached block."""
+        for seq_id in list(self._caches):
+            self.free(seq_id)
+        for shared_id in list(self._shared):
+            self.release_shared(shared_id)
+        self.index.clear()
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._caches
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def sequences(self) -> list[str]:
+        return list(self._caches)
+
+    # -- host tier ------------------------------------------------------------------------------
+    def pause(self, seq_id: str) -> int:
+        """Move the sequence's K/V to the host tier and give its blocks back; returns the bytes moved."""
+        cache = self._live(seq_id)
+        self._cache_prompts()
+        state = SequenceState.capture(cache)
+        held = sum(s.nbytes for s in self._host.values())
+        if self.host_bytes is not None and held + state.nbytes > self.host_bytes:
+            raise SequenceStateError(f"pause({seq_id!r}): the host tier holds {held} of {self.host_bytes} "
+                                     f"bytes, this sequence needs {state.nbytes} more")
+        cache.reset()
+        cache.paused = True
+        self._host[seq_id] = state
+        self.counters.bytes_to_host += state.nbytes
+        self.counters.pauses += 1
+        return state.nbytes
+
+    def resume(self, seq_id: str) -> KVCache:
+        """Bring a paused sequence back into the pool (``CacheFullError``: it stays paused)."""
+        cache = self._cache(seq_id)
+        if seq_id not in self._host:
+            raise SequenceStateError(f"resume({seq_id!r}): the sequence is not paused")
+        state = self._host[seq_id]
+        cache.paused = False
+        try:
+            state.restore(cache, self._device())
+        except BaseException:
+            cache.reset()
+            cache.paused = True
+            raise
+        del self._host[seq_id]
+        self.counters.bytes_from_host += state.nbytes
+        self.counters.resumes += 1
+        return cache
+
+    def is_paused(self, seq_id: str) -> bool:
+        self._cache(seq_id)
+        return seq_id in self._host
+
+    # -- persistence ----------------------------------------------------------------------------
+    def save(self, seq_id: str, path: str | Path) -> None:
+        """Write the sequence (live or paused) to ``path`` (safetensors, atomically)."""
+        cache = self._cache(seq_id)
+        state = self._host.get(seq_id) or SequenceState.capture(cache)
+        save_state(state, path, self.factory.model_config, self.factory.config.raw, seq_id)
+
+    def load(self, path: str | Path, seq_id: str | None = None) -> KVCache:
+        """A new sequence from a saved file (its saved id unless ``seq_id``)."""
+        state, saved_id = load_state(path, self.factory.model_config, self.factory.config.raw)
+        seq_id = seq_id or saved_id
+        cache = self.create(seq_id)
+        try:
+            state.restore(cache, self._device())
+        except BaseException:
+            self.free(seq_id)
+            raise
+        return cache
+
+    # -- explicit sharing (seed 004) ------------------------------------------------------------
+    def mark_as_shareable(self, seq_id: str, start: int = 0, end: int | None = None) -> str:
+        """Keep tokens ``[start, end)`` of the sequence (``start`` 0: K/V hold absolute positions) for
+        ``attach_shared_cache``, pinned until ``release_shared``; returns the shared id (``seq_id``)."""
+        cache = self._live(seq_id)
+        stored = cache.get_seq_length()
+        end = stored if end is None else end
+        if start != 0 or not 0 < end <= stored:
+            raise SequenceStateError(f"mark_as_shareable({seq_id!r}, {start}, {end}): a shared prefix is "
+                                     f"[0, end) with 0 < end <= {stored} tokens held")
+        if seq_id in self._shared:
+            self.release_shared(seq_id)
+        blocks = -(-end // self.page_size)
+        ids = []
+        for layer in cache.layers:
+            store_ids = layer.store.block_ids()
+            if store_ids is None or store_ids.shape[0] != 1 or layer.store.size() != stored:
+                raise SequenceStateError(f"mark_as_shareable({seq_id!r}): layer {layer.store.layer_idx} does "
+                                         f"not hold one row of the sequence's first tokens")
+            ids.append(store_ids[:, :blocks].clone())
+        for pool, layer_ids in zip(self._pools(), ids, strict=True):
+            pool.incref(layer_ids)
+        self._shared[seq_id] = _Shared(ids, end)
+        return seq_id
+
+    def attach_shared_cache(self, new_seq_id: str, shared_id: str) -> KVCache:
+        """A new sequence starting with the shared prefix ``shared_id`` (blocks shared, copy-on-write)."""
+        if shared_id not in self._shared:
+            raise UnknownSequenceError(shared_id, list(self._shared))
+        self._check_new(new_seq_id)
+        shared = self._shared[shared_id]
+        cache = self.factory.create_cache(new_seq_id)
+        cache.adopt_blocks(shared.ids, shared.tokens, self._device())
+        self._caches[new_seq_id] = cache
+        return cache
+
+    def release_shared(self, shared_id: str) -> None:
+        shared = self._shared.pop(shared_id)
+        for layer, ids in zip(self._pools(), shared.ids, strict=True):
+            layer.decref(ids)
+
+    def pin_prefix(self, prompt: Sequence[int] | torch.Tensor) -> int:
+        """Never reclaim the cached blocks of ``prompt`` (a system prompt); returns how many are pinned."""
+        self._cache_prompts()
+        return self.index.pin(block_hashes(torch.as_tensor(prompt).flatten().tolist(), self.page_size))
+
+    def cached_tokens(self, seq_id: str) -> int:
+        """Tokens the sequence started with from cached or shared blocks at ``create``/``attach``."""
+        return self._cache(seq_id).cached_tokens
+
+    # -- accounting -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Sequences, pool blocks (all layers), prefix cache and host tier, as numbers."""
+        self._cache_prompts()
+        pools = self._pools()
+        total = sum(p.num_blocks for p in pools)
+        free = sum(len(p.free) for p in pools)
+        c, index = self.counters, self.index
+        looked = index.hit_blocks + index.missed_blocks
+        return {
+            "sequences": len(self._caches), "paused": len(self._host), "shared_prefixes": len(self._shared),
+            "pool_blocks": total, "pool_blocks_free": free, "pool_blocks_used": total - free,
+            "prefix_cached_blocks": len(index),
+            "prefix_pinned_blocks": sum(e.pinned for e in index.entries.values()),
+            "prefix_hit_blocks": index.hit_blocks, "prefix_missed_blocks": index.missed_blocks,
+            "prefix_hit_rate": index.hit_blocks / looked if looked else float("nan"),
+            "prefix_evicted_blocks": index.evicted,
+            "prompt_tokens": c.prompt_tokens, "prompt_tokens_cached": c.prompt_tokens_cached,
+            "host_bytes": sum(s.nbytes for s in self._host.values()), "host_budget_bytes": self.host_bytes,
+            "bytes_to_host": c.bytes_to_host, "bytes_from_host": c.bytes_from_host,
+            "pauses": c.pauses, "resumes": c.resumes, "forks": c.forks,
+        }
+
+    # -- internals ------------------------------------------------------------------------------
+    def _cache(self, seq_id: str) -> KVCache:
+        try:
+            return self._caches[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(seq_id, list(self._caches)) from None
+
+    def _live(self, seq_id: str) -> KVCache:
+        cache = self._cache(seq_id)
+        if seq_id in self._host:
+            raise SequenceStateError(f"sequence {seq_id!r} is paused: resume it first")
+        return cache
+
+    def _check_new(self, seq_id: str) -> None:
+        if seq_id in self._caches:
+            raise SequenceStateError(f"sequence {seq_id!r} exists already; free it or choose another id")
+
+    def _pools(self) -> list:
+        return [self.pool.pools[key] for key in sorted(self.pool.pools) if key[0] == "kv"]
+
+    def _device(self) -> torch.device:
+        pools = self._pools()
+        return pools[0].k.device if pools else torch.device("cpu")
+
+    def _cache_prompts(self) -> None:
+        """Index the full prompt blocks that sequences now hold (blocks are named by their prompt)."""
+        pools = self._pools()
+        for seq_id, names in list(self._prompts.items()):
+            cache = self._caches.get(seq_id)
+            if cache is None or seq_id in self._host:
+                continue
+            stores = [layer.store for layer in cache.layers]
+            if any(store.block_ids() is None or store.batch_size != 1 for store in stores):
+                continue
+            held = min(min(store.size() for store in stores) // self.page_size, len(names))
+            for i in range(held):
+                self.index.insert(names[i], pools, [int(store.block_ids()[0, i]) for store in stores])
+            if held == len(names):
+                del self._prompts[seq_id]
+
+    def _reclaim(self) -> bool:
+        """Drop the least recently used cached block no sequence uses (the pool needs room)."""
+        candidates = self.index.reclaimable()
+        if not candidates:
+            return False
+        self.index.drop(candidates[0])
+        return True
+
+    def _count_prompt(self, tokens: int, cached: int) -> None:
+        c = self.counters
+        c.prompt_tokens += tokens
+        c.prompt_tokens_cached += cached
+        if not c.warned and self.index.lookups >= SILENT_LOOKUPS and self.index.hit_blocks == 0:
+            c.warned = True
+            warnings.warn(f"prefix caching is on but none of {self.index.lookups} prompts reused a cached "
+                          f"block: prompts share blocks only when they start with the same "
+                          f"{self.page_size}-token blocks", stacklevel=3)

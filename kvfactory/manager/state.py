@@ -1,0 +1,67 @@
+"""A sequence's KV as plain tensors: what pausing moves to the host tier and what a save writes.
+
+``SequenceState.capture`` copies every layer's stored keys and values (``[batch, kv_heads, tokens,
+head_dim]``) and the tokens each layer has seen; ``restore`` writes them back into an empty cache of
+the same config, checking the pool first so that a restore is written whole or not at all. Only
+storage whose reads are its exact contents (plain paged) is captured, so a round trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfactory.cache import KVCache
+from kvfactory.errors import SequenceStateError, ShapeError, UnsupportedError
+from kvfactory.storage.paged import PagedStore
+
+
+@dataclass
+class SequenceState:
+    """Per layer: stored keys and values (None for a layer that holds nothing) and tokens seen."""
+
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+    seen: list[int]
+
+    @classmethod
+    def capture(cls, cache: KVCache, device: torch.device | str = "cpu") -> SequenceState:
+        keys, values, seen = [], [], []
+        for layer in cache.layers:
+            if type(layer.store) is not PagedStore:
+                raise UnsupportedError(f"layer {layer.store.layer_idx}: {type(layer.store).__name__} cannot "
+                                       f"be paused or saved yet; use plain paged storage "
+                                       f"({{'type': 'paged'}})")
+            held = layer.store.size() > 0
+            k, v = layer.store.gather() if held else (None, None)
+            keys.append(None if k is None else k.to(device, copy=True))
+            values.append(None if v is None else v.to(device, copy=True))
+            seen.append(layer.seen)
+        return cls(keys, values, seen)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.keys, *self.values) if t is not None)
+
+    @property
+    def length(self) -> int:
+        """Tokens seen (the cache's ``get_seq_length``)."""
+        return max(self.seen, default=0)
+
+    def restore(self, cache: KVCache, device: torch.device | str) -> None:
+        """Write the state into ``cache`` (empty, same layers); ``CacheFullError`` leaves it empty."""
+        if len(self.keys) != len(cache.layers):
+            raise ShapeError(f"a state of {len(self.keys)} layers cannot fill a cache of {len(cache.layers)}")
+        if cache.get_seq_length():
+            raise SequenceStateError(f"restore into a cache holding {cache.get_seq_length()} tokens")
+        moved = [(None, None) if k is None else (k.to(device), v.to(device))
+                 for k, v in zip(self.keys, self.values, strict=True)]
+        check = getattr(cache.shared, "check", None)
+        if check is not None:
+            check([request for layer, (k, v) in zip(cache.layers, moved, strict=True) if k is not None
+                   for request in layer.store.block_requests(k.shape[2], k.shape[0], k, v)])
+        for layer, (k, v), seen in zip(cache.layers, moved, self.seen, strict=True):
+            if k is not None:
+                layer.append(k, v)
+            layer.seen = seen

@@ -1,0 +1,311 @@
+"""KVCacheManager: sequences over one pool, forks, prefix sharing, pause/resume, save/load, errors."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same_generation, generate
+from tiny_models import random_prompt, tiny_model
+from transformers import DynamicCache
+
+from kvfactory import (
+    CacheFullError,
+    ConfigError,
+    KVCacheFactory,
+    KVCacheManager,
+    SequenceFileError,
+    SequenceStateError,
+    UnknownSequenceError,
+    UnsupportedError,
+)
+from kvfactory.manager import persist
+
+PAGE = 4
+PAGED = {"type": "paged", "page_size": PAGE}
+
+
+def manager_for(model, host_bytes: int | None = None, **options) -> KVCacheManager:
+    return KVCacheManager(model.config, PAGED | options, host_bytes=host_bytes)
+
+
+def reference(model, ids: torch.Tensor, new: int):
+    return generate(model, {"input_ids": ids}, DynamicCache(config=model.config), max_new_tokens=new,
+                    min_new_tokens=new)
+
+
+def continued(model, cache, ids: torch.Tensor, new: int):
+    return generate(model, {"input_ids": ids}, cache, max_new_tokens=new, min_new_tokens=new)
+
+
+def test_sequences_are_created_used_and_freed_by_id() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    ids = random_prompt(21)
+    cache = manager.create("a")
+    assert manager.get("a") is cache and "a" in manager and len(manager) == 1
+    assert_same_generation(reference(model, ids, 6), continued(model, cache, ids, 6))
+    used = manager.stats()["pool_blocks_used"]
+    assert used == 2 * -(-(21 + 5) // PAGE)  # 2 layers, 26 tokens stored
+    manager.free("a")
+    assert "a" not in manager and manager.stats()["pool_blocks_used"] == 0
+    with manager.sequence("b") as cache:
+        continued(model, cache, ids, 2)
+    assert len(manager) == 0 and manager.stats()["pool_blocks_used"] == 0
+
+
+def test_bad_ids_raise_specific_errors_and_change_nothing() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    manager.create("a")
+    with pytest.raises(UnknownSequenceError, match="'zz'.*1 held: 'a'") as err:
+        manager.free("zz")
+    assert isinstance(err.value, KeyError)
+    for call in (lambda: manager.get("zz"), lambda: manager.fork("zz", "y"), lambda: manager.pause("zz"),
+                 lambda: manager.resume("zz"), lambda: manager.attach_shared_cache("y", "zz")):
+        with pytest.raises(UnknownSequenceError):
+            call()
+    with pytest.raises(SequenceStateError, match="exists already"):
+        manager.create("a")
+    with pytest.raises(SequenceStateError, match="exists already"):
+        manager.fork("a", "a")
+    assert manager.sequences() == ["a"]
+
+
+def test_a_manager_needs_plain_paged_storage_and_other_caches_refuse_to_fork() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="plain paged"):
+        KVCacheManager(model.config, {"type": "paged", "quantization": "int8"})
+    cache = KVCacheFactory(model.config, {"type": "paged", "quantization": "int8"}).create_cache()
+    generate(model, {"input_ids": random_prompt(9)}, cache, max_new_tokens=2)
+    with pytest.raises(UnsupportedError, match="cannot be forked"):
+        cache.fork()
+
+
+def test_a_fork_shares_blocks_and_both_continue_as_if_alone() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    ids = random_prompt(22)
+    first = reference(model, ids, 4).sequences
+    cache = manager.create("a")
+    continued(model, cache, ids, 4)
+    before = manager.stats()["pool_blocks_used"]
+    twin = manager.fork("a", "b")
+    assert manager.stats()["pool_blocks_used"] == before  # nothing copied yet
+    # the two sides continue differently: each must match an uninterrupted run of its own tokens
+    a_ids = torch.cat([first, torch.tensor([[5]])], 1)
+    b_ids = torch.cat([first, torch.tensor([[9]])], 1)
+    out_b = continued(model, twin, b_ids, 5)
+    out_a = continued(model, cache, a_ids, 5)
+    assert_same_generation(reference(model, a_ids, 5), out_a)
+    assert_same_generation(reference(model, b_ids, 5), out_b)
+    assert manager.stats()["pool_blocks_used"] < 2 * before + 2 * 2 * 3  # the full prompt blocks stay shared
+
+
+def test_pause_frees_blocks_and_resume_continues_bit_exactly() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    ids = random_prompt(19)
+    cache = manager.create("a")
+    first = continued(model, cache, ids, 4).sequences
+    uninterrupted = manager.create("u")
+    continued(model, uninterrupted, ids, 4)
+    stored = [cache.gather(i) for i in range(len(cache.layers))]
+    moved = manager.pause("a")
+    assert moved == sum(k.nbytes + v.nbytes for k, v in stored) and manager.is_paused("a")
+    assert manager.stats()["host_bytes"] == moved
+    assert manager.stats()["pool_blocks_used"] == 2 * -(-22 // PAGE)  # only the uninterrupted run's
+    with pytest.raises(SequenceStateError, match="paused"):
+        continued(model, cache, first, 2)
+    with pytest.raises(SequenceStateError, match="paused"):
+        manager.pause("a")
+    assert manager.resume("a") is cache
+    with pytest.raises(SequenceStateError, match="not paused"):
+        manager.resume("a")
+    for i, (k, v) in enumerate(stored):
+        got_k, got_v = cache.gather(i)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    expected = continued(model, uninterrupted, first, 6)
+    assert_same_generation(expected, continued(model, cache, first, 6), atol=0.0)
+    stats = manager.stats()
+    assert (stats["bytes_to_host"], stats["bytes_from_host"], stats["host_bytes"]) == (moved, moved, 0)
+
+
+def test_resume_into_a_full_pool_raises_and_the_sequence_stays_paused() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model, pool_blocks=8)
+    cache = manager.create("a")
+    continued(model, cache, random_prompt(20), 1)  # 5 blocks a layer
+    manager.pause("a")
+    other = manager.create("b")
+    other_ids = random_prompt(16, seed=3)
+    continued(model, other, other_ids, 1)  # 4 blocks a layer: 'a' no longer fits
+    with pytest.raises(CacheFullError):
+        manager.resume("a")
+    assert manager.is_paused("a") and cache.get_seq_length() == 0
+    manager.free("b")
+    manager.resume("a")
+    assert cache.get_seq_length() == 20
+
+
+def test_host_tier_budget_is_enforced() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model, host_bytes=1000)
+    cache = manager.create("a")
+    continued(model, cache, random_prompt(20), 1)
+    with pytest.raises(SequenceStateError, match="host tier holds 0 of 1000 bytes"):
+        manager.pause("a")
+    assert not manager.is_paused("a") and cache.get_seq_length() == 20
+
+
+def test_save_and_load_round_trip_bit_exactly(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    ids = random_prompt(18)
+    cache = manager.create("a")
+    first = continued(model, cache, ids, 3).sequences
+    path = tmp_path / "a.safetensors"
+    manager.save("a", path)
+    other = manager_for(model)
+    loaded = other.load(path)
+    assert other.sequences() == ["a"] and loaded.get_seq_length() == cache.get_seq_length()
+    for i in range(len(cache.layers)):
+        assert all(torch.equal(x, y) for x, y in zip(cache.gather(i), loaded.gather(i), strict=True))
+    expected = continued(model, cache, first, 5)  # the saved sequence, continued where it is
+    assert_same_generation(expected, continued(model, loaded, first, 5), atol=0.0)
+    length = cache.get_seq_length()
+    manager.pause("a")
+    manager.save("a", tmp_path / "paused.safetensors")  # a paused sequence saves from the host tier
+    assert other.load(tmp_path / "paused.safetensors", "a2").get_seq_length() == length == 25
+
+
+def test_bad_files_are_refused_with_the_reason(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    continued(model, manager.create("a"), random_prompt(18), 2)
+    path = tmp_path / "a.safetensors"
+    manager.save("a", path)
+    data = bytearray(path.read_bytes())
+    corrupted = tmp_path / "corrupted.safetensors"
+    data[-20] ^= 0xFF
+    corrupted.write_bytes(bytes(data))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(SequenceFileError, match="checksum"):
+        manager.load(corrupted, "x")
+    with pytest.raises(SequenceFileError, match="not a readable"):
+        manager.load(truncated, "x")
+    with pytest.raises(SequenceFileError, match="no such file"):
+        manager.load(tmp_path / "missing", "x")
+    with pytest.raises(SequenceFileError, match="another model"):
+        KVCacheManager(tiny_model("qwen2").config, PAGED).load(path, "x")
+    with pytest.raises(SequenceFileError, match="cache config"):
+        KVCacheManager(model.config, {"type": "paged", "page_size": 8}).load(path, "x")
+    with pytest.raises(SequenceStateError, match="exists already"):
+        manager.load(path)
+    assert manager.sequences() == ["a"] and "x" not in manager
+
+
+def test_a_failed_save_leaves_the_old_file_and_no_temporary(tmp_path: Path, monkeypatch) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    continued(model, manager.create("a"), random_prompt(10), 1)
+    path = tmp_path / "a.safetensors"
+    manager.save("a", path)
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(persist, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        manager.save("a", path)
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_prompts_reuse_cached_prefix_blocks_and_generate_as_if_alone() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    system = random_prompt(13, seed=1)
+    prompts = [torch.cat([system, random_prompt(6, seed=s)], 1) for s in (2, 3, 4)]
+    outputs = []
+    for i, ids in enumerate(prompts):
+        cache = manager.create(f"s{i}", prompt=ids[0])
+        outputs.append(continued(model, cache, ids, 4))
+    assert [manager.cached_tokens(f"s{i}") for i in range(3)] == [0, 12, 12]  # 3 whole blocks of 13 tokens
+    for ids, out in zip(prompts, outputs, strict=True):
+        ref = reference(model, ids, 4)
+        assert torch.equal(ref.sequences, out.sequences)
+        assert_same_generation(ref, out, atol=1e-5)
+    stats = manager.stats()
+    assert stats["prefix_hit_blocks"] == 6 and stats["prompt_tokens_cached"] == 24
+    prompt_blocks = -(-(19 + 3) // PAGE)
+    assert stats["pool_blocks_used"] == 2 * (3 * prompt_blocks - 2 * 3)  # the shared blocks once
+
+
+def test_freed_prompt_blocks_stay_cached_until_the_pool_needs_them() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model, pool_blocks=12)
+    system = random_prompt(17, seed=1)
+    continued(model, manager.create("a", prompt=system[0]), system, 1)
+    manager.free("a")
+    stats = manager.stats()
+    assert stats["prefix_cached_blocks"] == 4 and stats["pool_blocks_used"] == 2 * 4
+    again = manager.create("b", prompt=system[0])
+    assert manager.cached_tokens("b") == 16
+    manager.free("b")
+    assert manager.pin_prefix(system[0]) == 4
+    with pytest.raises(CacheFullError):  # 8 free blocks a layer: the pinned 4 are not given up
+        continued(model, manager.create("c"), random_prompt(40, seed=5), 1)
+    manager.free("c")
+    manager.close()
+    assert manager.stats()["pool_blocks_used"] == 0
+    unpinned = manager_for(model, pool_blocks=12)
+    continued(model, unpinned.create("a", prompt=system[0]), system, 1)
+    unpinned.free("a")
+    continued(model, unpinned.create("c"), random_prompt(40, seed=5), 1)  # reclaims the cached blocks
+    assert unpinned.stats()["prefix_evicted_blocks"] >= 2 and again.get_seq_length() == 0
+
+
+def test_a_prefix_cache_that_never_hits_warns_once() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    with pytest.warns(UserWarning, match="none of 8 prompts reused a cached block"):
+        for i in range(9):
+            manager.create(str(i), prompt=random_prompt(12, seed=i)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        manager.create("again", prompt=random_prompt(12, seed=20)[0])
+
+
+def test_explicitly_shared_prefixes_attach_to_new_sequences() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    system = random_prompt(14, seed=1)
+    source = manager.create("system")
+    continued(model, source, system, 1)
+    manager.mark_as_shareable("system", 0, 14)
+    manager.free("system")  # the shared prefix keeps its blocks
+    ids = torch.cat([system, random_prompt(5, seed=7)], 1)
+    cache = manager.attach_shared_cache("user", "system")
+    assert cache.get_seq_length() == 14 and manager.cached_tokens("user") == 14
+    assert_same_generation(reference(model, ids, 4), continued(model, cache, ids, 4), atol=1e-5)
+    with pytest.raises(SequenceStateError, match=r"\[0, end\)"):
+        manager.mark_as_shareable("user", 2, 10)
+    manager.close()
+    assert manager.stats()["pool_blocks_used"] == 0
+
+
+def test_exhausting_the_pool_writes_nothing_and_freeing_makes_room() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model, pool_blocks=10)
+    continued(model, manager.create("a"), random_prompt(24), 1)  # 6 blocks a layer
+    b = manager.create("b")
+    with pytest.raises(CacheFullError, match="need 6 free blocks"):
+        continued(model, b, random_prompt(24, seed=2), 1)
+    assert b.get_seq_length() == 0 and manager.stats()["pool_blocks_used"] == 2 * 6
+    manager.free("a")
+    continued(model, b, random_prompt(24, seed=2), 1)
+    assert b.get_seq_length() == 24
