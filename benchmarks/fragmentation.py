@@ -1,12 +1,12 @@
 """Fragmentation of paged KV storage under a mixed-length workload, printed as JSON.
 
-``--sequences`` sequences with prompt lengths drawn uniformly from ``--min``..``--max`` tokens (seeded)
-are written into one ``KVCacheManager`` pool (16-token pages, SmolLM2's K/V shapes, fp32). The waste
-is the allocated KV bytes no token uses, from ``memory_report()`` (``allocated - used``), as a share
-of allocated bytes; the baseline is a contiguous cache preallocated at ``--max`` tokens per sequence
-(what a static cache reserves). ``pool_allocated`` is the whole pool, free blocks included (a
-growable pool grows by a quarter; a sized one is set with ``pool_tokens``). The share is the same in every layer, so ``--layers`` of SmolLM2's
-30 are written (memory stays small).
+``--sequences`` sequences with prompt lengths drawn uniformly from ``--min``..``--max`` tokens
+(seeded) are written into one ``KVCacheManager`` pool (16-token pages, SmolLM2's K/V shapes, fp32).
+The waste is the allocated KV bytes no token uses, from ``memory_report()`` (``allocated - used``),
+as a share of allocated bytes; the baseline is a contiguous cache preallocated at ``--max`` tokens
+per sequence (what a static cache reserves). ``pool_allocated`` is the whole pool, free blocks
+included (a growable pool grows by a quarter; a sized one is set with ``pool_tokens``). The share is
+the same in every layer, so ``--layers`` of SmolLM2's 30 are written (memory stays small).
 
     python benchmarks/fragmentation.py [--sequences 64] [--min 32] [--max 4096] [--layers 2]
 """
