@@ -309,3 +309,39 @@ def test_exhausting_the_pool_writes_nothing_and_freeing_makes_room() -> None:
     manager.free("a")
     continued(model, b, random_prompt(24, seed=2), 1)
     assert b.get_seq_length() == 24
+
+
+def test_a_prefetched_sequence_resumes_from_its_staged_copy() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    ids = random_prompt(15)
+    cache, uninterrupted = manager.create("a"), manager.create("u")
+    first = continued(model, cache, ids, 3).sequences
+    continued(model, uninterrupted, ids, 3)
+    with pytest.raises(SequenceStateError, match="not paused"):
+        manager.prefetch("a")
+    manager.pause("a")
+    manager.prefetch("a")
+    manager.prefetch("a")  # once is enough: the second call reuses the first
+    assert manager.stats()["prefetches"] == 1
+    manager.resume("a")
+    stats = manager.stats()
+    assert stats["resumes"] == 1 and 0 <= stats["prefetch_stalls"] <= 1
+    expected = continued(model, uninterrupted, first, 4)
+    assert_same_generation(expected, continued(model, cache, first, 4), atol=0.0)
+    manager.close()
+
+
+@pytest.mark.parametrize("options", [{"num_beams": 3}, {"do_sample": True, "num_return_sequences": 3}],
+                         ids=["beams", "samples"])
+def test_beams_and_samples_share_the_prompts_blocks(options: dict) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    ids = random_prompt(32)
+    cache = manager.create("a")
+    out = generate(model, {"input_ids": ids}, cache, seed=0, max_new_tokens=3, min_new_tokens=3, **options)
+    alone = generate(model, {"input_ids": ids}, DynamicCache(config=model.config), seed=0, max_new_tokens=3,
+                     min_new_tokens=3, **options)
+    assert torch.equal(out.sequences, alone.sequences)
+    # 3 rows of 34 stored tokens: the 8 full prompt blocks once, each row's last 2 blocks of its own
+    assert manager.stats()["pool_blocks_used"] <= 2 * (8 + 3 * 2)

@@ -9,8 +9,9 @@ the factory's paged pool. The manager adds what serving needs around them:
   blocks of the longest known prefix, so generation prefills only the rest; a prompt's blocks are
   cached once the cache holds them, stay cached after ``free`` (LRU, reclaimed when the pool needs
   room) and can be pinned; the seed's explicit ``mark_as_shareable`` / ``attach_shared_cache`` too;
-- ``pause`` / ``resume``: the sequence's K/V moves to a host tier (CPU tensors, within
-  ``host_bytes``) and its blocks go back to the pool; resuming writes it back bit-exactly;
+- ``pause`` / ``prefetch`` / ``resume``: the sequence's K/V moves to a host tier (CPU tensors, within
+  ``host_bytes``) and its blocks go back to the pool; ``prefetch`` moves it back towards the pool's
+  device on a background thread ahead of ``resume``, which writes it back bit-exactly;
 - ``save`` / ``load`` (``persist.py``): safetensors + checked metadata, written atomically;
 - ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved.
 
@@ -20,8 +21,10 @@ Errors are specific (``UnknownSequenceError``, ``SequenceStateError``, ``Sequenc
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +57,9 @@ class _Shared:
 class _Counters:
     bytes_to_host: int = 0
     bytes_from_host: int = 0
+    prefetches: int = 0
+    stalls: int = 0  # resumes that waited for their prefetch
+    stall_seconds: float = 0.0
     pauses: int = 0
     resumes: int = 0
     forks: int = 0
@@ -83,6 +89,8 @@ class KVCacheManager:
         self._host: dict[str, SequenceState] = {}  # paused sequences' K/V
         self._prompts: dict[str, list[bytes]] = {}  # block names of prompts not yet all cached
         self._shared: dict[str, _Shared] = {}
+        self._prefetched: dict[str, Future[SequenceState]] = {}
+        self._prefetcher: ThreadPoolExecutor | None = None
         self.counters = _Counters()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -113,6 +121,7 @@ class KVCacheManager:
         self._cache_prompts()
         self._prompts.pop(seq_id, None)
         self._host.pop(seq_id, None)
+        self._prefetched.pop(seq_id, None)
         cache.paused = False
         cache.reset()
         del self._caches[seq_id]
@@ -148,6 +157,9 @@ class KVCacheManager:
         for shared_id in list(self._shared):
             self.release_shared(shared_id)
         self.index.clear()
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._caches
@@ -175,12 +187,32 @@ class KVCacheManager:
         self.counters.pauses += 1
         return state.nbytes
 
+    def prefetch(self, seq_id: str) -> None:
+        """Start moving a paused sequence's K/V towards the pool's device on a background thread (a
+        CUDA stream on GPU), so that ``resume`` only writes blocks; ``resume`` waits for it if needed."""
+        self._cache(seq_id)
+        if seq_id not in self._host:
+            raise SequenceStateError(f"prefetch({seq_id!r}): the sequence is not paused")
+        if seq_id not in self._prefetched:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfactory-prefetch")
+            self._prefetched[seq_id] = self._prefetcher.submit(self._host[seq_id].staged, self._device())
+            self.counters.prefetches += 1
+
     def resume(self, seq_id: str) -> KVCache:
         """Bring a paused sequence back into the pool (``CacheFullError``: it stays paused)."""
         cache = self._cache(seq_id)
         if seq_id not in self._host:
             raise SequenceStateError(f"resume({seq_id!r}): the sequence is not paused")
         state = self._host[seq_id]
+        future = self._prefetched.pop(seq_id, None)
+        if future is not None:
+            if not future.done():
+                self.counters.stalls += 1
+                waited = time.perf_counter()
+                future.result()
+                self.counters.stall_seconds += time.perf_counter() - waited
+            state = future.result()
         cache.paused = False
         try:
             state.restore(cache, self._device())
@@ -286,7 +318,8 @@ class KVCacheManager:
             "prompt_tokens": c.prompt_tokens, "prompt_tokens_cached": c.prompt_tokens_cached,
             "host_bytes": sum(s.nbytes for s in self._host.values()), "host_budget_bytes": self.host_bytes,
             "bytes_to_host": c.bytes_to_host, "bytes_from_host": c.bytes_from_host,
-            "pauses": c.pauses, "resumes": c.resumes, "forks": c.forks,
+            "pauses": c.pauses, "resumes": c.resumes, "forks": c.forks, "prefetches": c.prefetches,
+            "prefetch_stalls": c.stalls, "prefetch_stall_seconds": c.stall_seconds,
         }
 
     # -- internals ------------------------------------------------------------------------------

@@ -49,6 +49,28 @@ class SequenceState:
         """Tokens seen (the cache's ``get_seq_length``)."""
         return max(self.seen, default=0)
 
+    def staged(self, device: torch.device | str) -> SequenceState:
+        """This state with its tensors on ``device`` (what ``KVCacheManager.prefetch`` runs on a
+        background thread, so that ``resume`` only writes blocks); pinned host memory on CUDA."""
+        target = torch.device(device)
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device == target:
+                return t
+            return (t.pin_memory() if target.type == "cuda" else t).to(target, non_blocking=True)
+
+        def moved() -> SequenceState:
+            return SequenceState([move(k) for k in self.keys], [move(v) for v in self.values],
+                                 list(self.seen))
+
+        if target.type != "cuda":
+            return moved()
+        stream = torch.cuda.Stream(target)  # copies overlap the compute on the default stream
+        with torch.cuda.stream(stream):
+            staged = moved()
+        stream.synchronize()
+        return staged
+
     def restore(self, cache: KVCache, device: torch.device | str) -> None:
         """Write the state into ``cache`` (empty, same layers); ``CacheFullError`` leaves it empty."""
         if len(self.keys) != len(cache.layers):

@@ -232,6 +232,22 @@ class PagedPool:
         return {i: len(p.free) for i, p in self.layers.items()}
 
 
+def first_equal_rows(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """For each batch row, the first row whose tensors are all equal to its own ``[batch]``, or None
+    when every row differs (compared whole only where the last token's values already agree)."""
+    values = list(tensors.values())
+    batch = values[0].shape[0]
+    signature = values[0][:, :, -1].flatten(1)
+    first = torch.arange(batch)
+    for row in range(1, batch):
+        for earlier in range(row):
+            if first[earlier] == earlier and torch.equal(signature[row], signature[earlier]) \
+                    and all(torch.equal(x[row], x[earlier]) for x in values):
+                first[row] = earlier
+                break
+    return None if bool((first == torch.arange(batch)).all()) else first
+
+
 def raw(t: torch.Tensor) -> torch.Tensor:
     """``t`` as bytes when it is FP8, whose index copies torch does not implement on CPU."""
     return t.view(torch.uint8) if t.dtype in _FP8 else t
@@ -315,6 +331,14 @@ class BlockTable:
         """Write ``tokens`` more tokens: ``tensors[name]`` is ``[batch, kv_heads, units, *rest]`` in
         ``name``'s units. Nothing is written unless every block the append needs can be handed out."""
         batch = next(iter(tensors.values())).shape[0]
+        if self._ids is None and batch > 1 and block_pool.spec.kind == "kv":
+            first = first_equal_rows(tensors)
+            if first is not None:  # rows repeat earlier ones (num_return_sequences): write each once, share
+                distinct = first.unique()
+                rows = {name: x[distinct.to(x.device)] for name, x in tensors.items()}
+                self.append(block_pool, rows, tokens)
+                self.select_rows(torch.searchsorted(distinct, first))
+                return
         if self._ids is None:
             self.pool = block_pool
             self.ids = torch.empty((batch, 0), dtype=torch.long)
