@@ -361,3 +361,46 @@ def test_the_readme_manager_example_runs_as_written(tmp_path: Path, monkeypatch)
     assert [manager.cached_tokens(f"user{i}") for i in (1, 2)] == [32, 32]
     assert manager.stats()["prefix_hit_blocks"] == 4 and (tmp_path / "user1.safetensors").is_file()
     assert sorted(manager.sequences()) == ["copy", "user1", "user1-b", "user2"]
+
+
+def test_a_partial_swap_moves_the_oldest_pages_and_comes_back_bit_exactly(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    ids = random_prompt(27)
+    cache, uninterrupted = manager.create("a"), manager.create("u")
+    first = continued(model, cache, ids, 4).sequences  # 30 tokens stored: 8 blocks a layer
+    continued(model, uninterrupted, ids, 4)
+    stored = [cache.gather(i) for i in range(len(cache.layers))]
+    used = manager.stats()["pool_blocks_used"]
+    moved = manager.pause("a", blocks=3)
+    assert moved == sum(k[:, :, :12].nbytes + v[:, :, :12].nbytes for k, v in stored)
+    assert manager.stats()["pool_blocks_used"] == used - 2 * 3 and cache.size() == 18
+    with pytest.raises(SequenceStateError, match="paused"):
+        continued(model, cache, first, 1)
+    manager.save("a", tmp_path / "a.safetensors")  # host pages and pool pages together
+    manager.resume("a")
+    for i, (k, v) in enumerate(stored):
+        assert all(torch.equal(x, y) for x, y in zip(cache.gather(i), (k, v), strict=True))
+    loaded = manager.load(tmp_path / "a.safetensors", "b")
+    assert all(torch.equal(x, y) for x, y in zip(loaded.gather(1), stored[1], strict=True))
+    expected = continued(model, uninterrupted, first, 5)
+    assert_same_generation(expected, continued(model, cache, first, 5), atol=0.0)
+    with pytest.raises(SequenceStateError, match="whole pages"):
+        manager.pause("a", blocks=0)
+
+
+def test_swap_out_pauses_the_least_recently_used_sequences_first() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model, pool_blocks=24)
+    for name, seed in (("old", 1), ("mid", 2), ("new", 3)):
+        continued(model, manager.create(name), random_prompt(23, seed=seed), 1)  # 6 blocks a layer each
+    manager.get("old")  # handed out again: now the most recently used
+    assert manager.stats()["pool_blocks_free"] == 2 * 6
+    assert manager.swap_out(9, keep=["new"]) == {"mid": 3}
+    assert manager.is_paused("mid") and not manager.is_paused("old")
+    assert manager.swap_out(14, keep=["new"]) == {"old": 5}
+    with pytest.raises(CacheFullError):
+        manager.swap_out(24, keep=["new"])
+    assert manager.get("old").size() == 3 and manager.get("new").size() == 23  # 23 - 5 pages of 4
+    manager.close()
+    assert manager.stats()["pool_blocks_used"] == 0

@@ -1,8 +1,8 @@
-"""Pool accounting under random use: a hypothesis state machine drives a KVCacheManager through
-create (with prompts that share prefixes), fork, append, free, pause and resume on a small bounded
-pool, and checks after every step that each block's refcount equals the references held to it (block
-tables of live sequences, the prefix index) and that no block is both free and used; closing the
-manager returns every block."""
+"""Pool accounting under random use: a hypothesis state machine drives a KVCacheManager through create
+(with prompts that share prefixes), fork, append, free, pause (whole or partial), resume and
+swap_out on a small bounded pool, and checks after every step that each block's refcount equals the
+references held to it (block tables of live sequences, the prefix index) and that no block is both
+free and used; closing the manager returns every block."""
 
 from __future__ import annotations
 
@@ -70,12 +70,13 @@ class PoolMachine(RuleBasedStateMachine):
     def free(self, seq_id: str) -> None:
         self.manager.free(seq_id)
 
-    @rule(seq_id=live)
-    def pause(self, seq_id: str) -> None:
+    @rule(seq_id=live, blocks=st.none() | st.integers(1, 3))
+    def pause(self, seq_id: str, blocks: int | None) -> None:
+        paused = self.manager.is_paused(seq_id)
         try:
-            self.manager.pause(seq_id)
+            self.manager.pause(seq_id, blocks=blocks)  # None: all; else a partial swap of the oldest pages
         except SequenceStateError:
-            assert self.manager.is_paused(seq_id)
+            assert paused
 
     @rule(seq_id=live)
     def resume(self, seq_id: str) -> None:
@@ -85,7 +86,14 @@ class PoolMachine(RuleBasedStateMachine):
         except SequenceStateError:
             assert not paused
         except CacheFullError:
-            assert self.manager.is_paused(seq_id) and self.manager.get(seq_id).get_seq_length() == 0
+            assert self.manager.is_paused(seq_id)
+
+    @rule(blocks=st.integers(1, 12))
+    def swap_out(self, blocks: int) -> None:
+        try:
+            self.manager.swap_out(blocks)
+        except CacheFullError:
+            pass
 
     @invariant()
     def refcounts_equal_references(self) -> None:

@@ -9,9 +9,11 @@ the factory's paged pool. The manager adds what serving needs around them:
   blocks of the longest known prefix, so generation prefills only the rest; a prompt's blocks are
   cached once the cache holds them, stay cached after ``free`` (LRU, reclaimed when the pool needs
   room) and can be pinned; the seed's explicit ``mark_as_shareable`` / ``attach_shared_cache`` too;
-- ``pause`` / ``prefetch`` / ``resume``: the sequence's K/V moves to a host tier (CPU tensors, within
-  ``host_bytes``) and its blocks go back to the pool; ``prefetch`` moves it back towards the pool's
-  device on a background thread ahead of ``resume``, which writes it back bit-exactly;
+- ``pause`` / ``prefetch`` / ``resume``: the sequence's K/V (or only its oldest pages: a partial swap)
+  moves to a host tier (CPU tensors, within ``host_bytes``) and its blocks go back to the pool;
+  ``prefetch`` moves it back towards the pool's device on a background thread ahead of ``resume``,
+  which writes it back bit-exactly; ``swap_out(blocks)`` makes room by swapping out the oldest pages
+  of the least recently used sequences (by when the manager last handed them out);
 - ``save`` / ``load`` (``persist.py``): safetensors + checked metadata, written atomically;
 - ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved.
 
@@ -34,7 +36,7 @@ import torch
 
 from kvfactory.cache import KVCache
 from kvfactory.config import CacheConfig
-from kvfactory.errors import ConfigError, SequenceStateError, UnknownSequenceError
+from kvfactory.errors import CacheFullError, ConfigError, SequenceStateError, UnknownSequenceError
 from kvfactory.factory import KVCacheFactory
 from kvfactory.manager.persist import load_state, save_state
 from kvfactory.manager.prefix import PrefixIndex, block_hashes
@@ -90,6 +92,8 @@ class KVCacheManager:
         self._prompts: dict[str, list[bytes]] = {}  # block names of prompts not yet all cached
         self._shared: dict[str, _Shared] = {}
         self._prefetched: dict[str, Future[SequenceState]] = {}
+        self._touched: dict[str, int] = {}  # sequence -> when the manager last handed it out (LRU order)
+        self._clock = 0
         self._prefetcher: ThreadPoolExecutor | None = None
         self.counters = _Counters()
 
@@ -109,11 +113,12 @@ class KVCacheManager:
                 cache.adopt_blocks([row[None] for row in ids], len(found) * self.page_size, self._device())
             self._prompts[seq_id] = names
             self._count_prompt(len(tokens), len(found) * self.page_size)
-        self._caches[seq_id] = cache
-        return cache
+        return self._register(seq_id, cache)
 
     def get(self, seq_id: str) -> KVCache:
-        return self._cache(seq_id)
+        cache = self._cache(seq_id)
+        self._touch(seq_id)
+        return cache
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence; its prompt's full blocks stay cached for later prompts."""
@@ -124,15 +129,14 @@ class KVCacheManager:
         self._prefetched.pop(seq_id, None)
         cache.paused = False
         cache.reset()
-        del self._caches[seq_id]
+        del self._caches[seq_id], self._touched[seq_id]
 
     def fork(self, seq_id: str, new_id: str) -> KVCache:
         """A new sequence holding ``seq_id``'s tokens in the same blocks (copy-on-write)."""
         self._check_new(new_id)
         cache = self._live(seq_id).fork(new_id)
-        self._caches[new_id] = cache
         self.counters.forks += 1
-        return cache
+        return self._register(new_id, cache)
 
     @contextmanager
     def sequence(self, seq_id: str, prompt: Sequence[int] | torch.Tensor | None = None) -> Iterator[KVCache]:
@@ -171,21 +175,55 @@ class KVCacheManager:
         return list(self._caches)
 
     # -- host tier ------------------------------------------------------------------------------
-    def pause(self, seq_id: str) -> int:
-        """Move the sequence's K/V to the host tier and give its blocks back; returns the bytes moved."""
+    def pause(self, seq_id: str, blocks: int | None = None) -> int:
+        """Move the sequence's K/V to the host tier and give its blocks back; with ``blocks``, only its
+        oldest ``blocks`` pages per layer (a partial swap; the recent ones stay). Returns the bytes moved."""
         cache = self._live(seq_id)
         self._cache_prompts()
-        state = SequenceState.capture(cache)
+        stored = cache.size()
+        front = None if blocks is None or blocks * self.page_size >= stored else blocks * self.page_size
+        whole = all(layer.store.block_ids() is not None for layer in cache.layers)
+        if front is not None and (blocks < 1 or not whole):
+            raise SequenceStateError(f"pause({seq_id!r}, blocks={blocks}): a partial swap moves >= 1 whole "
+                                     f"pages from the first stored token")
+        state = SequenceState.capture(cache, tokens=front)
         held = sum(s.nbytes for s in self._host.values())
         if self.host_bytes is not None and held + state.nbytes > self.host_bytes:
             raise SequenceStateError(f"pause({seq_id!r}): the host tier holds {held} of {self.host_bytes} "
                                      f"bytes, this sequence needs {state.nbytes} more")
-        cache.reset()
+        if front is None:
+            cache.reset()
+        else:
+            for layer in cache.layers:
+                layer.store.drop_front(front)
         cache.paused = True
         self._host[seq_id] = state
         self.counters.bytes_to_host += state.nbytes
         self.counters.pauses += 1
         return state.nbytes
+
+    def swap_out(self, blocks: int, keep: Sequence[str] = ()) -> dict[str, int]:
+        """Free ``blocks`` pool blocks in every layer by swapping out the oldest pages of the least
+        recently used live sequences (``pause(seq_id, blocks=...)``), sparing ``keep``; returns the
+        pages moved per sequence. ``CacheFullError`` when even that is not enough (what was moved stays
+        paused)."""
+        moved: dict[str, int] = {}
+        for seq_id in sorted(self._touched, key=self._touched.__getitem__):
+            short = blocks - min((len(p.free) for p in self._pools()), default=blocks)
+            if short <= 0:
+                break
+            cache = self._caches[seq_id]
+            pages = cache.size() // self.page_size
+            if seq_id in keep or seq_id in self._host or pages == 0:
+                continue
+            self.pause(seq_id, blocks=min(short, pages))
+            moved[seq_id] = min(short, pages)
+        pools = self._pools()
+        free = min((len(p.free) for p in pools), default=0)
+        if pools and free < blocks:
+            tightest = min(pools, key=lambda p: len(p.free))
+            raise CacheFullError(tightest.layer_idx, blocks, free, tightest.num_blocks, self.page_size)
+        return moved
 
     def prefetch(self, seq_id: str) -> None:
         """Start moving a paused sequence's K/V towards the pool's device on a background thread (a
@@ -217,10 +255,12 @@ class KVCacheManager:
         try:
             state.restore(cache, self._device())
         except BaseException:
-            cache.reset()
+            if not state.front:
+                cache.reset()
             cache.paused = True
             raise
         del self._host[seq_id]
+        self._touch(seq_id)
         self.counters.bytes_from_host += state.nbytes
         self.counters.resumes += 1
         return cache
@@ -233,7 +273,11 @@ class KVCacheManager:
     def save(self, seq_id: str, path: str | Path) -> None:
         """Write the sequence (live or paused) to ``path`` (safetensors, atomically)."""
         cache = self._cache(seq_id)
-        state = self._host.get(seq_id) or SequenceState.capture(cache)
+        state = self._host.get(seq_id)
+        if state is None:
+            state = SequenceState.capture(cache)
+        elif state.front:  # a partial swap: the oldest pages from the host tier, the rest from the pool
+            state = state.joined(SequenceState.capture(cache))
         save_state(state, path, self.factory.model_config, self.factory.config.raw, seq_id)
 
     def load(self, path: str | Path, seq_id: str | None = None) -> KVCache:
@@ -281,8 +325,7 @@ class KVCacheManager:
         shared = self._shared[shared_id]
         cache = self.factory.create_cache(new_seq_id)
         cache.adopt_blocks(shared.ids, shared.tokens, self._device())
-        self._caches[new_seq_id] = cache
-        return cache
+        return self._register(new_seq_id, cache)
 
     def release_shared(self, shared_id: str) -> None:
         shared = self._shared.pop(shared_id)
@@ -323,6 +366,15 @@ class KVCacheManager:
         }
 
     # -- internals ------------------------------------------------------------------------------
+    def _touch(self, seq_id: str) -> None:
+        self._clock += 1
+        self._touched[seq_id] = self._clock
+
+    def _register(self, seq_id: str, cache: KVCache) -> KVCache:
+        self._caches[seq_id] = cache
+        self._touch(seq_id)
+        return cache
+
     def _cache(self, seq_id: str) -> KVCache:
         try:
             return self._caches[seq_id]

@@ -19,14 +19,18 @@ from kvfactory.storage.paged import PagedStore
 
 @dataclass
 class SequenceState:
-    """Per layer: stored keys and values (None for a layer that holds nothing) and tokens seen."""
+    """Per layer: stored keys and values (None for a layer that holds nothing) and tokens seen;
+    ``front``: only the oldest stored tokens (a partial swap: the rest stayed in the pool)."""
 
     keys: list[torch.Tensor | None]
     values: list[torch.Tensor | None]
     seen: list[int]
+    front: bool = False
 
     @classmethod
-    def capture(cls, cache: KVCache, device: torch.device | str = "cpu") -> SequenceState:
+    def capture(cls, cache: KVCache, device: torch.device | str = "cpu", tokens: int | None = None
+                ) -> SequenceState:
+        """A copy of every layer's stored K/V (the first ``tokens`` of them only, if given)."""
         keys, values, seen = [], [], []
         for layer in cache.layers:
             if type(layer.store) is not PagedStore:
@@ -35,10 +39,20 @@ class SequenceState:
                                        f"({{'type': 'paged'}})")
             held = layer.store.size() > 0
             k, v = layer.store.gather() if held else (None, None)
+            if k is not None and tokens is not None:
+                k, v = k[:, :, :tokens], v[:, :, :tokens]
             keys.append(None if k is None else k.to(device, copy=True))
             values.append(None if v is None else v.to(device, copy=True))
             seen.append(layer.seen)
-        return cls(keys, values, seen)
+        return cls(keys, values, seen, front=tokens is not None)
+
+    def joined(self, rest: SequenceState) -> SequenceState:
+        """This front followed by ``rest`` (the tokens that stayed in the pool): the whole sequence."""
+        def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+            return b if a is None else a if b is None else torch.cat([a, b.to(a.device)], 2)
+
+        return SequenceState([cat(a, b) for a, b in zip(self.keys, rest.keys, strict=True)],
+                             [cat(a, b) for a, b in zip(self.values, rest.values, strict=True)], rest.seen)
 
     @property
     def nbytes(self) -> int:
@@ -61,7 +75,7 @@ class SequenceState:
 
         def moved() -> SequenceState:
             return SequenceState([move(k) for k in self.keys], [move(v) for v in self.values],
-                                 list(self.seen))
+                                 list(self.seen), self.front)
 
         if target.type != "cuda":
             return moved()
@@ -72,10 +86,11 @@ class SequenceState:
         return staged
 
     def restore(self, cache: KVCache, device: torch.device | str) -> None:
-        """Write the state into ``cache`` (empty, same layers); ``CacheFullError`` leaves it empty."""
+        """Write the state into ``cache`` (empty, same layers; for a ``front``, in front of what the cache
+        kept); ``CacheFullError`` leaves the cache as it was."""
         if len(self.keys) != len(cache.layers):
             raise ShapeError(f"a state of {len(self.keys)} layers cannot fill a cache of {len(cache.layers)}")
-        if cache.get_seq_length():
+        if cache.get_seq_length() and not self.front:
             raise SequenceStateError(f"restore into a cache holding {cache.get_seq_length()} tokens")
         moved = [(None, None) if k is None else (k.to(device), v.to(device))
                  for k, v in zip(self.keys, self.values, strict=True)]
@@ -84,6 +99,8 @@ class SequenceState:
             check([request for layer, (k, v) in zip(cache.layers, moved, strict=True) if k is not None
                    for request in layer.store.block_requests(k.shape[2], k.shape[0], k, v)])
         for layer, (k, v), seen in zip(cache.layers, moved, self.seen, strict=True):
-            if k is not None:
+            if k is not None and self.front:
+                layer.store.prepend(k, v)
+            elif k is not None:
                 layer.append(k, v)
             layer.seen = seen

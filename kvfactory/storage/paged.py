@@ -161,6 +161,21 @@ class PagedStore(LayerStore):
                              f"{self.page_size} that this pool does not hold")
         self._table.adopt(block_pool, ids, 0, tokens)
 
+    def prepend(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Put whole blocks of tokens back in front of the stored ones (a partial swap coming back from
+        the host tier, after ``drop_front`` of the same number of tokens)."""
+        check_kv(key, value)
+        table, n = self._table, key.shape[2]
+        if n % self.page_size or table.start or (table.ids is not None and key.shape[0] != table.batch_size):
+            raise ShapeError(f"layer {self.layer_idx}: prepend {n} tokens of batch {key.shape[0]} to a store "
+                             f"of batch {table.batch_size} starting at {table.start}: whole pages of "
+                             f"{self.page_size} tokens in front of a store that starts at a page")
+        front = BlockTable(self.page_size)
+        front.append(self.ensure_pool().block_pool(self._spec(key, value)), {"k": key, "v": value}, n)
+        ids = front.ids if table.ids is None else torch.cat([front.ids, table.ids], 1)
+        front.ids = None  # the blocks now belong to this store's table
+        table.pool, table.ids, table.length = front.pool, ids, table.length + n
+
     # -- page reads (sparse decode, ``kvfactory.selectors``) -----------------------------------
     def pageable(self) -> int:
         """Stored tokens that ``read_pages`` serves as whole pages (from the first stored token)."""
