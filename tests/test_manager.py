@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_generation, generate
+from helpers import assert_same_generation, attn_implementation, generate
 from tiny_models import random_prompt, tiny_model
 from transformers import DynamicCache
 
@@ -74,12 +74,19 @@ def test_bad_ids_raise_specific_errors_and_change_nothing() -> None:
     assert manager.sequences() == ["a"]
 
 
-def test_a_manager_needs_plain_paged_storage_and_other_caches_refuse_to_fork() -> None:
+SELECTIVE = {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE},
+                                                {"name": "selective", "policy": "window", "budget": 16}]}
+
+
+def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None:
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="plain paged"):
-        KVCacheManager(model.config, {"type": "paged", "quantization": "int8"})
-    cache = KVCacheFactory(model.config, {"type": "paged", "quantization": "int8"}).create_cache()
-    generate(model, {"input_ids": random_prompt(9)}, cache, max_new_tokens=2)
+    with pytest.raises(ConfigError, match="plain or quantized"):
+        KVCacheManager(model.config, SELECTIVE)
+    with pytest.raises(ConfigError, match="prefix_caching"):
+        KVCacheManager(model.config, PAGED | {"quantization": "int8"}, prefix_caching=True)
+    with attn_implementation(model, "kvfactory"):
+        cache = KVCacheFactory(model.config, SELECTIVE).create_cache()
+        generate(model, {"input_ids": random_prompt(9)}, cache, max_new_tokens=2)
     with pytest.raises(UnsupportedError, match="cannot be forked"):
         cache.fork()
 
@@ -385,7 +392,7 @@ def test_a_partial_swap_moves_the_oldest_pages_and_comes_back_bit_exactly(tmp_pa
     assert all(torch.equal(x, y) for x, y in zip(loaded.gather(1), stored[1], strict=True))
     expected = continued(model, uninterrupted, first, 5)
     assert_same_generation(expected, continued(model, cache, first, 5), atol=0.0)
-    with pytest.raises(SequenceStateError, match="whole pages"):
+    with pytest.raises(SequenceStateError, match="whole plain pages"):
         manager.pause("a", blocks=0)
 
 
@@ -402,5 +409,34 @@ def test_swap_out_pauses_the_least_recently_used_sequences_first() -> None:
     with pytest.raises(CacheFullError):
         manager.swap_out(24, keep=["new"])
     assert manager.get("old").size() == 3 and manager.get("new").size() == 23  # 23 - 5 pages of 4
+    manager.close()
+    assert manager.stats()["pool_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+def test_quantized_pages_fork_pause_and_save_packed(codec: str, tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    options = {"quantization": {"codec": codec, "residual": 8, "group_size": 8} if codec == "int4" else codec}
+    manager = manager_for(model, **options)
+    assert not manager.prefix_caching
+    ids = random_prompt(40)
+    cache, uninterrupted = manager.create("a"), manager.create("u")
+    first = continued(model, cache, ids, 3).sequences
+    continued(model, uninterrupted, ids, 3)
+    assert cache.layers[0].store.quantized_tokens > 0  # packed pages exist
+    twin = manager.fork("a", "b")
+    path = tmp_path / "a.safetensors"
+    manager.save("a", path)
+    saved = persist.load_state(path, model.config, manager.factory.config.raw)[0]
+    assert any(name.startswith("packed.") and t.dtype != torch.float32 for name, t in saved.layers[0].items())
+    moved = manager.pause("a")
+    assert moved == saved.nbytes < sum(k.nbytes + v.nbytes for k, v in (twin.gather(i) for i in range(2)))
+    manager.resume("a")
+    with pytest.raises(SequenceStateError, match="whole plain pages"):  # no partial swap of packed pages
+        manager.pause("a", blocks=1)
+    loaded = manager.load(path, "c")
+    expected = continued(model, uninterrupted, first, 4)
+    for other in (cache, twin, loaded):  # resumed, forked and loaded: all continue bit-exactly
+        assert_same_generation(expected, continued(model, other, first, 4), atol=0.0)
     manager.close()
     assert manager.stats()["pool_blocks_used"] == 0

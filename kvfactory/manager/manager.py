@@ -17,6 +17,9 @@ the factory's paged pool. The manager adds what serving needs around them:
 - ``save`` / ``load`` (``persist.py``): safetensors + checked metadata, written atomically;
 - ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved.
 
+Quantized pages are managed too: forks share them, pauses and saves keep them packed (never
+decoded); prefixes are shared and partial swaps made between plain pages only.
+
 Errors are specific (``UnknownSequenceError``, ``SequenceStateError``, ``SequenceFileError``,
 ``CacheFullError``) and leave the manager as it was.
 """
@@ -36,7 +39,13 @@ import torch
 
 from kvfactory.cache import KVCache
 from kvfactory.config import CacheConfig
-from kvfactory.errors import CacheFullError, ConfigError, SequenceStateError, UnknownSequenceError
+from kvfactory.errors import (
+    CacheFullError,
+    ConfigError,
+    SequenceStateError,
+    UnknownSequenceError,
+    UnsupportedError,
+)
 from kvfactory.factory import KVCacheFactory
 from kvfactory.manager.persist import load_state, save_state
 from kvfactory.manager.prefix import PrefixIndex, block_hashes
@@ -74,17 +83,20 @@ class KVCacheManager:
     """Sequences by id over one paged pool; see the module docstring."""
 
     def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
-                 pool: PagedPool | None = None, *, prefix_caching: bool = True,
+                 pool: PagedPool | None = None, *, prefix_caching: bool | None = None,
                  host_bytes: int | None = None) -> None:
         self.factory = KVCacheFactory(model_config, cache_config or {"type": "paged"}, pool=pool)
         config = self.factory.config
-        if not issubclass(config.storage.cls, PagedStore) or config.quantization or config.selective \
-                or config.selector:
-            raise ConfigError("kv_cache_config", config.raw, "plain paged storage for a KVCacheManager "
-                              "(quantized, selective and sparse caches are not managed yet)")
+        if not issubclass(config.storage.cls, PagedStore) or config.selective or config.selector:
+            raise ConfigError("kv_cache_config", config.raw, "paged storage, plain or quantized, for a "
+                              "KVCacheManager (selective and sparse caches are not managed yet)")
+        if prefix_caching and config.quantization is not None:
+            raise ConfigError("prefix_caching", True, "False with quantized pages (prefixes are shared "
+                              "between plain pages only)")
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
-        self.prefix_caching, self.host_bytes = prefix_caching, host_bytes
+        self.prefix_caching = config.quantization is None if prefix_caching is None else prefix_caching
+        self.host_bytes = host_bytes
         self.index = PrefixIndex()
         self.pool.reclaimers.append(self._reclaim)
         self._caches: dict[str, KVCache] = {}
@@ -182,10 +194,11 @@ class KVCacheManager:
         self._cache_prompts()
         stored = cache.size()
         front = None if blocks is None or blocks * self.page_size >= stored else blocks * self.page_size
-        whole = all(layer.store.block_ids() is not None for layer in cache.layers)
+        whole = all(type(layer.store) is PagedStore and layer.store.block_ids() is not None
+                    for layer in cache.layers)
         if front is not None and (blocks < 1 or not whole):
             raise SequenceStateError(f"pause({seq_id!r}, blocks={blocks}): a partial swap moves >= 1 whole "
-                                     f"pages from the first stored token")
+                                     f"plain pages from the first stored token")
         state = SequenceState.capture(cache, tokens=front)
         held = sum(s.nbytes for s in self._host.values())
         if self.host_bytes is not None and held + state.nbytes > self.host_bytes:
@@ -209,16 +222,17 @@ class KVCacheManager:
         paused)."""
         moved: dict[str, int] = {}
         for seq_id in sorted(self._touched, key=self._touched.__getitem__):
-            short = blocks - min((len(p.free) for p in self._pools()), default=blocks)
+            short = blocks - min((len(p.free) for p in self._pools(None)), default=blocks)
             if short <= 0:
                 break
             cache = self._caches[seq_id]
             pages = cache.size() // self.page_size
             if seq_id in keep or seq_id in self._host or pages == 0:
                 continue
-            self.pause(seq_id, blocks=min(short, pages))
-            moved[seq_id] = min(short, pages)
-        pools = self._pools()
+            partial = all(type(layer.store) is PagedStore for layer in cache.layers)  # else all of it
+            moved[seq_id] = min(short, pages) if partial else pages
+            self.pause(seq_id, blocks=moved[seq_id] if partial else None)
+        pools = self._pools(None)
         free = min((len(p.free) for p in pools), default=0)
         if pools and free < blocks:
             tightest = min(pools, key=lambda p: len(p.free))
@@ -297,6 +311,8 @@ class KVCacheManager:
         """Keep tokens ``[start, end)`` of the sequence (``start`` 0: K/V hold absolute positions) for
         ``attach_shared_cache``, pinned until ``release_shared``; returns the shared id (``seq_id``)."""
         cache = self._live(seq_id)
+        if any(type(layer.store) is not PagedStore for layer in cache.layers):
+            raise UnsupportedError(f"mark_as_shareable({seq_id!r}): prefixes are shared between plain pages")
         stored = cache.get_seq_length()
         end = stored if end is None else end
         if start != 0 or not 0 < end <= stored:
@@ -343,9 +359,9 @@ class KVCacheManager:
 
     # -- accounting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Sequences, pool blocks (all layers), prefix cache and host tier, as numbers."""
+        """Sequences, pool blocks (all layers and kinds), prefix cache and host tier, as numbers."""
         self._cache_prompts()
-        pools = self._pools()
+        pools = self._pools(None)
         total = sum(p.num_blocks for p in pools)
         free = sum(len(p.free) for p in pools)
         c, index = self.counters, self.index
@@ -391,8 +407,9 @@ class KVCacheManager:
         if seq_id in self._caches:
             raise SequenceStateError(f"sequence {seq_id!r} exists already; free it or choose another id")
 
-    def _pools(self) -> list:
-        return [self.pool.pools[key] for key in sorted(self.pool.pools) if key[0] == "kv"]
+    def _pools(self, kind: str | None = "kv") -> list:
+        """The block pools of ``kind`` (plain pages; None: every kind), by layer."""
+        return [self.pool.pools[key] for key in sorted(self.pool.pools) if kind in (None, key[0])]
 
     def _device(self) -> torch.device:
         pools = self._pools()

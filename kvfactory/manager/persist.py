@@ -1,11 +1,13 @@
 """Saved sequences: one safetensors file with the KV of every layer and JSON metadata.
 
-The metadata (safetensors' string header) names the format, the model fingerprint (architecture
-fields and name, so that a file is never loaded into a model whose K/V it does not fit), the cache
-config, the tokens seen per layer and a SHA-256 of every tensor. Writes go to a temporary file in
-the same folder, are flushed to disk and renamed over the target, so a crash leaves the old file or
-the new one, never half of one. Loading checks all of it and raises ``SequenceFileError`` naming
-what is wrong.
+Each layer's tensors are its store's export (``layer.{i}.keys`` for plain pages;
+``layer.{i}.packed.*``, the codes, scales and zero points as stored, for quantized ones). The
+metadata (safetensors' string header) names the format, the model fingerprint (architecture fields
+and name, so that a file is never loaded into a model whose K/V it does not fit), the cache config,
+the tokens seen per layer and a SHA-256 of every tensor. Writes go to a temporary file in the same
+folder, are flushed to disk and renamed over the target, so a crash leaves the old file or the new
+one, never half of one. Loading checks all of it and raises ``SequenceFileError`` naming what is
+wrong.
 """
 
 from __future__ import annotations
@@ -36,18 +38,15 @@ def fingerprint(model_config: Any) -> dict[str, Any]:
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def save_state(state: SequenceState, path: str | Path, model_config: Any, cache_config: dict,
                seq_id: str) -> None:
     """Write ``state`` to ``path`` atomically."""
     path = Path(path)
-    tensors = {}
-    for i, (k, v) in enumerate(zip(state.keys, state.values, strict=True)):
-        if k is not None:
-            tensors[f"layer.{i}.keys"] = k.cpu().contiguous()
-            tensors[f"layer.{i}.values"] = v.cpu().contiguous()
+    tensors = {f"layer.{i}.{name}": t.cpu().contiguous()
+               for i, layer in enumerate(state.layers) for name, t in layer.items()}
     meta = {"format": FORMAT, "seq_id": seq_id, "fingerprint": fingerprint(model_config),
             "cache_config": cache_config, "seen": state.seen,
             "checksums": {name: _digest(t) for name, t in tensors.items()}}
@@ -92,7 +91,11 @@ def load_state(path: str | Path, model_config: Any, cache_config: dict) -> tuple
     for name, t in tensors.items():
         if _digest(t) != meta["checksums"][name]:
             raise SequenceFileError(f"{path}: tensor {name} does not match its checksum (corrupted)")
-    layers = len(meta["seen"])
-    keys = [tensors.get(f"layer.{i}.keys") for i in range(layers)]
-    values = [tensors.get(f"layer.{i}.values") for i in range(layers)]
-    return SequenceState(keys, values, list(meta["seen"])), meta["seq_id"]
+    layers: list[dict[str, torch.Tensor]] = [{} for _ in meta["seen"]]
+    for name, t in tensors.items():
+        try:
+            _, index, key = name.split(".", 2)
+            layers[int(index)][key] = t
+        except (ValueError, IndexError):
+            raise SequenceFileError(f"{path}: tensor {name!r} names no layer of {len(layers)}") from None
+    return SequenceState(layers, list(meta["seen"])), meta["seq_id"]

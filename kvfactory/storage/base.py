@@ -143,8 +143,20 @@ class LayerStore(ABC):
 
     def fork(self) -> LayerStore:
         """A store holding the same tokens, independent from now on (``KVCache.fork``)."""
-        raise UnsupportedError(f"layer {self.layer_idx}: {type(self).__name__} cannot be forked, paused or "
-                               f"saved yet; use plain paged storage ({{'type': 'paged'}})")
+        raise self._unsupported("forked")
+
+    def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
+        """What this store holds as named tensors that ``import_state`` writes back exactly (pausing,
+        saving: ``kvfactory.manager``); ``tokens``: only the oldest ones (a partial swap)."""
+        raise self._unsupported("paused or saved")
+
+    def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill this empty store from ``export_state``'s tensors."""
+        raise self._unsupported("restored")
+
+    def _unsupported(self, what: str) -> UnsupportedError:
+        return UnsupportedError(f"layer {self.layer_idx}: {type(self).__name__} cannot be {what} yet; use "
+                                f"paged storage, plain or quantized ({{'type': 'paged'}})")
 
     def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Decide what stays after a step read the cache. Default: keep everything."""

@@ -161,6 +161,15 @@ class PagedStore(LayerStore):
                              f"{self.page_size} that this pool does not hold")
         self._table.adopt(block_pool, ids, 0, tokens)
 
+    def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
+        if not self.size():
+            return {}
+        keys, values = self.gather()
+        return {"keys": keys[:, :, :tokens], "values": values[:, :, :tokens]}
+
+    def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.append(tensors["keys"], tensors["values"])
+
     def prepend(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put whole blocks of tokens back in front of the stored ones (a partial swap coming back from
         the host tier, after ``drop_front`` of the same number of tokens)."""

@@ -311,6 +311,48 @@ class QuantizedStore(LayerStore):
         if self._like is not None:
             self._like = tuple(t.index_select(0, rows.to(t.device)) for t in self._like)
 
+    # -- forks and saved state (``kvfactory.manager``): packed data is shared or copied, never re-encoded --
+    def fork(self) -> QuantizedStore:
+        """A store of the same tokens: quantized pages shared by refcount (copy-on-write), the window's
+        pages too; packed buffers of dense storage copied."""
+        twin = QuantizedStore(self.inner.fork(), self.key_codec, self.value_codec, self.residual,
+                              self.workspace, self.sample_every)
+        twin.bind(self.layer_idx)
+        twin._flushes, twin._error, twin._like = self._flushes, self._error.clone(), self._like
+        if isinstance(self._packed, PagedRuns):
+            twin._packed = PagedRuns(self.key_codec, self.value_codec, self.layer_idx, self._packed.pool)
+            table = self._packed.table
+            if table.ids is not None:
+                twin._packed.table.adopt(table.pool, table.ids, table.start, table.length)
+        elif self._packed is not None:
+            raise self._unsupported("forked over dense storage")
+        return twin
+
+    def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
+        """The packed codes, scales and zero points as stored (``packed.*``), their token count, and the
+        full-precision window (``window.*``, possibly empty)."""
+        if tokens is not None:
+            raise self._unsupported("swapped in part")
+        if self._like is None:
+            return {}
+        window = self.inner.gather() if self.inner.size() else self._like
+        state = {"window.keys": window[0], "window.values": window[1],
+                 "packed.tokens": torch.tensor(self.quantized_tokens)}
+        if self.quantized_tokens:
+            state |= {f"packed.{name}": t for name, t in _streams(*self.packed.encoded()).items()}
+        return state
+
+    def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        window_k, window_v = tensors["window.keys"], tensors["window.values"]
+        self._check_like(window_k, window_v)
+        tokens = int(tensors["packed.tokens"])
+        if tokens:
+            streams = {name[7:]: t for name, t in tensors.items()
+                       if name.startswith("packed.") and name != "packed.tokens"}
+            self.packed.append(*_split(streams, tokens), self._like)
+        if window_k.shape[2]:
+            self.inner.append(window_k, window_v)
+
     # -- page reads (sparse decode over quantized pages, ``kvfactory.selectors``) ------------------
     def pageable(self) -> int:
         """Tokens ``read_pages`` serves as whole pages: the quantized ones (paged storage only)."""
