@@ -330,7 +330,10 @@ class DynamicRead(SparseRead):
         middle = read[..., lo:hi].gather(-1, (layout.page_of(sink_end, tail) - lo).expand(b, hkv, -1))
         count = middle.sum(-1)  # [B, Hkv] middle tokens each head reads
         widest = int(count.max()) if middle.numel() else 0
-        picked = middle.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :widest] + sink_end
+        row, head, at = middle.nonzero(as_tuple=True)  # in order: each head's tokens ascending
+        slot = torch.arange(at.numel()) - (count.flatten().cumsum(0) - count.flatten())[row * hkv + head]
+        picked = torch.zeros((b, hkv, widest), dtype=torch.long)
+        picked[row, head, slot] = at + sink_end
         columns = torch.cat([torch.arange(sink_end).expand(b, hkv, -1), picked,
                              torch.arange(tail, length).expand(b, hkv, -1)], -1)
         valid = torch.ones(columns.shape, dtype=torch.bool)

@@ -214,9 +214,9 @@ class PagedStore(LayerStore):
         at = positions.cpu() + table.start
         slots = table.ids.gather(1, (at // ps).flatten(1)).view(b, h, n) * ps + at % ps
         device = block_pool.k.device
-        heads = torch.arange(h, device=device)[None, :, None]
-        slots = slots.to(device)
-        return tuple(t.view(h, -1, t.shape[-1])[heads, slots] for t in (block_pool.k, block_pool.v))
+        rows = (slots + torch.arange(h)[None, :, None] * (block_pool.num_blocks * ps)).flatten().to(device)
+        return tuple(t.view(-1, t.shape[-1]).index_select(0, rows).view(b, h, n, -1)
+                     for t in (block_pool.k, block_pool.v))
 
     def read_bytes(self, page_tokens: int, tail_tokens: int) -> int:
         """Bytes one row reads for ``page_tokens`` tokens in pages and ``tail_tokens`` in the tail."""
