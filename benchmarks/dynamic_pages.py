@@ -20,12 +20,15 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from rich.progress import track
 
 from kvfactory import KVCacheFactory
 from kvfactory.eval import data
 from kvfactory.models import load_model
 from kvfactory.presets import policy_preset
+
+STDERR = Console(stderr=True)  # progress apart from the JSON on stdout
 
 
 def main() -> None:
@@ -44,7 +47,7 @@ def main() -> None:
     config = policy_preset(args.cache)
     factory = KVCacheFactory(model.config, config)
     rows, total = [], Counter()
-    for prompt in track(prompts, description=f"prefill {args.context}"):
+    for prompt in track(prompts, description=f"prefill {args.context}", console=STDERR):
         ids = tokenizer(prompt.prompt, return_tensors="pt").input_ids
         cache = factory.create_cache()
         with torch.no_grad():

@@ -18,12 +18,14 @@ import json
 import random
 
 import torch
+from rich.console import Console
 from rich.progress import track
 
 from kvfactory import KVCacheManager
 from kvfactory.models import load_config
 
 PAGE = 16
+STDERR = Console(stderr=True)  # progress apart from the JSON on stdout
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
     lengths = [random.Random(f"{args.seed}/{i}").randint(args.min, args.max) for i in range(args.sequences)]
     manager = KVCacheManager(config, {"type": "paged", "page_size": PAGE})
     allocated = used = 0
-    for i, length in enumerate(track(lengths, description="writing sequences")):
+    for i, length in enumerate(track(lengths, description="writing sequences", console=STDERR)):
         cache = manager.create(f"s{i}")
         for layer in range(args.layers):
             cache.append(layer, torch.zeros(1, heads, length, dim), torch.zeros(1, heads, length, dim))

@@ -27,12 +27,14 @@ import time
 
 import torch
 from decode import DATA
+from rich.console import Console
 from rich.progress import track
 
 from kvfactory import KVCacheManager
 from kvfactory.models import load_model
 
 PAGE = 16
+STDERR = Console(stderr=True)  # progress apart from the JSON on stdout
 
 
 def prompts(tokenizer, sequences: int, system: int, question: int) -> list[torch.Tensor]:
@@ -46,7 +48,7 @@ def prompts(tokenizer, sequences: int, system: int, question: int) -> list[torch
 def run(model, batch: list[torch.Tensor], shared: bool, new_tokens: int, label: str) -> dict:
     manager = KVCacheManager(model.config, {"type": "paged", "page_size": PAGE}, prefix_caching=shared)
     prefill_s, cached = [], []
-    for i, ids in enumerate(track(batch, description=label)):
+    for i, ids in enumerate(track(batch, description=label, console=STDERR)):
         cache = manager.create(f"s{i}", prompt=ids[0])
         start = manager.cached_tokens(f"s{i}")
         began = time.perf_counter()  # all but the last token: generate() feeds that one
