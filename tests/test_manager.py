@@ -74,21 +74,46 @@ def test_bad_ids_raise_specific_errors_and_change_nothing() -> None:
     assert manager.sequences() == ["a"]
 
 
+SPARSE = {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE},
+                                             {"name": "quest", "read_budget": 0.5}]}
 SELECTIVE = {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE},
-                                                {"name": "selective", "policy": "window", "budget": 16}]}
+                                                {"name": "selective", "policy": "h2o", "budget": 12}]}
 
 
 def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None:
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="plain or quantized"):
-        KVCacheManager(model.config, SELECTIVE)
+    with pytest.raises(ConfigError, match="sparse caches are not managed"):
+        KVCacheManager(model.config, SPARSE)
     with pytest.raises(ConfigError, match="prefix_caching"):
         KVCacheManager(model.config, PAGED | {"quantization": "int8"}, prefix_caching=True)
     with attn_implementation(model, "kvfactory"):
-        cache = KVCacheFactory(model.config, SELECTIVE).create_cache()
+        cache = KVCacheFactory(model.config, SPARSE).create_cache()
         generate(model, {"input_ids": random_prompt(9)}, cache, max_new_tokens=2)
     with pytest.raises(UnsupportedError, match="cannot be forked"):
         cache.fork()
+
+
+def test_an_evicting_cache_forks_pauses_and_saves_with_its_policy_state(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    with attn_implementation(model, "kvfactory"):
+        manager = KVCacheManager(model.config, SELECTIVE)
+        assert not manager.prefix_caching
+        ids = random_prompt(30)
+        cache, uninterrupted = manager.create("a"), manager.create("u")
+        first = continued(model, cache, ids, 6).sequences
+        continued(model, uninterrupted, ids, 6)
+        assert cache.size() <= 12 + PAGE < cache.get_seq_length()  # evicted: H2O's budget of 12 tokens
+        twin = manager.fork("a", "b")
+        manager.save("a", tmp_path / "a.safetensors")
+        manager.pause("a")
+        assert manager.stats()["pool_blocks_used"] < 3 * 2 * 5  # evicted tokens gave their blocks back
+        manager.resume("a")
+        loaded = manager.load(tmp_path / "a.safetensors", "c")
+        expected = continued(model, uninterrupted, first, 6)
+        for other in (cache, twin, loaded):  # H2O's accumulated scores came along: the same evictions
+            assert_same_generation(expected, continued(model, other, first, 6), atol=0.0)
+    manager.close()
+    assert manager.stats()["pool_blocks_used"] == 0
 
 
 def test_a_fork_shares_blocks_and_both_continue_as_if_alone() -> None:

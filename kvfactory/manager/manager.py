@@ -17,8 +17,9 @@ the factory's paged pool. The manager adds what serving needs around them:
 - ``save`` / ``load`` (``persist.py``): safetensors + checked metadata, written atomically;
 - ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved.
 
-Quantized pages are managed too: forks share them, pauses and saves keep them packed (never
-decoded); prefixes are shared and partial swaps made between plain pages only.
+Quantized pages and eviction policies are managed too: forks share the pages, pauses and saves keep
+quantized pages packed (never decoded) and a policy's bookkeeping with its tokens; prefixes are
+shared and partial swaps made between plain pages only.
 
 Errors are specific (``UnknownSequenceError``, ``SequenceStateError``, ``SequenceFileError``,
 ``CacheFullError``) and leave the manager as it was.
@@ -87,15 +88,16 @@ class KVCacheManager:
                  host_bytes: int | None = None) -> None:
         self.factory = KVCacheFactory(model_config, cache_config or {"type": "paged"}, pool=pool)
         config = self.factory.config
-        if not issubclass(config.storage.cls, PagedStore) or config.selective or config.selector:
-            raise ConfigError("kv_cache_config", config.raw, "paged storage, plain or quantized, for a "
-                              "KVCacheManager (selective and sparse caches are not managed yet)")
-        if prefix_caching and config.quantization is not None:
-            raise ConfigError("prefix_caching", True, "False with quantized pages (prefixes are shared "
-                              "between plain pages only)")
+        if not issubclass(config.storage.cls, PagedStore) or config.selector:
+            raise ConfigError("kv_cache_config", config.raw, "paged storage (plain, quantized or with an "
+                              "eviction policy) for a KVCacheManager (sparse caches are not managed yet)")
+        plain = config.quantization is None and config.selective is None
+        if prefix_caching and not plain:
+            raise ConfigError("prefix_caching", True, "False with quantized pages or an eviction policy "
+                              "(prefixes are shared between plain pages only)")
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
-        self.prefix_caching = config.quantization is None if prefix_caching is None else prefix_caching
+        self.prefix_caching = plain if prefix_caching is None else prefix_caching
         self.host_bytes = host_bytes
         self.index = PrefixIndex()
         self.pool.reclaimers.append(self._reclaim)

@@ -35,6 +35,8 @@ def visible_columns(mask: torch.Tensor | None, query_len: int, batch: int,
     return last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
 
 
+PER_ROW = ("valid", "accumulated", "seen_rows")  # per batch row state that follows the tokens
+
 class SelectiveStore(WrappedStore):
     """One layer's K/V in ``inner``, bounded by ``spec`` (see ``kvfactory.policies.spec``)."""
 
@@ -91,10 +93,39 @@ class SelectiveStore(WrappedStore):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.inner.select_rows(rows)
-        for name in ("valid", "accumulated", "seen_rows"):
+        for name in PER_ROW:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
+
+    # -- forks and saved state (``kvfactory.manager``): the policy's bookkeeping goes along ---------
+    def fork(self) -> SelectiveStore:
+        twin = SelectiveStore(self.inner.fork(), self.policy, self.spec, self.num_layers)
+        twin.layer_idx = self.layer_idx
+        twin.prefill_open, twin.padded, twin.peak_bytes = self.prefill_open, self.padded, self.peak_bytes
+        for name in PER_ROW:
+            value = getattr(self, name)
+            setattr(twin, name, None if value is None else value.clone())
+        return twin
+
+    def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
+        """The inner store's state (``inner.*``), which tokens are real, the policy's accumulated scores
+        and the prefill flags (``selective.*``)."""
+        if tokens is not None:
+            raise self._unsupported("swapped in part")
+        state = {f"inner.{name}": t for name, t in self.inner.export_state().items()}
+        if state:
+            state |= {f"selective.{name}": getattr(self, name) for name in PER_ROW
+                      if getattr(self, name) is not None}
+            state["selective.flags"] = torch.tensor([self.prefill_open, self.padded, self.peak_bytes])
+        return state
+
+    def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.inner.import_state({name[6:]: t for name, t in tensors.items() if name.startswith("inner.")})
+        for name in PER_ROW:
+            setattr(self, name, tensors.get(f"selective.{name}"))
+        prefill_open, padded, peak = tensors["selective.flags"].tolist()
+        self.prefill_open, self.padded, self.peak_bytes = bool(prefill_open), bool(padded), int(peak)
 
     def memory_report(self) -> MemoryReport:
         return self.inner.memory_report()
