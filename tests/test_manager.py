@@ -293,7 +293,7 @@ def test_freed_prompt_blocks_stay_cached_until_the_pool_needs_them() -> None:
         continued(model, manager.create("c"), random_prompt(40, seed=5), 1)
     manager.free("c")
     manager.close()
-    assert manager.stats()["pool_blocks_used"] == 0
+    assert manager.stats()["pool_blocks_used"] == 0 and not manager.pool.reclaimers  # the pool forgets it
     unpinned = manager_for(model, pool_blocks=12)
     continued(model, unpinned.create("a", prompt=system[0]), system, 1)
     unpinned.free("a")

@@ -175,6 +175,8 @@ class KVCacheManager:
         for shared_id in list(self._shared):
             self.release_shared(shared_id)
         self.index.clear()
+        if self._reclaim in self.pool.reclaimers:
+            self.pool.reclaimers.remove(self._reclaim)
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
             self._prefetcher = None
