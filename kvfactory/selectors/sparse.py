@@ -56,7 +56,7 @@ class SparseStore(WrappedStore):
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V (decode steps)
         self._heads = 0  # KV heads stored
         self._mask: torch.Tensor | None = None
-        self._read: SparseRead | None = None  # this step's selection, for the shadow measurement
+        self._read: PageRead | None = None  # this step's selection, for the shadow measurement
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
         self._always: tuple[tuple, torch.Tensor] | None = None  # the sink pages of the last step
         metrics.register(self)
@@ -139,7 +139,7 @@ class SparseStore(WrappedStore):
         pageable = self.inner.pageable()
         return self.batch_size * self.inner.read_bytes(pageable, self.size() - pageable)
 
-    def deferred_read(self) -> DeferredRead | SparseRead | None:
+    def deferred_read(self) -> DeferredRead | PageRead | None:
         """A sparse read for a decode step of a sparse layer; otherwise what the inner store reads
         (quantized pages: chunked attention; plain pages: None, read whole)."""
         self._read = None
@@ -243,13 +243,13 @@ def column_mask(columns: torch.Tensor, valid: torch.Tensor | None, attention_mas
     return mask
 
 
-class SparseRead(NarrowRead):
-    """One decode step's read of the pages chosen for its query (chosen in ``narrow``)."""
+class PageRead(NarrowRead):
+    """One decode step's read of the pages chosen for its query (chosen in ``narrow``), ``wanted``
+    pages (fixed pages) or tokens (dynamic pages) in all."""
 
     def __init__(self, store: SparseStore, wanted: int) -> None:
         self.store, self.wanted = store, wanted
         self.read: torch.Tensor | None = None  # [B, Hkv, pages]: every page read (set by ``narrow``)
-        self.pages: torch.Tensor | None = None  # fixed pages: [B, Hkv, k] in the order read (the tail's last)
 
     @property
     def length(self) -> int:
@@ -257,6 +257,14 @@ class SparseRead(NarrowRead):
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store._new
+
+
+class SparseRead(PageRead):
+    """A decode step's read over the storage's fixed pages, gathered block by block."""
+
+    def __init__(self, store: SparseStore, wanted: int) -> None:
+        super().__init__(store, wanted)
+        self.pages: torch.Tensor | None = None  # [B, Hkv, k] in the order read (the tail's last)
 
     def select(self, queries: torch.Tensor) -> tuple[torch.Tensor, int]:
         """For ``queries [B, Hkv, R, D]``: the sink pages and the selector's best of the pages after
@@ -300,7 +308,7 @@ class SparseRead(NarrowRead):
         return keys, values, mask
 
 
-class DynamicRead(SparseRead):
+class DynamicRead(PageRead):
     """A decode step's read over dynamic pages (``layout.py``): the sink pages, the local pages and
     the step's new tokens, and the selector's best middle pages, best first, while their tokens fit
     the budget ``wanted`` (tokens). Heads read different numbers of tokens: the shorter reads are
