@@ -263,12 +263,11 @@ class KVCacheManager:
         state = self._host[seq_id]
         future = self._prefetched.pop(seq_id, None)
         if future is not None:
+            waited = time.perf_counter()
             if not future.done():
                 self.counters.stalls += 1
-                waited = time.perf_counter()
-                future.result()
-                self.counters.stall_seconds += time.perf_counter() - waited
             state = future.result()
+            self.counters.stall_seconds += time.perf_counter() - waited
         cache.paused = False
         try:
             state.restore(cache, self._device())
@@ -437,10 +436,10 @@ class KVCacheManager:
 
     def _reclaim(self) -> bool:
         """Drop the least recently used cached block no sequence uses (the pool needs room)."""
-        candidates = self.index.reclaimable()
-        if not candidates:
+        name = self.index.oldest_reclaimable()
+        if name is None:
             return False
-        self.index.drop(candidates[0])
+        self.index.drop(name)
         return True
 
     def _count_prompt(self, tokens: int, cached: int) -> None:

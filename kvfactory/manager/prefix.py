@@ -83,10 +83,10 @@ class PrefixIndex:
                 pinned += 1
         return pinned
 
-    def reclaimable(self) -> list[bytes]:
-        """Unpinned entries whose blocks only the index still references, oldest first."""
-        return [name for name, entry in self.entries.items() if not entry.pinned and all(
-            pool.refcount[block] == 1 for pool, block in zip(self.pools, entry.ids, strict=True))]
+    def oldest_reclaimable(self) -> bytes | None:
+        """The least recently used unpinned entry whose blocks only the index still references."""
+        return next((name for name, entry in self.entries.items() if not entry.pinned and all(
+            pool.refcount[block] == 1 for pool, block in zip(self.pools, entry.ids, strict=True))), None)
 
     def drop(self, name: bytes) -> None:
         entry = self.entries.pop(name)
