@@ -90,6 +90,8 @@ class PageLayout:
         self.starts = torch.zeros(0, dtype=torch.long)
         self.length = 0
         self._decoding = False  # the last page takes decoded tokens up to page_size
+        # the page of each token and the page sizes up to a length, computed once for every layer
+        self._index: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def pages(self) -> int:
@@ -125,15 +127,24 @@ class PageLayout:
         self.starts = self.starts[:0]
         self.length, self._decoding = 0, False
 
+    def _indexed(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page of each of the first ``length`` tokens and the sizes of their pages, kept while
+        the starts and the length stay the same (every layer of a step asks the same)."""
+        memo = self._index
+        if memo is None or memo[0] is not self.starts or memo[1] != length:
+            pages = torch.searchsorted(self.starts, torch.arange(length), right=True) - 1
+            starts = self.starts[self.starts < length]
+            memo = self.starts, length, pages, torch.diff(starts, append=torch.tensor([length]))
+            self._index = memo
+        return memo[2], memo[3]
+
     def page_of(self, lo: int, hi: int) -> torch.Tensor:
         """The page of each token position in ``[lo, hi)``."""
-        return torch.searchsorted(self.starts, torch.arange(lo, hi), right=True) - 1
+        return self._indexed(hi)[0][lo:hi]
 
     def sizes(self, length: int | None = None) -> torch.Tensor:
         """Tokens per page ``[pages]`` of the first ``length`` tokens (all placed ones by default)."""
-        length = self.length if length is None else length
-        starts = self.starts[self.starts < length]
-        return torch.diff(starts, append=torch.tensor([length]))
+        return self._indexed(self.length if length is None else length)[1]
 
     def histogram(self) -> dict[int, int]:
         """Pages per size, of the pages cut at prefill and decode alike."""
