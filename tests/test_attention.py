@@ -10,7 +10,7 @@ from tiny_models import TINY_IDS, left_padded_batch, tiny_model
 from transformers import DynamicCache
 
 from kvfactory import KVCacheFactory, attention
-from kvfactory.codecs import fused
+from kvfactory.codecs import fused, native
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.storage import DenseStore, PagedStore
 from kvfactory.storage.quantized import QuantizedRead, QuantizedStore
@@ -57,20 +57,26 @@ def sdpa_reference(query, store, mask, scale):
 @pytest.mark.parametrize(("query_heads", "kv_heads"), [(6, 3), (4, 1), (2, 2)])
 @pytest.mark.parametrize("queries", [1, 3])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "per_head"])
-@pytest.mark.parametrize("kernels", ["fused", "chunks"])
+@pytest.mark.parametrize("kernels", ["native", "fused", "chunks"])
 def test_chunked_attention_equals_sdpa_over_the_decoded_cache(codec, inner, query_heads, kv_heads, queries,
                                                               mask_kind, kernels, monkeypatch) -> None:
-    """Fused kernels over the codes, or decoding in 8-token chunks: the same attention as SDPA."""
+    """C kernels or fused kernels over the codes, or decoding in 8-token chunks: the same attention
+    as SDPA. The C kernels (KIVI only) read every quantized token in one run."""
+    if kernels == "native" and not native.available():
+        pytest.skip("no C compiler on this machine")
+    if kernels != "native":
+        monkeypatch.setattr(native, "available", lambda: False)
     if kernels == "chunks":
         monkeypatch.setitem(fused._state, "available", False)
     monkeypatch.setattr(QuantizedRead, "chunk_bytes", 2 * kv_heads * 16 * 4 * 8)  # 8-token chunks
     batch, tokens = 2, 45
     store = filled_store(codec, batch, kv_heads, tokens, inner)
     read = store.deferred_read()
-    assert read is not None and read.length == tokens and read.chunk == 8
+    one_run = kernels == "native" and codec in ("int4", "int2")
+    assert read is not None and read.length == tokens and read.chunk == (read.quantized if one_run else 8)
     monkeypatch.setattr(QuantizedRead, "chunk_bytes", 10 ** 6)
     whole = store.deferred_read() is None  # a layer that fits two chunks is read whole...
-    assert whole == (kernels == "chunks" or codec == "fp8")  # ...unless fused kernels read it
+    assert whole == (kernels == "chunks" or codec == "fp8")  # ...unless kernels read it
     query = torch.randn(batch, query_heads, queries, 16, generator=torch.Generator().manual_seed(1))
     mask = None
     if mask_kind == "bool":  # row 1 is left-padded by 5 tokens
@@ -178,6 +184,7 @@ def test_a_compiler_failure_falls_back_to_decoding_in_chunks(monkeypatch) -> Non
 
     monkeypatch.setattr(fused, "_compiled", {})
     monkeypatch.setitem(fused._state, "available", True)
+    monkeypatch.setattr(native, "available", lambda: False)
     monkeypatch.setattr(torch, "compile", broken)
     store = filled_store("int4", 2, 3, 45)
     query = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(1))

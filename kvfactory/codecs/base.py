@@ -73,6 +73,12 @@ class Codec(ABC):
         None where the codec has no such kernel."""
         return None
 
+    def reads_whole(self, device: torch.device) -> bool:
+        """Whether ``scores`` and ``weighted_sum`` take any number of tokens on ``device`` without
+        floating-point temporaries (the C kernels, ``kvfactory.codecs.native``), so a reader need not
+        cut the stored tokens into runs."""
+        return False
+
     def _check_input(self, x: torch.Tensor) -> None:
         """Reject what cannot be encoded and fix the compute dtype on the first encode."""
         if x.dim() != 4 or not x.is_floating_point():

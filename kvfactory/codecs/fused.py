@@ -7,7 +7,9 @@ floating-point K/V in memory (about 3-4x faster than decode + SDPA on one SmolLM
 tokens, ``benchmarks/quantized_attention.py``).
 
 Covered: KIVI int4/int2 (keys per channel over token groups, values per token over channel
-groups that divide ``head_dim``) and int8 (a scale per token and head). Scales and zero points
+groups that divide ``head_dim``) and int8 (a scale per token and head). On the CPU, KIVI layers
+use the C kernels of ``native`` instead when they are built (faster: no per-call dynamo overhead,
+codes unpacked in registers); these serve GPUs and machines without a C compiler. Scales and zero points
 come in float32 (``widen``: small tensors; FP8 casts inside the compiled loop are slow on CPU).
 The first call of each shape family compiles (seconds); if compiling fails (no C++ toolchain,
 an unsupported build), ``available`` turns False with a warning and reads fall back to decoding in

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfactory.codecs import fused
+from kvfactory.codecs import fused, native
 from kvfactory.codecs.base import Codec, Encoded, check_dtype, round_to, smallest, widen
 from kvfactory.codecs.packing import pack, packed_size, unpack
 from kvfactory.errors import ConfigError, ShapeError
@@ -67,6 +67,9 @@ class _Kivi(Codec):
         q = (x - widen(zero, torch.float32)).div_(widen(scale, torch.float32))
         q = q.round_().clamp_(0, 2 ** self.bits - 1)
         return q.to(torch.uint8)
+
+    def reads_whole(self, device: torch.device) -> bool:
+        return device.type == "cpu" and native.available()
 
     def _meta_bytes(self) -> int:
         return self.scale_dtype.itemsize + self.zero_dtype.itemsize
@@ -107,6 +110,8 @@ class KiviKeyCodec(_Kivi):
 
     def scores(self, query: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
         t = enc.tensors
+        if native.supports(t["codes"], t["scale"], t["zero"], self.bits):
+            return native.key_scores(query, t["codes"], t["scale"], t["zero"], self.bits).to(query.dtype)
         return fused.run("kivi_scores", query, t["codes"], widen(t["scale"], torch.float32),
                          widen(t["zero"], torch.float32), self.bits)
 
@@ -164,8 +169,11 @@ class KiviValueCodec(_Kivi):
         return heads * (packed_size(head_dim, self.bits) + groups * self._meta_bytes())
 
     def weighted_sum(self, probs: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        t = enc.tensors
+        if self.head_dim is not None and native.supports(t["codes"], t["scale"], t["zero"], self.bits):
+            return native.value_sums(probs, t["codes"], t["scale"], t["zero"], self.bits, self.group_size,
+                                     self.head_dim).to(probs.dtype)
         if self.head_dim is None or self.head_dim % self.group_size:
             return None  # a smaller last group: decoded in chunks instead
-        t = enc.tensors
         return fused.run("kivi_values", probs, t["codes"], widen(t["scale"], torch.float32),
                          widen(t["zero"], torch.float32), self.bits, self.group_size)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from kvfactory.attention import DeferredRead
-from kvfactory.codecs import Codec, Encoded, fused
+from kvfactory.codecs import Codec, Encoded, fused, native
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv, take_tokens
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
@@ -265,7 +265,7 @@ class QuantizedStore(LayerStore):
         whole for SDPA is as fast (``benchmarks/quantized_attention.py``)."""
         if not self.quantized_tokens or self._like is None:
             return None
-        if fused.available() and type(self.key_codec).scores is not Codec.scores \
+        if (fused.available() or native.available()) and type(self.key_codec).scores is not Codec.scores \
                 and type(self.value_codec).weighted_sum is not Codec.weighted_sum:
             return QuantizedRead(self)
         k = self._like[0]
@@ -442,6 +442,9 @@ class QuantizedRead(DeferredRead):
         b, h, _, d = store._like[0].shape
         unit = store.unit
         self.chunk = max(unit, self.chunk_bytes // (b * h * d * store._like[0].element_size()) // unit * unit)
+        device = store._like[0].device
+        if store.key_codec.reads_whole(device) and store.value_codec.reads_whole(device):
+            self.chunk = max(self.chunk, self.quantized)
 
     @property
     def length(self) -> int:

@@ -1,0 +1,394 @@
+/* Decode-step attention products straight from KIVI's packed codes, on the CPU.
+ *
+ * Built and loaded by kvfactory/codecs/native.py (ctypes; no Python or torch headers, so it
+ * compiles in about a second). Layouts are those of kvfactory/codecs/kivi.py and packing.py:
+ * P bytes hold the codes of Dp = P * 8 / bits channels in planes, byte j holding channel
+ * j + k * P in bits [k * bits, (k + 1) * bits).
+ *
+ * Keys (per channel over groups of G tokens): a group's scores are
+ *   q . (code * scale + zero) = (q * scale) . code + q . zero,
+ * so the query is scaled once per group and each token costs one unpack and R dot products.
+ * Values (per token over groups of channels): a token adds (p * scale) * code to the output, and
+ * p * zero is summed per channel group and added once at the end.
+ * Scales and zero points are read in their stored dtype (float32, float16, bfloat16, or FP8 through
+ * a 256-entry table), so nothing is widened in memory per step.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { F32 = 0, F16 = 1, BF16 = 2, LUT8 = 3 };
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man) {  /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* n parameters of kind `kind` starting at `p` as floats in `out`. */
+static inline void load_params(const void *p, int kind, const float *lut, int64_t n, float *out) {
+    if (kind == F32) {
+        memcpy(out, p, (size_t)n * 4);
+    } else if (kind == F16) {
+        const uint16_t *h = (const uint16_t *)p;
+        int64_t i = 0;
+#if defined(__F16C__)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+        for (; i < n; i++) out[i] = half_to_float(h[i]);
+    } else if (kind == BF16) {
+        const uint16_t *h = (const uint16_t *)p;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(out + i, &bits, 4);
+        }
+    } else {
+        const uint8_t *b = (const uint8_t *)p;
+        for (int64_t i = 0; i < n; i++) out[i] = lut[b[i]];
+    }
+}
+
+static int64_t param_size(int kind) { return kind == F32 ? 4 : kind == LUT8 ? 1 : 2; }
+
+#define MAX_DIM 512  /* padded channels per head (Dp); checked by the caller */
+#define MAX_ROWS 64  /* query rows per KV head (heads per group x query length); checked too */
+
+/* Codes of one token (P bytes) as Dp floats in channel order. */
+static inline void unpack(const uint8_t *codes, int64_t P, int bits, float *out) {
+    if (bits == 4) {
+#pragma omp simd
+        for (int64_t j = 0; j < P; j++) {
+            out[j] = (float)(codes[j] & 15);
+            out[j + P] = (float)(codes[j] >> 4);
+        }
+    } else {
+        for (int k = 0; k < 8 / bits; k++) {
+            const int shift = k * bits, mask = (1 << bits) - 1;
+#pragma omp simd
+            for (int64_t j = 0; j < P; j++) out[k * P + j] = (float)((codes[j] >> shift) & mask);
+        }
+    }
+}
+
+/* scores[b, h, r, n * G + g] = query[b, h, r, :] . key[b, h, n, g, :] for every stored token.
+ * query: float [B, H, R, D] contiguous. codes: [B, H, N, G, P] with byte strides (cb, ch, cn) and
+ * [G, P] contiguous. scale/zero: [B, H, N, 1, D] with element strides (sb, sh, sn), D contiguous.
+ * scores: float, rows of stride `row` elements, [B, H, R] contiguous in rows.
+ */
+static inline __attribute__((always_inline)) void key_scores_body(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query,
+                     const uint8_t *codes, int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P,
+                     const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, int64_t sn,
+                     const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zn,
+                     float *scores, int64_t row) {
+    const int64_t Dp = P * (8 / bits);
+    const int64_t ss = param_size(skind), zs = param_size(zkind);
+    float qs[MAX_ROWS * MAX_DIM] __attribute__((aligned(64)));
+    float sc[MAX_DIM], ze[MAX_DIM], cf[MAX_DIM] __attribute__((aligned(64))), c0[MAX_ROWS];
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *q = query + (b * H + h) * R * D;
+            float *out = scores + (b * H + h) * R * row;
+            for (int64_t n = 0; n < N; n++) {
+                load_params((const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut, D, sc);
+                load_params((const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, D, ze);
+                for (int64_t r = 0; r < R; r++) {
+                    float *qr = qs + r * Dp, acc = 0.f;
+                    for (int64_t d = 0; d < D; d++) {
+                        qr[d] = q[r * D + d] * sc[d];
+                        acc += q[r * D + d] * ze[d];
+                    }
+                    for (int64_t d = D; d < Dp; d++) qr[d] = 0.f;
+                    c0[r] = acc;
+                }
+                const uint8_t *group = codes + b * cb + h * ch + n * cn;
+                for (int64_t g = 0; g < G; g++) {
+                    unpack(group + g * P, P, bits, cf);
+                    for (int64_t r = 0; r < R; r++) {
+                        const float *qr = qs + r * Dp;
+                        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                        for (int64_t d = 0; d < Dp; d++) acc += qr[d] * cf[d];
+                        out[r * row + n * G + g] = c0[r] + acc;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* out[b, h, r, :] = sum_t probs[b, h, r, t] * value[b, h, t, :] over the T stored tokens.
+ * probs: float rows of stride `row` elements, [B, H, R] contiguous in rows. codes: [B, H, T, P]
+ * with byte strides (cb, ch, ct), P contiguous. scale/zero: [B, H, T, ceil(D / group)] with
+ * element strides (sb, sh, st), the last dim contiguous. out: float [B, H, R, D] contiguous.
+ */
+static inline __attribute__((always_inline)) void value_sums_body(int64_t B, int64_t H, int64_t R, int64_t D, int bits, int64_t group, const float *probs,
+                     int64_t row, const uint8_t *codes, int64_t cb, int64_t ch, int64_t ct, int64_t T, int64_t P,
+                     const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, int64_t st,
+                     const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zt,
+                     float *out) {
+    const int64_t Dp = P * (8 / bits), groups = (D + group - 1) / group;
+    const int64_t ss = param_size(skind), zs = param_size(zkind);
+    float acc[MAX_ROWS * MAX_DIM] __attribute__((aligned(64)));
+    float zsum[MAX_ROWS * MAX_DIM], sc[MAX_DIM], ze[MAX_DIM], cf[MAX_DIM] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *p = probs + (b * H + h) * R * row;
+            memset(acc, 0, sizeof(float) * R * Dp);
+            memset(zsum, 0, sizeof(float) * R * groups);
+            for (int64_t t = 0; t < T; t++) {
+                load_params((const char *)scale + (b * sb + h * sh + t * st) * ss, skind, slut, groups, sc);
+                load_params((const char *)zero + (b * zb + h * zh + t * zt) * zs, zkind, zlut, groups, ze);
+                unpack(codes + b * cb + h * ch + t * ct, P, bits, cf);
+                for (int64_t r = 0; r < R; r++) {
+                    const float pr = p[r * row + t];
+                    float *ar = acc + r * Dp;
+                    for (int64_t k = 0; k < groups; k++) {
+                        const float w = pr * sc[k];
+                        const int64_t end = (k + 1) * group < D ? (k + 1) * group : D;
+                        zsum[r * groups + k] += pr * ze[k];
+#pragma omp simd
+                        for (int64_t d = k * group; d < end; d++) ar[d] += w * cf[d];
+                    }
+                }
+            }
+            float *o = out + (b * H + h) * R * D;
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t d = 0; d < D; d++) o[r * D + d] = acc[r * Dp + d] + zsum[r * groups + d / group];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define AVX512 1
+
+/* One token's codes (P bytes, P a multiple of 16) as P * 8 / bits / 16 vectors of 16 channels:
+ * vector k * (P / 16) + m holds channels k * P + 16 m .. + 15. */
+static inline __attribute__((always_inline)) void unpack16(const uint8_t *codes, int64_t P, int bits,
+                                                           __m512 *c) {
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    for (int64_t m = 0; m < P / 16; m++) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * m)));
+        for (int k = 0; k < 8 / bits; k++)
+            c[k * (P / 16) + m] = _mm512_cvtepi32_ps(
+                _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_set1_epi32(k * bits)), mask));
+    }
+}
+
+/* Scores of RB query rows (their scaled queries `qs` [RB, Dp] and zero-point terms `c0`) against one
+ * group of G tokens, 16 tokens at a time with a token per lane: a gather fetches four code bytes of
+ * each token, every code becomes a vector over the 16 tokens and is multiplied by a broadcast query
+ * channel, so no horizontal sums are needed. Four accumulators per row hide the FMA latency. */
+static inline __attribute__((always_inline)) void key_rows_avx(const int RB, const float *qs, int64_t Dp,
+                                                               const float *c0, const uint8_t *group, int64_t G,
+                                                               int64_t P, int bits, float *out, int64_t row) {
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)P));
+    const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+        const __mmask16 live = G - g0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - g0)) - 1);
+        const uint8_t *base = group + g0 * P;
+        __m512 acc[4][4];
+        for (int r = 0; r < RB; r++)
+            for (int a = 0; a < 4; a++) acc[r][a] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < P; j += 4) {
+            const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offsets, base + j, 1);
+            for (int e = 0; e < 4; e++) {
+                for (int k = 0; k < 8 / bits; k++) {
+                    const __m512 c = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srlv_epi32(w, _mm512_set1_epi32(8 * e + k * bits)), mask));
+                    const int64_t d = j + e + k * P;
+                    const int a = (e & 1) * 2 + (k & 1);
+                    for (int r = 0; r < RB; r++)
+                        acc[r][a] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r * Dp + d]), c, acc[r][a]);
+                }
+            }
+        }
+        for (int r = 0; r < RB; r++) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+            _mm512_mask_storeu_ps(out + r * row + g0, live, _mm512_add_ps(sum, _mm512_set1_ps(c0[r])));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void key_scores_avx(
+        int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query, const uint8_t *codes,
+        int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P, const void *scale, int skind,
+        const float *slut, int64_t sb, int64_t sh, int64_t sn, const void *zero, int zkind, const float *zlut,
+        int64_t zb, int64_t zh, int64_t zn, float *scores, int64_t row) {
+    const int64_t Dp = P * (8 / bits);
+    const int64_t ss = param_size(skind), zs = param_size(zkind);
+    float qs[MAX_ROWS * MAX_DIM] __attribute__((aligned(64)));
+    float sc[MAX_DIM], ze[MAX_DIM], c0[MAX_ROWS];
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *q = query + (b * H + h) * R * D;
+            float *out = scores + (b * H + h) * R * row;
+            for (int64_t n = 0; n < N; n++) {
+                load_params((const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut, D, sc);
+                load_params((const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, D, ze);
+                for (int64_t r = 0; r < R; r++) {
+                    float *qr = qs + r * Dp, acc = 0.f;
+                    for (int64_t d = 0; d < D; d++) {
+                        qr[d] = q[r * D + d] * sc[d];
+                        acc += q[r * D + d] * ze[d];
+                    }
+                    for (int64_t d = D; d < Dp; d++) qr[d] = 0.f;
+                    c0[r] = acc;
+                }
+                const uint8_t *group = codes + b * cb + h * ch + n * cn;
+                for (int64_t r = 0; r < R; r += 4) {
+                    const float *qr = qs + r * Dp;
+                    float *o = out + r * row + n * G;
+                    switch (R - r >= 4 ? 4 : R - r) {
+                        case 4: key_rows_avx(4, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
+                        case 3: key_rows_avx(3, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
+                        case 2: key_rows_avx(2, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
+                        default: key_rows_avx(1, qr, Dp, c0 + r, group, G, P, bits, o, row);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Weighted sums of RB probability rows `p` (row stride `row`) over the T tokens of one head, 16 tokens
+ * at a time: the block's scales and zero points are read at once, each row's weights p * scale are
+ * formed as vectors over the tokens, and each token adds weight * code per 16-channel vector, the
+ * weights broadcast from memory. The sums of p * zero are kept per channel group and added last. */
+static inline __attribute__((always_inline)) void value_rows_avx(
+        const int RB, const float *p, int64_t row, int64_t D, int bits, int64_t group, const uint8_t *codes,
+        int64_t ct, int64_t T, int64_t P, const char *scale, int skind, const float *slut, int64_t st,
+        const char *zero, int zkind, const float *zlut, int64_t zt, float *o) {
+    const int64_t Dp = P * (8 / bits), NC = Dp / 16, groups = (D + group - 1) / group;
+    const int64_t ss = param_size(skind), zs = param_size(zkind);
+    int64_t chunk_group[MAX_DIM / 16];
+    for (int64_t i = 0; i < NC; i++) chunk_group[i] = 16 * i / group;
+    __m512 acc[4][MAX_DIM / 16 > 8 ? 8 : MAX_DIM / 16], zacc[4][MAX_DIM / 16];
+    for (int r = 0; r < RB; r++) {
+        for (int64_t i = 0; i < NC; i++) acc[r][i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < groups; k++) zacc[r][k] = _mm512_setzero_ps();
+    }
+    float pf[16 * MAX_DIM / 16], zf[16 * MAX_DIM / 16];
+    float scT[MAX_DIM / 16][16] __attribute__((aligned(64))), zeT[MAX_DIM / 16][16] __attribute__((aligned(64)));
+    float wt[4][MAX_DIM / 16][16] __attribute__((aligned(64)));
+    for (int64_t t0 = 0; t0 < T; t0 += 16) {
+        const int64_t m = T - t0 >= 16 ? 16 : T - t0;
+        const __mmask16 live = m == 16 ? (__mmask16)0xffff : (__mmask16)((1u << m) - 1);
+        if (st == groups) {
+            load_params(scale + t0 * st * ss, skind, slut, m * groups, pf);
+        } else {
+            for (int64_t tt = 0; tt < m; tt++) load_params(scale + (t0 + tt) * st * ss, skind, slut, groups, pf + tt * groups);
+        }
+        if (zt == groups) {
+            load_params(zero + t0 * zt * zs, zkind, zlut, m * groups, zf);
+        } else {
+            for (int64_t tt = 0; tt < m; tt++) load_params(zero + (t0 + tt) * zt * zs, zkind, zlut, groups, zf + tt * groups);
+        }
+        for (int64_t k = 0; k < groups; k++)
+            for (int64_t tt = 0; tt < 16; tt++) {
+                scT[k][tt] = tt < m ? pf[tt * groups + k] : 0.f;
+                zeT[k][tt] = tt < m ? zf[tt * groups + k] : 0.f;
+            }
+        for (int r = 0; r < RB; r++) {
+            const __m512 pv = _mm512_maskz_loadu_ps(live, p + r * row + t0);
+            for (int64_t k = 0; k < groups; k++) {
+                _mm512_store_ps(wt[r][k], _mm512_mul_ps(pv, _mm512_load_ps(scT[k])));
+                zacc[r][k] = _mm512_fmadd_ps(pv, _mm512_load_ps(zeT[k]), zacc[r][k]);
+            }
+        }
+        for (int64_t tt = 0; tt < m; tt++) {
+            __m512 c[MAX_DIM / 16 > 8 ? 8 : MAX_DIM / 16];
+            unpack16(codes + (t0 + tt) * ct, P, bits, c);
+            for (int r = 0; r < RB; r++)
+                for (int64_t i = 0; i < NC; i++)
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(wt[r][chunk_group[i]][tt]), c[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < RB; r++) {
+        float full[MAX_DIM] __attribute__((aligned(64))), zsum[MAX_DIM / 16];
+        for (int64_t i = 0; i < NC; i++) _mm512_store_ps(full + 16 * i, acc[r][i]);
+        for (int64_t k = 0; k < groups; k++) zsum[k] = _mm512_reduce_add_ps(zacc[r][k]);
+        for (int64_t d = 0; d < D; d++) o[r * D + d] = full[d] + zsum[d / group];
+    }
+}
+
+/* Rows are taken 4 at a time (2 for 128 channels) so their accumulators stay in registers. */
+static inline __attribute__((always_inline)) void value_sums_avx(
+        int64_t B, int64_t H, int64_t R, int64_t D, int bits, int64_t group, const float *probs, int64_t row,
+        const uint8_t *codes, int64_t cb, int64_t ch, int64_t ct, int64_t T, int64_t P, const void *scale,
+        int skind, const float *slut, int64_t sb, int64_t sh, int64_t st, const void *zero, int zkind,
+        const float *zlut, int64_t zb, int64_t zh, int64_t zt, float *out) {
+    const int64_t NC = P * (8 / bits) / 16, RB = NC <= 4 ? 4 : 2;
+    const int64_t ss = param_size(skind), zs = param_size(zkind);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const uint8_t *c = codes + b * cb + h * ch;
+            const char *sc = (const char *)scale + (b * sb + h * sh) * ss, *ze = (const char *)zero + (b * zb + h * zh) * zs;
+            for (int64_t r = 0; r < R; r += RB) {
+                const float *p = probs + ((b * H + h) * R + r) * row;
+                float *o = out + ((b * H + h) * R + r) * D;
+                switch (R - r >= RB ? RB : R - r) {
+                    case 4: value_rows_avx(4, p, row, D, bits, group, c, ct, T, P, sc, skind, slut, st, ze, zkind, zlut, zt, o); break;
+                    case 3: value_rows_avx(3, p, row, D, bits, group, c, ct, T, P, sc, skind, slut, st, ze, zkind, zlut, zt, o); break;
+                    case 2: value_rows_avx(2, p, row, D, bits, group, c, ct, T, P, sc, skind, slut, st, ze, zkind, zlut, zt, o); break;
+                    default: value_rows_avx(1, p, row, D, bits, group, c, ct, T, P, sc, skind, slut, st, ze, zkind, zlut, zt, o);
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* The public entry points: for the common head sizes (64 and 128 channels at 4 and 2 bits) the
+ * bodies run with bits and P known at compile time, so the per-token loops unroll, in AVX-512
+ * where the CPU has it (value groups a multiple of 16 channels); other sizes run the portable
+ * bodies with run-time sizes. */
+#ifdef AVX512
+#define KEY_FAST key_scores_avx
+#define VALUE_FAST(BITS, PP) if (bits == BITS && P == PP && group % 16 == 0) { \
+    value_sums_avx(B, H, R, D, BITS, group, probs, row, codes, cb, ch, ct, T, PP, scale, skind, slut, sb, sh, \
+                   st, zero, zkind, zlut, zb, zh, zt, out); return; }
+#else
+#define KEY_FAST key_scores_body
+#define VALUE_FAST(BITS, PP) if (bits == BITS && P == PP) { \
+    value_sums_body(B, H, R, D, BITS, group, probs, row, codes, cb, ch, ct, T, PP, scale, skind, slut, sb, sh, \
+                    st, zero, zkind, zlut, zb, zh, zt, out); return; }
+#endif
+#define KEY_CASE(BITS, PP) if (bits == BITS && P == PP) { \
+    KEY_FAST(B, H, R, D, BITS, query, codes, cb, ch, cn, N, G, PP, scale, skind, slut, sb, sh, sn, \
+             zero, zkind, zlut, zb, zh, zn, scores, row); return; }
+
+void kivi_key_scores(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query,
+                     const uint8_t *codes, int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P,
+                     const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, int64_t sn,
+                     const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zn,
+                     float *scores, int64_t row) {
+    KEY_CASE(4, 32) KEY_CASE(4, 64) KEY_CASE(2, 16) KEY_CASE(2, 32)
+    key_scores_body(B, H, R, D, bits, query, codes, cb, ch, cn, N, G, P, scale, skind, slut, sb, sh, sn,
+                    zero, zkind, zlut, zb, zh, zn, scores, row);
+}
+
+void kivi_value_sums(int64_t B, int64_t H, int64_t R, int64_t D, int bits, int64_t group, const float *probs,
+                     int64_t row, const uint8_t *codes, int64_t cb, int64_t ch, int64_t ct, int64_t T, int64_t P,
+                     const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, int64_t st,
+                     const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zt,
+                     float *out) {
+    VALUE_FAST(4, 32) VALUE_FAST(4, 64) VALUE_FAST(2, 16) VALUE_FAST(2, 32)
+    value_sums_body(B, H, R, D, bits, group, probs, row, codes, cb, ch, ct, T, P, scale, skind, slut, sb, sh, st,
+                    zero, zkind, zlut, zb, zh, zt, out);
+}

@@ -1,0 +1,155 @@
+"""KIVI decode kernels in C (``kernels/kivi.c``), compiled on first use and called through ctypes.
+
+At batch 1 a decode step's attention over a 6k-token int4 layer is a few hundred thousand
+multiply-adds: the cost is in unpacking codes and in per-call overhead, not in memory traffic.
+``torch.compile``'s kernels for it (``fused``) spend more on unpacking nibbles than fp32 BLAS on 8x
+the bytes, plus dynamo's guard and wrapper time per call; this C file unpacks a token's codes into
+registers and does the whole layer in one call, with scales read in their stored FP8/fp16.
+
+The library is built with the system C compiler (``cc``, ``-O3 -march=native``) into
+``$XDG_CACHE_HOME/kvfactory/kernels`` (or ``KVFACTORY_KERNEL_DIR``), named by a hash of the source,
+the flags and the CPU, and written atomically so parallel processes share it. Without a compiler
+``available()`` is False with one warning and callers use the ``fused`` kernels instead. CPU
+tensors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels") / "kivi.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+MAX_DIM, MAX_ROWS = 512, 64  # as in kivi.c
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _cpu_id() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _kernel_dir() -> Path:
+    if "KVFACTORY_KERNEL_DIR" in os.environ:
+        return Path(os.environ["KVFACTORY_KERNEL_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvfactory" / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library, built unless a matching one is cached."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    target = _kernel_dir() / f"kivi-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
+                           text=True, timeout=120)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        warnings.warn("kvfactory: no C compiler found; quantized decode uses the torch.compile kernels",
+                      stacklevel=3)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        warnings.warn(f"kvfactory: building the C decode kernels failed ({detail}); quantized decode uses "
+                      "the torch.compile kernels", stacklevel=3)
+        return None
+    lib.kivi_key_scores.restype = lib.kivi_value_sums.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernels are built and loaded (building them on the first call)."""
+    return _library() is not None
+
+
+@cache
+def _lut(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of every byte of an FP8 ``dtype``."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
+
+
+def _param(t: torch.Tensor) -> tuple[object, ...]:
+    """ctypes arguments for a scale or zero-point tensor: pointer, kind, table, strides of dims 0-2."""
+    lut = _lut(t.dtype).data_ptr() if t.dtype.itemsize == 1 else None
+    return (_PTR(t.data_ptr()), _KINDS[t.dtype], _PTR(lut), *(_I64(s) for s in t.stride()[:3]))
+
+
+def supports(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:
+    """Whether the kernels take these tensors: on the CPU, parameters of a known dtype with their last
+    dim contiguous, codes contiguous within a token (values) or a group (keys), at most ``MAX_DIM``
+    channels, and the library built."""
+    inner = codes.stride(-1) == 1 and (codes.dim() == 4 or codes.stride(-2) == codes.shape[-1])
+    return (codes.device.type == "cpu" and inner and scale.dtype in _KINDS and zero.dtype in _KINDS
+            and scale.stride(-1) == 1 and zero.stride(-1) == 1 and codes.shape[-1] * 8 // bits <= MAX_DIM
+            and available())
+
+
+def key_scores(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+               bits: int) -> torch.Tensor:
+    """``query [B, H, R, D]`` against KIVI keys ``codes [B, H, N, G, P]``, ``scale``/``zero``
+    ``[B, H, N, 1, D]``: ``[B, H, R, N * G]`` float32 dot products (check ``supports`` first)."""
+    if query.shape[-2] > MAX_ROWS:
+        parts = query.split(MAX_ROWS, -2)
+        return torch.cat([key_scores(rows, codes, scale, zero, bits) for rows in parts], -2)
+    b, h, n, g, p = codes.shape
+    r, d = query.shape[-2:]
+    query = query.float().contiguous()
+    out = torch.empty(b, h, r, n * g, dtype=torch.float32)
+    cs = codes.stride()
+    _library().kivi_key_scores(
+        _I64(b), _I64(h), _I64(r), _I64(d), ctypes.c_int(bits), _PTR(query.data_ptr()),
+        _PTR(codes.data_ptr()), _I64(cs[0]), _I64(cs[1]), _I64(cs[2]), _I64(n), _I64(g), _I64(p),
+        *_param(scale), *_param(zero), _PTR(out.data_ptr()), _I64(n * g))
+    return out
+
+
+def value_sums(probs: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+               bits: int, group: int, head_dim: int) -> torch.Tensor:
+    """``probs [B, H, R, T]`` over KIVI values ``codes [B, H, T, P]``, ``scale``/``zero``
+    ``[B, H, T, ceil(D / group)]``: ``[B, H, R, D]`` float32 (check ``supports`` first)."""
+    if probs.shape[-2] > MAX_ROWS:
+        return torch.cat([value_sums(rows, codes, scale, zero, bits, group, head_dim)
+                          for rows in probs.split(MAX_ROWS, -2)], -2)
+    b, h, t, p = codes.shape
+    r = probs.shape[-2]
+    probs = probs.float()
+    strides = probs.stride()
+    if strides[3] != 1 or strides[1] != r * strides[2] or strides[0] != h * strides[1]:  # rows must be even
+        probs = probs.contiguous()
+    row = probs.stride(2)
+    out = torch.empty(b, h, r, head_dim, dtype=torch.float32)
+    cs = codes.stride()
+    _library().kivi_value_sums(
+        _I64(b), _I64(h), _I64(r), _I64(head_dim), ctypes.c_int(bits), _I64(group), _PTR(probs.data_ptr()),
+        _I64(row), _PTR(codes.data_ptr()), _I64(cs[0]), _I64(cs[1]), _I64(cs[2]), _I64(t), _I64(p),
+        *_param(scale), *_param(zero), _PTR(out.data_ptr()))
+    return out

@@ -1,0 +1,105 @@
+"""The C decode kernels (``kvfactory.codecs.native``) equal decoding the codes and multiplying."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from kvfactory.codecs import native
+from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
+
+PARAMS = {"fp8": (torch.float8_e4m3fn, torch.float8_e4m3fn), "fp16": (torch.float16, torch.float16),
+          "bf16": (torch.bfloat16, torch.bfloat16), "fp32": (torch.float32, torch.float32)}
+
+
+def encoded(codec, batch: int, heads: int, tokens: int, dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.randn(1, heads, 1, dim, generator=gen)  # per-channel offsets, as real keys have
+    x = torch.randn(batch, heads, tokens, dim, generator=gen) * 2 + offsets
+    enc = codec.encode(x)
+    return enc, codec.decode(enc)
+
+
+# head_dim 64 and 128 at 4 and 2 bits take the compiled-size AVX-512 bodies, the others the portable one
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("dim", [64, 128, 16, 24, 63])
+@pytest.mark.parametrize("group", [32, 8])
+@pytest.mark.parametrize("params", list(PARAMS))
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_key_scores_equal_decoded_keys(bits, dim, group, params, rows) -> None:
+    scale_dtype, zero_dtype = PARAMS[params]
+    codec = KiviKeyCodec(bits=bits, group_size=group, scale_dtype=scale_dtype, zero_dtype=zero_dtype)
+    enc, keys = encoded(codec, 2, 3, 4 * group, dim)
+    query = torch.randn(2, 3, rows, dim, generator=torch.Generator().manual_seed(1))
+    t = enc.tensors
+    assert native.supports(t["codes"], t["scale"], t["zero"], bits)
+    got = native.key_scores(query, t["codes"], t["scale"], t["zero"], bits)
+    torch.testing.assert_close(got, query @ keys.transpose(-1, -2), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize(("dim", "group"),
+                         [(64, 32), (128, 32), (64, 16), (64, 64), (64, 8), (24, 16), (63, 32)])
+@pytest.mark.parametrize("params", list(PARAMS))
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_value_sums_equal_decoded_values(bits, dim, group, params, rows) -> None:
+    scale_dtype, zero_dtype = PARAMS[params]
+    codec = KiviValueCodec(bits=bits, group_size=group, scale_dtype=scale_dtype, zero_dtype=zero_dtype)
+    enc, values = encoded(codec, 2, 3, 37, dim)
+    probs = torch.rand(2, 3, rows, 37, generator=torch.Generator().manual_seed(1)).softmax(-1)
+    t = enc.tensors
+    got = native.value_sums(probs, t["codes"], t["scale"], t["zero"], bits, group, dim)
+    torch.testing.assert_close(got, probs @ values, atol=1e-4, rtol=1e-5)
+
+
+def test_strided_views_are_read_in_place() -> None:
+    """Runs cut from a larger buffer (a dense store's headroom, a slice of probabilities) are read
+    through their strides, not copied."""
+    kc, vc = KiviKeyCodec(bits=4), KiviValueCodec(bits=4)
+    kenc, keys = encoded(kc, 2, 3, 192, 64)
+    venc, values = encoded(vc, 2, 3, 192, 64)
+    k = {n: t[:, :, 1:5] for n, t in kenc.tensors.items()}  # groups 1..4 of 6
+    v = {n: t[:, :, 32:160] for n, t in venc.tensors.items()}
+    query = torch.randn(2, 3, 3, 64, generator=torch.Generator().manual_seed(1))
+    probs = torch.rand(2, 3, 3, 200, generator=torch.Generator().manual_seed(2))[..., 40:168]
+    assert not k["codes"].is_contiguous() and not probs.is_contiguous()
+    scores = native.key_scores(query, k["codes"], k["scale"], k["zero"], 4)
+    torch.testing.assert_close(scores, query @ keys[:, :, 32:160].transpose(-1, -2), atol=1e-4, rtol=1e-5)
+    sums = native.value_sums(probs, v["codes"], v["scale"], v["zero"], 4, 32, 64)
+    torch.testing.assert_close(sums, probs @ values[:, :, 32:160], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_layouts_are_declined() -> None:
+    codec = KiviKeyCodec(bits=4)
+    enc, _ = encoded(codec, 1, 2, 64, 64)
+    t = enc.tensors
+    assert not native.supports(t["codes"][..., ::2], t["scale"], t["zero"], 4)  # bytes not contiguous
+    assert not native.supports(t["codes"], t["scale"].to(torch.float64), t["zero"], 4)
+    big = KiviKeyCodec(bits=4).encode(torch.randn(1, 1, 32, 1100))
+    assert not native.supports(big.tensors["codes"], big.tensors["scale"], big.tensors["zero"], 4)
+
+
+def test_the_library_is_built_once_and_shared(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVFACTORY_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_library", native._library.__wrapped__)
+    first = native._build("cc")
+    built = first.stat().st_mtime_ns
+    assert native._build("cc") == first and first.stat().st_mtime_ns == built
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_no_compiler_warns_and_leaves_the_torch_kernels(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVFACTORY_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="building the C decode kernels failed"):
+        assert native._library.__wrapped__() is None
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native._library.__wrapped__() is None
+    assert "building the C decode kernels failed" in str(caught[0].message)
+    assert list(tmp_path.iterdir()) == []
