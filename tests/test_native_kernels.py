@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
+from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
 
@@ -85,21 +84,18 @@ def test_unsupported_layouts_are_declined() -> None:
 
 def test_the_library_is_built_once_and_shared(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVFACTORY_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "_library", native._library.__wrapped__)
-    first = native._build("cc")
+    first = kernels.build("kivi", "cc")
     built = first.stat().st_mtime_ns
-    assert native._build("cc") == first and first.stat().st_mtime_ns == built
+    assert kernels.build("kivi", "cc") == first and first.stat().st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
 def test_no_compiler_warns_and_leaves_the_torch_kernels(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVFACTORY_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with pytest.warns(UserWarning, match="building the C decode kernels failed"):
-        assert native._library.__wrapped__() is None
+    with pytest.warns(UserWarning, match="building the C kivi kernels failed"):
+        assert kernels.load.__wrapped__("kivi") is None
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert native._library.__wrapped__() is None
-    assert "building the C decode kernels failed" in str(caught[0].message)
+    with pytest.warns(UserWarning, match="building the C kivi kernels failed"):
+        assert kernels.load.__wrapped__("kivi") is None
     assert list(tmp_path.iterdir()) == []

@@ -1,89 +1,31 @@
-"""KIVI decode kernels in C (``kernels/kivi.c``), compiled on first use and called through ctypes.
+"""KIVI decode kernels in C (``kvfactory/kernels/kivi.c``) for the CPU.
 
 At batch 1 a decode step's attention over a 6k-token int4 layer is a few hundred thousand
 multiply-adds: the cost is in unpacking codes and in per-call overhead, not in memory traffic.
 ``torch.compile``'s kernels for it (``fused``) spend more on unpacking nibbles than fp32 BLAS on 8x
-the bytes, plus dynamo's guard and wrapper time per call; this C file unpacks a token's codes into
-registers and does the whole layer in one call, with scales read in their stored FP8/fp16.
-
-The library is built with the system C compiler (``cc``, ``-O3 -march=native``) into
-``$XDG_CACHE_HOME/kvfactory/kernels`` (or ``KVFACTORY_KERNEL_DIR``), named by a hash of the source,
-the flags and the CPU, and written atomically so parallel processes share it. Without a compiler
-``available()`` is False with one warning and callers use the ``fused`` kernels instead. CPU
-tensors only.
+the bytes, plus dynamo's guard and wrapper time per call; the C kernels unpack codes in registers
+(AVX-512 where the CPU has it) and read the whole layer in one call, with scales in their stored
+FP8/fp16. Built on first use (``kvfactory.kernels``); without a compiler ``available()`` is False
+and callers use the ``fused`` kernels. CPU tensors only.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import warnings
 from functools import cache
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels") / "kivi.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+from kvfactory import kernels
+from kvfactory.kernels import I64 as _I64
+from kvfactory.kernels import PTR as _PTR
+
 MAX_DIM, MAX_ROWS = 512, 64  # as in kivi.c
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
-def _cpu_id() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return "".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
-
-
-def _kernel_dir() -> Path:
-    if "KVFACTORY_KERNEL_DIR" in os.environ:
-        return Path(os.environ["KVFACTORY_KERNEL_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvfactory" / "kernels"
-
-
-def _build(compiler: str) -> Path:
-    """The compiled library, built unless a matching one is cached."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _kernel_dir() / f"kivi-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
-                           text=True, timeout=120)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
-
-
-@cache
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        warnings.warn("kvfactory: no C compiler found; quantized decode uses the torch.compile kernels",
-                      stacklevel=3)
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as err:
-        detail = getattr(err, "stderr", "") or err
-        warnings.warn(f"kvfactory: building the C decode kernels failed ({detail}); quantized decode uses "
-                      "the torch.compile kernels", stacklevel=3)
-        return None
-    lib.kivi_key_scores.restype = lib.kivi_value_sums.restype = None
-    return lib
+    return kernels.load("kivi")
 
 
 def available() -> bool:

@@ -111,6 +111,7 @@ class PagedRuns:
         self.block_tokens = math.lcm(pool.page_size, key_codec.unit, value_codec.unit)
         self.table = BlockTable(self.block_tokens)
         self._spec: PoolSpec | None = None
+        self._views: tuple[tuple, tuple[Encoded, Encoded]] | None = None  # encoded(), while unchanged
         weakref.finalize(self, self.table.release)
 
     @property
@@ -130,9 +131,18 @@ class PagedRuns:
         self.table.append(self.pool.block_pool(self.spec(like)), _streams(ek, ev), ek.tokens)
 
     def encoded(self) -> tuple[Encoded, Encoded]:
-        """Everything stored: views for one row in consecutive blocks, else gathered copies."""
-        names = [name for name, _, _ in self.table.pool.spec.tensors]
-        return _split({name: self.table.read(name, self.pool) for name in names}, self.tokens)
+        """Everything stored: views for one row in consecutive blocks, else gathered copies. The views
+        are kept until the table or the pool's tensors change (a decode step adds a group of tokens
+        only every ``block_tokens`` steps), so most steps do not rebuild them."""
+        table = self.table
+        key = (table.start, table.length, table.ids, *table.pool.tensors.values())
+        if self._views is not None and key[:2] == self._views[0][:2] and len(key) == len(self._views[0]) \
+                and all(a is b for a, b in zip(key[2:], self._views[0][2:], strict=True)):
+            return self._views[1]
+        names = [name for name, _, _ in table.pool.spec.tensors]
+        encoded = _split({name: table.read(name, self.pool) for name in names}, self.tokens)
+        self._views = (key, encoded) if table.run_start is not None else None
+        return encoded
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.table.select_rows(rows)

@@ -1,7 +1,7 @@
 /* Decode-step attention products straight from KIVI's packed codes, on the CPU.
  *
- * Built and loaded by kvfactory/codecs/native.py (ctypes; no Python or torch headers, so it
- * compiles in about a second). Layouts are those of kvfactory/codecs/kivi.py and packing.py:
+ * Built by kvfactory/kernels/__init__.py, called by kvfactory/codecs/native.py. Layouts are those
+ * of kvfactory/codecs/kivi.py and packing.py:
  * P bytes hold the codes of Dp = P * 8 / bits channels in planes, byte j holding channel
  * j + k * P in bits [k * bits, (k + 1) * bits).
  *
