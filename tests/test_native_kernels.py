@@ -1,4 +1,5 @@
-"""The C decode kernels (``kvfactory.codecs.native``) equal decoding the codes and multiplying."""
+"""The C kernels equal their torch definitions: KIVI decode (``kvfactory.codecs.native``) against
+decoding the codes and multiplying, page scores and top pages (``kvfactory.selectors.pages``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
+from kvfactory.selectors.pages import best_dot, row_dots, top_pages
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
@@ -99,3 +101,29 @@ def test_no_compiler_warns_and_leaves_the_torch_kernels(tmp_path, monkeypatch) -
     with pytest.warns(UserWarning, match="building the C kivi kernels failed"):
         assert kernels.load.__wrapped__("kivi") is None
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("features", [128, 192, 24])  # 24: not whole vectors (the portable loop)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_page_scores_equal_the_matrix_product(dtype, features, rows) -> None:
+    gen = torch.Generator().manual_seed(0)
+    bases = torch.randn(2, 3, 50, features + 8, generator=gen).to(dtype)[..., :features]  # a strided view
+    query = torch.randn(2, 3, rows, features, generator=gen)
+    dots = query @ bases.float().transpose(-1, -2)
+    torch.testing.assert_close(row_dots(query, bases), dots, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(best_dot(query, bases), dots.amax(2), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("lo", "hi", "k"), [(0, 50, 7), (1, 49, 48), (3, 40, 1), (0, 50, 50)])
+def test_top_pages_are_the_largest_scores(lo, hi, k) -> None:
+    scores = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(1))
+    scores[0, 0, 10] = float("nan")  # never preferred to a number
+    scores[1, 2, 20:30] = 0.5  # ties
+    got = top_pages(scores, lo, hi, k)
+    assert got.shape == (2, 3, k) and ((got >= lo) & (got < hi)).all()
+    for row, picked in zip(scores.flatten(0, 1), got.flatten(0, 1), strict=True):
+        assert picked.unique().numel() == k
+        window = row[lo:hi].nan_to_num(float("-inf"))
+        kth = window.topk(k).values[-1]
+        assert (row[picked].nan_to_num(float("-inf")) >= kth).all()

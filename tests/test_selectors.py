@@ -121,44 +121,58 @@ def test_pages_to_read_counts_the_always_read_pages(options: dict, stored: int, 
     assert SelectorSpec("quest", **options).pages_to_read(stored) == pages
 
 
+def stored_bound(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """The value of ``dtype`` nearest ``x`` on the side that keeps it a bound."""
+    low = x.to(dtype)
+    wrong = low.float() < x if up else low.float() > x
+    return torch.where(wrong, low.nextafter(torch.tensor(float("inf" if up else "-inf"), dtype=dtype)), low)
+
+
 @pytest.mark.parametrize("with_mean", [False, True])
-def test_page_bases_hold_each_pages_key_bounds(with_mean: bool) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_page_bases_hold_each_pages_key_bounds(with_mean: bool, dtype: torch.dtype) -> None:
+    """Exact in float32; in float16 the maxima are rounded up and the minima down, to the nearest
+    float16 on that side, and the means to nearest."""
     gen = torch.Generator().manual_seed(0)
-    bases, chunks = PageBases(PAGE, with_mean), []
+    bases, chunks = PageBases(PAGE, with_mean, dtype), []
     for n in (5, 1, 1, 7, 16, 3, 0, 2):
-        chunks.append(torch.randn(2, 3, n, 6, generator=gen))
+        chunks.append(torch.randn(2, 3, n, 6, generator=gen) * 3)
         bases.append(chunks[-1])
     keys = torch.cat(chunks, 2)
     t = keys.shape[2]
-    assert bases.length == t and bases.pages == -(-t // PAGE)
+    assert bases.length == t and bases.pages == -(-t // PAGE) and bases.features.dtype == dtype
     padded = torch.cat([keys, keys[:, :, -1:].expand(2, 3, bases.pages * PAGE - t, 6)], 2)
     pages = padded.view(2, 3, bases.pages, PAGE, 6)
-    torch.testing.assert_close(bases.kmax, pages.amax(3), rtol=0, atol=0)
-    torch.testing.assert_close(bases.kmin, pages.amin(3), rtol=0, atol=0)
+    kmax, kmin = stored_bound(pages.amax(3), dtype, up=True), stored_bound(pages.amin(3), dtype, up=False)
+    assert torch.equal(bases.kmax, kmax) and torch.equal(bases.kmin, kmin)
+    assert (bases.kmax.float() >= pages.amax(3)).all() and (bases.kmin.float() <= pages.amin(3)).all()
     if with_mean:
         sums = torch.zeros(2, 3, bases.pages * PAGE, 6)
         sums[:, :, :t] = keys
         counts = torch.tensor([min(PAGE, t - p * PAGE) for p in range(bases.pages)], dtype=torch.float32)
         means = sums.view(2, 3, bases.pages, PAGE, 6).sum(3) / counts[:, None]
-        torch.testing.assert_close(bases.kmean, means)
+        tolerance = {"atol": 1e-5, "rtol": 1.3e-6} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+        torch.testing.assert_close(bases.kmean.float(), means, **tolerance)
     bases.select_rows(torch.tensor([1, 1, 0]))
-    torch.testing.assert_close(bases.kmax, pages.amax(3)[[1, 1, 0]], rtol=0, atol=0)
+    assert torch.equal(bases.kmax, kmax[[1, 1, 0]])
 
 
-def test_quest_bound_is_at_least_every_key_score_of_the_page() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(1, 2, 40, 8, generator=gen)
-    bases = PageBases(PAGE)
+    bases = PageBases(PAGE, dtype=dtype)
     bases.append(keys)
     queries = torch.randn(1, 2, 1, 8, generator=gen)  # one query head per KV head: the bound is Quest's
     bound = QuestSelector().page_scores(queries, bases, RoutingContext())
     exact = (queries @ keys.transpose(-1, -2)).view(1, 2, 10, PAGE).amax(-1)
     assert (bound >= exact - 1e-5).all()
     # the bound is tight for a page whose keys share one sign pattern per channel (a single key)
-    single = PageBases(1)
+    single = PageBases(1, dtype=dtype)
     single.append(keys)
+    tolerance = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-3}
     torch.testing.assert_close(QuestSelector().page_scores(queries, single, RoutingContext()),
-                               (queries @ keys.transpose(-1, -2))[:, :, 0])
+                               (queries @ keys.transpose(-1, -2))[:, :, 0], **tolerance)
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
@@ -307,9 +321,9 @@ def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantiz
         / metrics["kv_bytes_full_per_step"]
     if quantized:  # 4 or 5 of 16 to 17 pages, the full-precision window among them
         assert 0.2 < data < 0.6
-    else:  # 16 to 17 pages stored, 4 or 5 read, plus the page bases (2 or 3 key vectors of 2 * PAGE per page)
-        cls = SELECTORS[selector]
-        bases = (3 if cls.uses_mean else 2) / (2 * PAGE) if cls.reads_bases else 0.0
+    else:  # 16 to 17 pages stored, 4 or 5 read, plus the page bases (2 or 3 key vectors of 2 * PAGE per
+        cls = SELECTORS[selector]  # page, in float16 against float32 K/V)
+        bases = (3 if cls.uses_mean else 2) / (2 * PAGE) / 2 if cls.reads_bases else 0.0
         assert 4 / 17 + bases - 0.01 < metrics["read_fraction"] < 5 / 16 + bases + 0.01
     assert 0 <= metrics["hit_rate"] <= 1 and 0 < metrics["recall"] <= 1 + 1e-6
     assert 0 < metrics["page_utilisation"] <= 1
@@ -340,8 +354,8 @@ def test_memory_report_counts_the_page_bases() -> None:
         quest = KVCacheFactory(model.config, sparse("quest")).create_cache()
         for cache in (plain, quest):
             model(random_prompt(20), past_key_values=cache)
-    # per layer: 5 pages x 2 KV heads x (max, min) x head_dim 16 x fp32
-    assert quest.memory_report()["allocated"] - plain.memory_report()["allocated"] == 2 * 5 * 2 * 2 * 16 * 4
+    # per layer: 5 pages x 2 KV heads x (max, min) x head_dim 16 x float16
+    assert quest.memory_report()["allocated"] - plain.memory_report()["allocated"] == 2 * 5 * 2 * 2 * 16 * 2
 
 
 def test_oval_needs_the_decoders_hidden_state() -> None:

@@ -1,7 +1,9 @@
 """C kernels for the CPU hot paths, compiled on first use and called through ctypes.
 
 Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in about a second):
-``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``). ``load(NAME)`` builds it with
+``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``), ``pages.c`` scores and
+picks a layer's pages for the page selectors (``kvfactory.selectors.pages``), ``common.h`` is what
+they share. ``load(NAME)`` builds one with
 the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
 ``$XDG_CACHE_HOME/kvfactory/kernels`` (or ``KVFACTORY_KERNEL_DIR``), named by a hash of the source,
 the flags and the CPU, written atomically so parallel processes share it. Without a working
@@ -44,8 +46,9 @@ def _kernel_dir() -> Path:
 
 
 def build(name: str, compiler: str) -> Path:
-    """The compiled library of ``NAME.c``, built unless a matching one is cached."""
-    text = source(name).read_bytes()
+    """The compiled library of ``NAME.c`` (with the headers here), built unless a matching one is cached."""
+    headers = sorted(source(name).parent.glob("*.h"))
+    text = source(name).read_bytes() + b"".join(h.read_bytes() for h in headers)
     key = hashlib.sha256(text + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     target = _kernel_dir() / f"{name}-{key}.so"
     if not target.exists():

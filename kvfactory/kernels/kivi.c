@@ -13,56 +13,7 @@
  * Scales and zero points are read in their stored dtype (float32, float16, bfloat16, or FP8 through
  * a 256-entry table), so nothing is widened in memory per step.
  */
-#include <stdint.h>
-#include <string.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-enum { F32 = 0, F16 = 1, BF16 = 2, LUT8 = 3 };
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) {  /* subnormal: normalise */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    } else {
-        bits = sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* n parameters of kind `kind` starting at `p` as floats in `out`. */
-static inline void load_params(const void *p, int kind, const float *lut, int64_t n, float *out) {
-    if (kind == F32) {
-        memcpy(out, p, (size_t)n * 4);
-    } else if (kind == F16) {
-        const uint16_t *h = (const uint16_t *)p;
-        int64_t i = 0;
-#if defined(__F16C__)
-        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#endif
-        for (; i < n; i++) out[i] = half_to_float(h[i]);
-    } else if (kind == BF16) {
-        const uint16_t *h = (const uint16_t *)p;
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t bits = (uint32_t)h[i] << 16;
-            memcpy(out + i, &bits, 4);
-        }
-    } else {
-        const uint8_t *b = (const uint8_t *)p;
-        for (int64_t i = 0; i < n; i++) out[i] = lut[b[i]];
-    }
-}
-
-static int64_t param_size(int kind) { return kind == F32 ? 4 : kind == LUT8 ? 1 : 2; }
+#include "common.h"
 
 #define MAX_DIM 512  /* padded channels per head (Dp); checked by the caller */
 #define MAX_ROWS 64  /* query rows per KV head (heads per group x query length); checked too */

@@ -4,9 +4,14 @@ A page is ``page_size`` consecutive stored tokens (the paged store's blocks); pe
 and KV head the bases keep the per-channel maximum and minimum of its keys, Quest's bound
 (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"),
 and, for selectors that embed pages (OVAL), the mean key; side by side in one
-``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one matrix product. They are updated as
+``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one pass over them. They are updated as
 tokens are appended, one vectorised reduction per append. ``DynamicPageBases`` keeps the same
 features for pages of varying size (``layout.py``).
+
+Every decode step reads each sparse layer's bases whole, so they are stored in float16 by default
+(half the bytes of float32 keys): maxima rounded up and minima rounded down, so Quest's bound stays
+a bound, means to nearest. On the CPU the scores and the top pages come from C kernels
+(``kvfactory/kernels/pages.c``) that read float16 directly; elsewhere from torch.
 """
 
 from __future__ import annotations
@@ -15,16 +20,69 @@ import math
 
 import torch
 
+from kvfactory import kernels
 from kvfactory.selectors.layout import PageLayout
 
 GROWTH = 1.25  # capacity grows by a quarter, as paged pools do
 
 
-class PageBases:
-    """Per-page key statistics of one layer's stored tokens: ``[kmax | kmin]`` (+ ``| kmean``)."""
+def _pages_library(t: torch.Tensor) -> object | None:
+    return kernels.load("pages") if t.device.type == "cpu" else None
 
-    def __init__(self, page_size: int, with_mean: bool = False) -> None:
-        self.page_size, self.with_mean = page_size, with_mean
+
+def best_dot(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """``max_r rows[..., r, :] · features[..., p, :]`` in float32: ``rows [B, H, R, F]`` against
+    ``features [B, H, P, F]`` (float32 or float16, a view of the bases) gives ``[B, H, P]``."""
+    return _dots(rows, features, best_only=True)
+
+
+def row_dots(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """``rows @ features^T`` in float32, every row kept: ``[B, H, R, P]``."""
+    return _dots(rows, features, best_only=False)
+
+
+def _dots(rows: torch.Tensor, features: torch.Tensor, best_only: bool) -> torch.Tensor:
+    lib = _pages_library(features)
+    if lib is None or features.stride(-1) != 1 or features.dtype not in _FEATURE_KINDS:
+        dots = rows.float() @ features.float().transpose(-1, -2)
+        return dots.amax(2) if best_only else dots
+    b, h, r, f = rows.shape
+    p = features.shape[2]
+    rows = rows.float().contiguous()
+    out = torch.empty((b, h, p) if best_only else (b, h, r, p), dtype=torch.float32)
+    fs = features.stride()
+    lib.page_scores(kernels.I64(b), kernels.I64(h), kernels.I64(r), kernels.I64(f), kernels.I64(p),
+                    kernels.PTR(rows.data_ptr()), kernels.PTR(features.data_ptr()),
+                    _FEATURE_KINDS[features.dtype], kernels.I64(fs[0]), kernels.I64(fs[1]),
+                    kernels.I64(fs[2]), int(best_only), kernels.PTR(out.data_ptr()))
+    return out
+
+
+def top_pages(scores: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
+    """Indices of the ``k`` best pages in ``[lo, hi)`` of ``scores [B, H, P]``: ``[B, H, k]``, unordered."""
+    lib = _pages_library(scores)
+    if lib is None or scores.dtype != torch.float32:
+        return scores[..., lo:hi].topk(k, dim=-1, sorted=False).indices + lo
+    b, h, p = scores.shape
+    scores = scores.contiguous()
+    out = torch.empty(b, h, k, dtype=torch.long)
+    if lib.top_pages(kernels.I64(b * h), kernels.I64(p), kernels.PTR(scores.data_ptr()), kernels.I64(lo),
+                     kernels.I64(hi), kernels.I64(k), kernels.PTR(out.data_ptr())):
+        raise MemoryError(f"top_pages: no memory to rank {hi - lo} pages")
+    return out
+
+
+_FEATURE_KINDS = {torch.float32: 0, torch.float16: 1}
+INF = float("inf")
+
+
+class PageBases:
+    """Per-page key statistics of one layer's stored tokens: ``[kmax | kmin]`` (+ ``| kmean``), stored
+    in ``dtype`` (None: the keys' own)."""
+
+    def __init__(self, page_size: int, with_mean: bool = False, dtype: torch.dtype | None = torch.float16
+                 ) -> None:
+        self.page_size, self.with_mean, self.dtype = page_size, with_mean, dtype
         self.length = 0
         self._bases: torch.Tensor | None = None  # [B, Hkv, capacity, (2 or 3) * D]
 
@@ -93,7 +151,7 @@ class PageBases:
             old = self._bases[:, :, first]
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
             new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
-        self._bases[:, :, first:last] = new
+        self._bases[:, :, first:last] = self._stored(new)
         self.length += n
 
     def _add_one(self, key: torch.Tensor, page: int, offset: int, d: int) -> None:
@@ -104,15 +162,28 @@ class PageBases:
                 parts.append((slot[..., 2 * d:] * offset + key) / (offset + 1))
         else:
             parts = [key] * (3 if self.with_mean else 2)
-        slot.copy_(torch.cat(parts, -1))
+        slot.copy_(self._stored(torch.cat(parts, -1)))
         self.length += 1
+
+    def _stored(self, new: torch.Tensor) -> torch.Tensor:
+        """Features ``new [..., (2 or 3) * D]`` in the storage dtype: maxima rounded up and minima down
+        (negated, so one upward rounding does both), means to nearest."""
+        if self.dtype is None or new.dtype == self.dtype:
+            return new
+        d = new.shape[-1] // (3 if self.with_mean else 2)
+        bounds = torch.cat([new[..., :d], -new[..., d:2 * d]], -1)
+        low = bounds.to(self.dtype)
+        up = torch.where(low.to(bounds.dtype) < bounds, low.nextafter(low.new_full((), INF)), low)
+        up[..., d:].neg_()
+        return torch.cat([up, new[..., 2 * d:].to(self.dtype)], -1) if self.with_mean else up
 
     def _reserve(self, pages: int, like: torch.Tensor) -> None:
         if self._bases is not None and self._bases.shape[2] >= pages:
             return
         b, h, _, d = like.shape
         capacity = max(pages, math.ceil((0 if self._bases is None else self._bases.shape[2]) * GROWTH))
-        grown = like.new_empty((b, h, capacity, (3 if self.with_mean else 2) * d))
+        width = (3 if self.with_mean else 2) * d
+        grown = like.new_empty((b, h, capacity, width), dtype=self.dtype or like.dtype)
         if self._bases is not None:
             grown[:, :, :self.pages] = self.features
         self._bases = grown
@@ -137,8 +208,9 @@ class DynamicPageBases(PageBases):
     scatter over each token's page; ``append`` places tokens the layout has not yet cut as decoded
     ones (``PageLayout.cover``)."""
 
-    def __init__(self, layout: PageLayout, with_mean: bool = False) -> None:
-        super().__init__(layout.page_size, with_mean)
+    def __init__(self, layout: PageLayout, with_mean: bool = False, dtype: torch.dtype | None = torch.float16
+                 ) -> None:
+        super().__init__(layout.page_size, with_mean, dtype)
         self.layout = layout
         self._pages = 0
 
@@ -173,7 +245,7 @@ class DynamicPageBases(PageBases):
             old = self._bases[:, :, first]
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
             new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
-        self._bases[:, :, first:last] = new
+        self._bases[:, :, first:last] = self._stored(new)
         self.length, self._pages = end, last
 
     def clear(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfactory.selectors.base import RoutingContext, Selector
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import PageBases, best_dot
 
 
 @dataclass
@@ -23,6 +23,5 @@ class QuestSelector(Selector):
 
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         bounds = bases.bounds  # [B, Hkv, pages, 2D]: max then min per channel
-        queries = queries.to(bounds.dtype)
         split = torch.cat([queries.clamp(min=0), queries.clamp(max=0)], -1)  # q+ meets the max, q- the min
-        return (split @ bounds.transpose(-1, -2)).amax(2)
+        return best_dot(split, bounds)

@@ -28,7 +28,7 @@ from kvfactory.attention import DeferredRead, NarrowRead
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.layout import OVERLAP, PageLayout, attention_entropy
 from kvfactory.selectors.metrics import RoutingMetrics
-from kvfactory.selectors.pages import DynamicPageBases, PageBases
+from kvfactory.selectors.pages import DynamicPageBases, PageBases, top_pages
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import MemoryReport, WrappedStore
 from kvfactory.storage.paged import PagedStore
@@ -49,9 +49,9 @@ class SparseStore(WrappedStore):
         if spec.dynamic_pages:
             self.layout = context.shared.setdefault(
                 "pages.layout", PageLayout(self.page_size, spec.max_page, spec.entropy_jump))
-            self.bases = DynamicPageBases(self.layout, with_mean=selector.uses_mean)
+            self.bases = DynamicPageBases(self.layout, selector.uses_mean, spec.bases_torch_dtype)
         else:
-            self.bases = PageBases(self.page_size, with_mean=selector.uses_mean)
+            self.bases = PageBases(self.page_size, selector.uses_mean, spec.bases_torch_dtype)
         self.steps = 0  # decode steps seen by this layer
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V (decode steps)
         self._heads = 0  # KV heads stored
@@ -280,8 +280,8 @@ class SparseRead(PageRead):
         chosen = min(self.wanted - lo - (pages - hi), hi - lo)
         if chosen <= 0:
             return sink, hi
-        scores = store.selector.page_scores(queries, store.bases, store.context)[..., lo:hi]
-        best = scores.topk(chosen, dim=-1, sorted=False).indices + lo
+        scores = store.selector.page_scores(queries, store.bases, store.context)
+        best = top_pages(scores, lo, hi, chosen)
         return torch.cat([sink, best], -1), hi
 
     def narrow(self, query: torch.Tensor, attention_mask: torch.Tensor | None

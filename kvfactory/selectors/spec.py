@@ -14,6 +14,8 @@ hyperparameters under their names.
 - ``dynamic_pages``: pages of 1..``max_page`` tokens cut at prefill where attention entropy jumps
   (``entropy_jump`` standard deviations; ``layout.py``) instead of the storage's fixed pages; the
   budget is then counted in tokens (``read_budget`` only), and storage must be plain paged.
+- ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
+  reads; maxima rounded up and minima down) or ``"float32"``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvfactory.errors import ConfigError
 from kvfactory.options import describe, options_of, type_ok
 from kvfactory.selectors import SELECTORS, Selector
 
 DEFAULT_READ_BUDGET = 0.125
+BASES_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class SelectorSpec:
     dynamic_pages: bool = False
     max_page: int = 32
     entropy_jump: float = 2.0
+    bases_dtype: str = "float16"
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,6 +65,8 @@ class SelectorSpec:
             raise ConfigError("max_page", self.max_page, "an integer in [1, 1024] (tokens per dynamic page)")
         if self.entropy_jump < 0:
             raise ConfigError("entropy_jump", self.entropy_jump, "a number >= 0 (standard deviations)")
+        if self.bases_dtype not in BASES_DTYPES:
+            raise ConfigError("bases_dtype", self.bases_dtype, " or ".join(BASES_DTYPES))
         if self.dynamic_pages and self.top_k is not None:
             raise ConfigError("top_k", self.top_k, "read_budget with dynamic_pages (pages differ in size)")
         self.build_selector()
@@ -81,6 +89,10 @@ class SelectorSpec:
             if isinstance(exc, TypeError):
                 raise ConfigError(f"{where}name", name, str(exc)) from None
             raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
+
+    @property
+    def bases_torch_dtype(self) -> torch.dtype:
+        return BASES_DTYPES[self.bases_dtype]
 
     def build_selector(self) -> Selector:
         return SELECTORS[self.selector](**self.options)

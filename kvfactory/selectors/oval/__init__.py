@@ -58,6 +58,7 @@ class OvalSelector(Selector):
     rebuild_every: int = 100
     uses_mean: ClassVar[bool] = True
     _layer: int = field(default=0, init=False, repr=False)
+    _router: Router | None = field(default=None, init=False, repr=False, compare=False)  # on first use
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.graph <= 1.0:
@@ -73,9 +74,16 @@ class OvalSelector(Selector):
     def bind(self, layer_idx: int, num_layers: int) -> None:
         self._layer = layer_idx
 
+    @property
+    def loaded_router(self) -> Router:
+        """The router, read from its file once per selector (files are shared through ``load_router``)."""
+        if self._router is None:
+            self._router = load_router(str(router_path(self.router)))
+        return self._router
+
     @torch.no_grad()
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
-        router = load_router(str(router_path(self.router)))
+        router = self.loaded_router
         if context.hidden is None:
             raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
                                "received: load the model with kvfactory.models.load_model or call "
@@ -97,6 +105,8 @@ class OvalSelector(Selector):
 
     def _graph(self, context: RoutingContext) -> CooccurrenceGraph:
         """The cache's graph; its step closes when the next step's hidden state arrives."""
-        graph = context.shared.setdefault("oval.graph", CooccurrenceGraph(self.window, self.rebuild_every))
+        graph = context.shared.get("oval.graph")
+        if graph is None:
+            graph = context.shared["oval.graph"] = CooccurrenceGraph(self.window, self.rebuild_every)
         context.remember("oval.step", graph.end_step)
         return graph

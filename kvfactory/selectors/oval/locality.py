@@ -16,9 +16,12 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from kvfactory.selectors.pages import row_dots
+
 
 class CooccurrenceGraph:
-    """Counts of pages read in the same step; ``adjacency`` is the last rebuild's normalised graph."""
+    """Counts of pages read in the same step; ``adjacency`` is the last rebuild's normalised graph,
+    kept in float16 (every sparse layer reads it every step)."""
 
     def __init__(self, window: int = 128, rebuild_every: int = 100) -> None:
         self.window, self.rebuild_every = window, rebuild_every
@@ -71,7 +74,7 @@ class CooccurrenceGraph:
         self.density = float((off > 0).sum()) / max(pages * (pages - 1), 1)
         links = (counts > 0).float().fill_diagonal_(1.0)
         scale = links.sum(-1).rsqrt()
-        self.adjacency = scale[:, None] * links * scale[None, :]
+        self.adjacency = (scale[:, None] * links * scale[None, :]).half()  # read by every layer each step
 
     def aggregate(self, scores: torch.Tensor, weight: float) -> torch.Tensor:
         """One GCN step over ``scores [..., P]``: mixed with their neighbours' by ``weight``; pages the
@@ -80,5 +83,6 @@ class CooccurrenceGraph:
             return scores
         known = min(self.adjacency.shape[0], scores.shape[-1])
         head = scores[..., :known]
-        mixed = head @ self.adjacency[:known, :known].to(scores.dtype)  # symmetric: rows == columns
-        return torch.cat([(1 - weight) * head + weight * mixed, scores[..., known:]], -1)
+        rows = head.reshape(1, 1, -1, known)
+        mixed = row_dots(rows, self.adjacency[None, None, :known, :known]).view(head.shape)  # A is symmetric
+        return torch.cat([(1 - weight) * head + weight * mixed.to(scores.dtype), scores[..., known:]], -1)

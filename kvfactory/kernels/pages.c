@@ -1,0 +1,122 @@
+/* Page selection for sparse decode: score every page of a layer, then keep the best k.
+ *
+ * Scores are the best dot product of a few query rows with each page's feature vector: Quest's
+ * bound (rows: each query head's positive and negative parts; features: the page's key maxima and
+ * minima) and OVAL's logit (one routing vector; features: maxima, minima and means) are both this;
+ * OVAL's graph step is the same product with every row kept (rows: scores; features: adjacency).
+ * Each page's features are read once, in their stored dtype (float16 halves the bytes a step
+ * reads), where torch's batched product packs the whole feature matrix first. Built by
+ * kvfactory/kernels/__init__.py, called by kvfactory/selectors/pages.py.
+ */
+#include <stdlib.h>
+
+#include "common.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define AHEAD 8  /* pages prefetched ahead */
+
+/* 16 features starting at f (float32 or float16) as a vector. */
+static inline __m512 load16(const void *f, int kind, int64_t i) {
+    if (kind == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)f + i)));
+    return _mm512_loadu_ps((const float *)f + i);
+}
+#endif
+
+/* best: scores[b, h, p] = max over r < R of rows[b, h, r, :] . features[b, h, p, :F] ([B, H, P]);
+ * otherwise every row's, scores[b, h, r, p] ([B, H, R, P]).
+ * rows: float32 [B, H, R, F] contiguous. features: float32 (kind F32) or float16 (F16) with element
+ * strides (fb, fh, fp), the F channels contiguous. scores: float32, contiguous. */
+void page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, const void *features,
+                 int kind, int64_t fb, int64_t fh, int64_t fp, int best_only, float *scores) {
+    const int64_t size = param_size(kind);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *q = rows + (b * H + h) * R * F;
+            const char *feat = (const char *)features + (b * fb + h * fh) * size;
+            float *out = scores + (b * H + h) * P * (best_only ? 1 : R);
+            for (int64_t p = 0; p < P; p++) {
+                const char *f = feat + p * fp * size;
+                float best = 0.f;
+#if defined(__AVX512F__)
+                if (F % 16 == 0 && F <= 512) {
+                    for (int64_t i = 0; i < F * size; i += 64)  /* bases are cold: ask for pages ahead */
+                        _mm_prefetch(f + AHEAD * fp * size + i, _MM_HINT_T0);
+                    __m512 x[32];
+                    for (int64_t i = 0; i < F / 16; i++) x[i] = load16(f, kind, 16 * i);
+                    for (int64_t r = 0; r < R; r++) {
+                        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * F), x[0]);
+                        for (int64_t i = 1; i < F / 16; i++)
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * F + 16 * i), x[i], acc);
+                        const float dot = _mm512_reduce_add_ps(acc);
+                        best = r == 0 || dot > best ? dot : best;
+                        if (!best_only) out[r * P + p] = dot;
+                    }
+                    if (best_only) out[p] = best;
+                    continue;
+                }
+#endif
+                float x[512];
+                for (int64_t r = 0; r < R; r++) {
+                    float dot = 0.f;
+                    for (int64_t i0 = 0; i0 < F; i0 += 512) {
+                        const int64_t n = F - i0 < 512 ? F - i0 : 512;
+                        load_params(f + i0 * size, kind, 0, n, x);
+                        for (int64_t i = 0; i < n; i++) dot += q[r * F + i0 + i] * x[i];
+                    }
+                    best = r == 0 || dot > best ? dot : best;
+                    if (!best_only) out[r * P + p] = dot;
+                }
+                if (best_only) out[p] = best;
+            }
+        }
+    }
+}
+
+/* Quickselect: reorder idx[0..n) so that its first k entries index the k largest values. */
+static void select_largest(const float *values, int64_t *idx, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const float pivot = values[idx[lo + (hi - lo) / 2]];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (values[idx[i]] > pivot) i++;
+            while (values[idx[j]] < pivot) j--;
+            if (i <= j) {
+                const int64_t t = idx[i];
+                idx[i] = idx[j];
+                idx[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else return;
+    }
+}
+
+/* For each of `rows` score rows of length P: the indices of the k largest of scores[lo..hi),
+ * unordered, into out [rows, k] (k <= hi - lo). NaN scores count as the smallest. Returns -1 if
+ * its working memory cannot be allocated. */
+int top_pages(int64_t rows, int64_t P, const float *scores, int64_t lo, int64_t hi, int64_t k, int64_t *out) {
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)(hi - lo));
+    float *values = malloc(sizeof(float) * (size_t)(hi - lo));
+    if (!idx || !values) {
+        free(idx);
+        free(values);
+        return -1;
+    }
+    for (int64_t row = 0; row < rows; row++) {
+        const float *s = scores + row * P;
+        for (int64_t i = 0; i < hi - lo; i++) {
+            idx[i] = i;
+            values[i] = s[lo + i] == s[lo + i] ? s[lo + i] : -__builtin_inff();
+        }
+        select_largest(values, idx, hi - lo, k);
+        for (int64_t i = 0; i < k; i++) out[row * k + i] = idx[i] + lo;
+    }
+    free(idx);
+    free(values);
+    return 0;
+}
