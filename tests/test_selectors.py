@@ -321,9 +321,10 @@ def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantiz
         / metrics["kv_bytes_full_per_step"]
     if quantized:  # 4 or 5 of 16 to 17 pages, the full-precision window among them
         assert 0.2 < data < 0.6
-    else:  # 16 to 17 pages stored, 4 or 5 read, plus the page bases (2 or 3 key vectors of 2 * PAGE per
-        cls = SELECTORS[selector]  # page, in float16 against float32 K/V)
-        bases = (3 if cls.uses_mean else 2) / (2 * PAGE) / 2 if cls.reads_bases else 0.0
+    else:  # 16 to 17 pages stored, 4 or 5 read, plus what scoring read per page in float16 against the
+        # 2 * PAGE float32 key and value vectors: Quest 2 key vectors (maxima, minima), OVAL its router's
+        # 32-number page embedding, here as large as 2 key vectors of head_dim 16
+        bases = 2 / (2 * PAGE) / 2 if SELECTORS[selector].reads_bases else 0.0
         assert 4 / 17 + bases - 0.01 < metrics["read_fraction"] < 5 / 16 + bases + 0.01
     assert 0 <= metrics["hit_rate"] <= 1 and 0 < metrics["recall"] <= 1 + 1e-6
     assert 0 < metrics["page_utilisation"] <= 1
@@ -384,6 +385,27 @@ def test_a_router_for_another_model_is_refused(tmp_path) -> None:
     broken.write_bytes(b"not a router")
     with pytest.raises(ConfigError, match="kvfactory oval train"):
         Router.load(broken)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_page_embeddings_follow_the_bases_and_score_as_the_raw_features(dtype: torch.dtype) -> None:
+    """OVAL reads each page's router embedding (projection applied to the page) instead of its raw
+    features (projection applied to the query): the same logits, kept up to date by every append."""
+    router = Router.load(tiny_router(64, 2, 16, (0, 1)))
+    gen = torch.Generator().manual_seed(3)
+    bases = PageBases(PAGE, with_mean=True, dtype=dtype)
+    bases.append(torch.randn(2, 2, 6, 16, generator=gen))
+    bases.set_embedding(lambda features: router.embed_pages(features, 1))  # pages held already: embedded
+    for n in (1, 1, 7, 16, 3, 1):
+        bases.append(torch.randn(2, 2, n, 16, generator=gen))
+    hidden = torch.randn(2, 64, generator=gen)
+    raw = router.logits(router.key_vectors(hidden)[:, 1], bases.features, None)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(router.logits(router.routing_queries(hidden)[:, 1], bases.embedded, None), raw,
+                               **tolerance)
+    assert bases.scored is bases.embedded or torch.equal(bases.scored, bases.embedded)
+    bases.select_rows(torch.tensor([1, 1]))
+    torch.testing.assert_close(bases.embedded, router.embed_pages(bases.features, 1).detach().to(dtype))
 
 
 def test_a_router_file_round_trips() -> None:

@@ -49,6 +49,11 @@ class Selector(ABC):
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
 
+    def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A map of page features ``[B, Hkv, n, F]`` to the ``[B, Hkv, n, E]`` this selector scores, for
+        the bases to keep up to date (``PageBases.set_embedding``); None: it reads the features."""
+        return None
+
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
         """Called with the indices of the pages this layer read in this step (``[B, Hkv, k]`` per head
         with fixed pages; a flat list of every page any head read with dynamic ones)."""

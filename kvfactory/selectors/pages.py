@@ -17,6 +17,7 @@ a bound, means to nearest. On the CPU the scores and the top pages come from C k
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -84,6 +85,8 @@ class PageBases:
                  ) -> None:
         self.page_size, self.with_mean, self.dtype = page_size, with_mean, dtype
         self.length = 0
+        self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # see ``set_embedding``
+        self._embedded: torch.Tensor | None = None  # [B, Hkv, capacity, E]
         self._bases: torch.Tensor | None = None  # [B, Hkv, capacity, (2 or 3) * D]
 
     @property
@@ -117,8 +120,43 @@ class PageBases:
         return self.features[..., 2 * self.head_dim:]
 
     @property
+    def embedded(self) -> torch.Tensor:
+        """``[B, Hkv, pages, E]``: each page's embedding (``set_embedding``)."""
+        return self._embedded[:, :, :self.pages]
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """What scoring a step reads: the embeddings where there are some, else the features."""
+        return self.features if self.embed is None else self.embedded
+
+    @property
     def nbytes(self) -> int:
-        return 0 if self._bases is None else self._bases.nbytes
+        return sum(0 if t is None else t.nbytes for t in (self._bases, self._embedded))
+
+    def set_embedding(self, embed: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Keep ``embed(features)`` of every page up to date as well (OVAL's page embeddings), in the
+        storage dtype: a selector that scores ``E`` numbers per page reads those instead of the
+        features' ``3 * D``."""
+        self.embed, self._embedded = embed, None
+        if embed is not None and self._bases is not None and self.pages:
+            self._embed(0, self.pages)
+
+    def _write(self, first: int, last: int, new: torch.Tensor) -> None:
+        """Store the features ``new [B, Hkv, last - first, F]`` of pages ``[first, last)``."""
+        self._bases[:, :, first:last] = self._stored(new)
+        if self.embed is not None:
+            self._embed(first, last)
+
+    @torch.no_grad()
+    def _embed(self, first: int, last: int) -> None:
+        """Embed pages ``[first, last)``; the pages before ``first`` are embedded already."""
+        embedded = self.embed(self._bases[:, :, first:last]).to(self._bases.dtype)
+        if self._embedded is None or self._embedded.shape[2] < self._bases.shape[2]:
+            grown = embedded.new_empty((*self._bases.shape[:3], embedded.shape[-1]))
+            if self._embedded is not None:
+                grown[:, :, :first] = self._embedded[:, :, :first]
+            self._embedded = grown
+        self._embedded[:, :, first:last] = embedded
 
     def append(self, keys: torch.Tensor) -> None:
         """Add ``keys [B, Hkv, n, D]`` after the ``length`` tokens already covered."""
@@ -151,7 +189,7 @@ class PageBases:
             old = self._bases[:, :, first]
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
             new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
-        self._bases[:, :, first:last] = self._stored(new)
+        self._write(first, last, new)
         self.length += n
 
     def _add_one(self, key: torch.Tensor, page: int, offset: int, d: int) -> None:
@@ -162,7 +200,7 @@ class PageBases:
                 parts.append((slot[..., 2 * d:] * offset + key) / (offset + 1))
         else:
             parts = [key] * (3 if self.with_mean else 2)
-        slot.copy_(self._stored(torch.cat(parts, -1)))
+        self._write(page, page + 1, torch.cat(parts, -1)[:, :, None])
         self.length += 1
 
     def _stored(self, new: torch.Tensor) -> torch.Tensor:
@@ -191,6 +229,8 @@ class PageBases:
     def select_rows(self, rows: torch.Tensor) -> None:
         if self._bases is not None:
             self._bases = self._bases[rows.to(self._bases.device)]
+        if self._embedded is not None:
+            self._embedded = self._embedded[rows.to(self._embedded.device)]
 
     def rebuild(self, keys: torch.Tensor | None) -> None:
         """Recompute from all stored ``keys`` (after a crop, a row selection or a compaction)."""
@@ -199,7 +239,7 @@ class PageBases:
             self.append(keys)
 
     def clear(self) -> None:
-        self._bases = None
+        self._bases = self._embedded = None
         self.length = 0
 
 
@@ -245,7 +285,7 @@ class DynamicPageBases(PageBases):
             old = self._bases[:, :, first]
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
             new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
-        self._bases[:, :, first:last] = self._stored(new)
+        self._write(first, last, new)
         self.length, self._pages = end, last
 
     def clear(self) -> None:

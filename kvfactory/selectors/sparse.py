@@ -64,6 +64,8 @@ class SparseStore(WrappedStore):
     def bind(self, layer_idx: int) -> None:
         super().bind(layer_idx)
         self.selector.bind(layer_idx, self.num_layers)
+        if self.routed:
+            self.bases.set_embedding(self.selector.page_embedding())
 
     # -- storage, delegated; bases follow ---------------------------------------------------
     @property
@@ -300,7 +302,7 @@ class SparseRead(PageRead):
         pages = store.bases.pages
         self.pages = torch.cat([chosen, torch.arange(tail, pages, device=at).expand(b, hkv, -1)], -1)
         self.read = torch.zeros((b, hkv, pages), dtype=torch.bool, device=at).scatter_(2, self.pages, True)
-        bases_bytes = store.bases.features.nbytes if store.selector.reads_bases else 0
+        bases_bytes = store.bases.scored.nbytes if store.selector.reads_bases else 0
         read = b * store.inner.read_bytes(k * ps, length - tail * ps) + bases_bytes
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, bases_bytes)
         store._mark_read(self.read)
@@ -351,7 +353,7 @@ class DynamicRead(PageRead):
         mask = column_mask(columns, None if bool(valid.all()) else valid, attention_mask, query, length)
         self.read = read.to(query.device)
         tokens = int(valid.sum())
-        bases_bytes = store.bases.features.nbytes if store.selector.reads_bases else 0
+        bases_bytes = store.bases.scored.nbytes if store.selector.reads_bases else 0
         read_bytes = store.inner.read_bytes(tokens, 0) // hkv + bases_bytes
         store.metrics.record_read(store.steps, read_bytes, store.full_bytes(), seconds, bases_bytes)
         store._mark_read(read)

@@ -10,6 +10,7 @@ train`` (``train.py``) trains one for any model.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -92,12 +93,25 @@ class OvalSelector(Selector):
             raise ConfigError("router", self.router, f"a router for hidden size {context.hidden.shape[-1]} "
                               f"(this one was trained for {router.shape.hidden_size}, "
                               f"{router.shape.model}): train one with `kvfactory oval train`")
-        vectors = context.remember(("oval", id(router)), lambda: router.key_vectors(context.hidden))
+        queries = context.remember(("oval", id(router)), lambda: router.routing_queries(context.hidden))
         group = router.shape.group_of(self._layer)
-        positional = context.remember("oval.decay", lambda: router.positional(bases.pages, vectors.device)) \
+        positional = context.remember("oval.decay", lambda: router.positional(bases.pages, queries.device)) \
             if self.decay else None  # the same for every layer of a step
-        scores = router.logits(vectors[:, group], bases.features, positional)
+        scores = router.logits(queries[:, group], bases.embedded, positional)
         return self._graph(context).aggregate(scores, self.graph)
+
+    def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        router = self.loaded_router
+
+        def embed(features: torch.Tensor) -> torch.Tensor:
+            shape = router.shape
+            if features.shape[1] != shape.kv_heads or features.shape[-1] != 3 * shape.head_dim:
+                raise ConfigError("router", self.router, f"a router for {features.shape[1]} KV heads of "
+                                  f"{features.shape[-1] // 3} channels (this one was trained for "
+                                  f"{shape.kv_heads} of {shape.head_dim}, {shape.model}): train one with "
+                                  f"`kvfactory oval train`")
+            return router.embed_pages(features, shape.group_of(self._layer))
+        return embed
 
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:
         if self.graph:

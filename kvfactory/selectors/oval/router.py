@@ -8,9 +8,11 @@ per channel) plus a positional decay ``exp(-Δpages / 32)`` from the current pag
 content-based, so they generalise across sequences (the seed's logits over fixed page ids do not),
 and inference takes a deterministic top-k.
 
-The projection is applied to the query side (``key_vectors``: one vector per layer group and KV
-head in the page-basis space, computed once per step), so scoring a layer is one product with
-the bases the store keeps anyway. Weights and the architecture live in one safetensors file.
+Training applies the projection to the query side (``key_vectors``: one vector per layer group and
+KV head in the page-basis space) and scores raw page features; inference applies it to the pages
+as they fill (``embed_pages``, kept by the page bases), so each decode step reads ``dim`` (32)
+numbers per page instead of ``3 * head_dim`` (192). Weights and the architecture live in one
+safetensors file.
 """
 
 from __future__ import annotations
@@ -73,14 +75,23 @@ class Router(torch.nn.Module):
         self.log_temperature = torch.nn.Parameter(torch.zeros(()))
         self.decay = torch.nn.Parameter(torch.zeros(()))
 
-    def key_vectors(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden_size]`` -> ``[N, groups, kv_heads, 3 * head_dim]``: each routing query
-        through its group's page projection, over the temperature."""
+    def routing_queries(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> ``[N, groups, kv_heads, dim]``: the routing queries, over the
+        temperature; a page's logit is one dotted with the page's embedding (``embed_pages``)."""
         s = self.shape
         x = F.gelu(self.inp(hidden.to(self.inp.weight.dtype)))
         query = self.out(x) + (x @ self.lora_a.T) @ self.lora_b.T
-        query = query.view(-1, s.groups, s.kv_heads, s.dim)
-        return torch.einsum("nghr,ghrf->nghf", query, self.page) / self.log_temperature.exp()
+        return query.view(-1, s.groups, s.kv_heads, s.dim) / self.log_temperature.exp()
+
+    def key_vectors(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size]`` -> ``[N, groups, kv_heads, 3 * head_dim]``: each routing query
+        through its group's page projection (training scores raw page features with these)."""
+        return torch.einsum("nghr,ghrf->nghf", self.routing_queries(hidden), self.page)
+
+    def embed_pages(self, features: torch.Tensor, group: int) -> torch.Tensor:
+        """Page features ``[B, Hkv, n, 3 * head_dim]`` through group ``group``'s projection: ``[B, Hkv,
+        n, dim]``, so that inference reads ``dim`` numbers per page instead of ``3 * head_dim``."""
+        return torch.einsum("bhpf,hrf->bhpr", features.to(self.page.dtype), self.page[group])
 
     def decay_bonus(self, distance: torch.Tensor) -> torch.Tensor:
         """The positional term of pages ``distance`` pages behind the current one."""
@@ -92,8 +103,9 @@ class Router(torch.nn.Module):
 
     def logits(self, vectors: torch.Tensor, features: torch.Tensor, positional: torch.Tensor | None
                ) -> torch.Tensor:
-        """Page logits ``[B, Hkv, pages]`` from one group's ``vectors [B, Hkv, 3D]`` and the page
-        ``features [B, Hkv, pages, 3D]``, plus the ``positional`` term (None: the decay ablated)."""
+        """Page logits ``[B, Hkv, pages]`` from one group's ``vectors [B, Hkv, F]`` and the pages'
+        ``features [B, Hkv, pages, F]`` (routing queries with page embeddings, or key vectors with raw
+        features), plus the ``positional`` term (None: the decay ablated)."""
         scores = best_dot(vectors[..., None, :], features)
         return scores if positional is None else scores + positional.to(scores.dtype)
 
