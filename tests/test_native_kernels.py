@@ -9,6 +9,7 @@ import torch
 from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
+from kvfactory.errors import ShapeError
 from kvfactory.selectors.pages import best_dot, row_dots, top_pages
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
@@ -72,6 +73,16 @@ def test_strided_views_are_read_in_place() -> None:
     torch.testing.assert_close(scores, query @ keys[:, :, 32:160].transpose(-1, -2), atol=1e-4, rtol=1e-5)
     sums = native.value_sums(probs, v["codes"], v["scale"], v["zero"], 4, 32, 64)
     torch.testing.assert_close(sums, probs @ values[:, :, 32:160], atol=1e-4, rtol=1e-4)
+
+
+def test_shapes_that_do_not_fit_the_codes_are_refused() -> None:
+    kenc, _ = encoded(KiviKeyCodec(bits=4), 1, 2, 64, 64)
+    venc, _ = encoded(KiviValueCodec(bits=4), 1, 2, 64, 64)
+    k, v = kenc.tensors, venc.tensors
+    with pytest.raises(ShapeError, match="does not fit"):
+        native.key_scores(torch.randn(1, 2, 3, 72), k["codes"], k["scale"], k["zero"], 4)
+    with pytest.raises(ShapeError, match="do not fit"):
+        native.value_sums(torch.rand(1, 2, 3, 63), v["codes"], v["scale"], v["zero"], 4, 32, 64)
 
 
 def test_unsupported_layouts_are_declined() -> None:

@@ -17,6 +17,7 @@ from functools import cache
 import torch
 
 from kvfactory import kernels
+from kvfactory.errors import ShapeError
 from kvfactory.kernels import I64 as _I64
 from kvfactory.kernels import PTR as _PTR
 
@@ -64,6 +65,9 @@ def key_scores(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
         return torch.cat([key_scores(rows, codes, scale, zero, bits) for rows in parts], -2)
     b, h, n, g, p = codes.shape
     r, d = query.shape[-2:]
+    if d > p * 8 // bits or scale.shape[-1] != d or zero.shape[-1] != d or query.shape[:2] != (b, h):
+        raise ShapeError(f"KIVI key scores: query {tuple(query.shape)} does not fit codes "
+                         f"{tuple(codes.shape)} with scales {tuple(scale.shape)} at {bits} bits")
     query = query.float().contiguous()
     out = torch.empty(b, h, r, n * g, dtype=torch.float32)
     cs = codes.stride()
@@ -83,6 +87,11 @@ def value_sums(probs: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
                           for rows in probs.split(MAX_ROWS, -2)], -2)
     b, h, t, p = codes.shape
     r = probs.shape[-2]
+    groups = -(-head_dim // group)
+    if head_dim > p * 8 // bits or scale.shape[-1] != groups or zero.shape[-1] != groups \
+            or probs.shape[:2] != (b, h) or probs.shape[-1] != t:
+        raise ShapeError(f"KIVI value sums: probabilities {tuple(probs.shape)} do not fit codes "
+                         f"{tuple(codes.shape)} with scales {tuple(scale.shape)} at {bits} bits")
     probs = probs.float()
     strides = probs.stride()
     if strides[3] != 1 or strides[1] != r * strides[2] or strides[0] != h * strides[1]:  # rows must be even
