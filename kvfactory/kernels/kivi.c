@@ -18,6 +18,25 @@
 #define MAX_DIM 512  /* padded channels per head (Dp); checked by the caller */
 #define MAX_ROWS 64  /* query rows per KV head (heads per group x query length); checked too */
 
+/* One key group's query side: qs[r] = q[r] * scale (padded with zeros to Dp channels) and
+ * c0[r] = q[r] . zero, from the group's stored scales and zero points. */
+static inline void scale_query(const float *q, int64_t R, int64_t D, int64_t Dp, const char *scale, int skind,
+                               const float *slut, const char *zero, int zkind, const float *zlut, float *qs,
+                               float *c0) {
+    float sc[MAX_DIM], ze[MAX_DIM];
+    load_params(scale, skind, slut, D, sc);
+    load_params(zero, zkind, zlut, D, ze);
+    for (int64_t r = 0; r < R; r++) {
+        float *qr = qs + r * Dp, acc = 0.f;
+        for (int64_t d = 0; d < D; d++) {
+            qr[d] = q[r * D + d] * sc[d];
+            acc += q[r * D + d] * ze[d];
+        }
+        for (int64_t d = D; d < Dp; d++) qr[d] = 0.f;
+        c0[r] = acc;
+    }
+}
+
 /* Codes of one token (P bytes) as Dp floats in channel order. */
 static inline void unpack(const uint8_t *codes, int64_t P, int bits, float *out) {
     if (bits == 4) {
@@ -48,23 +67,14 @@ static inline __attribute__((always_inline)) void key_scores_body(int64_t B, int
     const int64_t Dp = P * (8 / bits);
     const int64_t ss = param_size(skind), zs = param_size(zkind);
     float qs[MAX_ROWS * MAX_DIM] __attribute__((aligned(64)));
-    float sc[MAX_DIM], ze[MAX_DIM], cf[MAX_DIM] __attribute__((aligned(64))), c0[MAX_ROWS];
+    float cf[MAX_DIM] __attribute__((aligned(64))), c0[MAX_ROWS];
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
             const float *q = query + (b * H + h) * R * D;
             float *out = scores + (b * H + h) * R * row;
             for (int64_t n = 0; n < N; n++) {
-                load_params((const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut, D, sc);
-                load_params((const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, D, ze);
-                for (int64_t r = 0; r < R; r++) {
-                    float *qr = qs + r * Dp, acc = 0.f;
-                    for (int64_t d = 0; d < D; d++) {
-                        qr[d] = q[r * D + d] * sc[d];
-                        acc += q[r * D + d] * ze[d];
-                    }
-                    for (int64_t d = D; d < Dp; d++) qr[d] = 0.f;
-                    c0[r] = acc;
-                }
+                scale_query(q, R, D, Dp, (const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut,
+                            (const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, qs, c0);
                 const uint8_t *group = codes + b * cb + h * ch + n * cn;
                 for (int64_t g = 0; g < G; g++) {
                     unpack(group + g * P, P, bits, cf);
@@ -184,23 +194,14 @@ static inline __attribute__((always_inline)) void key_scores_avx(
     const int64_t Dp = P * (8 / bits);
     const int64_t ss = param_size(skind), zs = param_size(zkind);
     float qs[MAX_ROWS * MAX_DIM] __attribute__((aligned(64)));
-    float sc[MAX_DIM], ze[MAX_DIM], c0[MAX_ROWS];
+    float c0[MAX_ROWS];
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
             const float *q = query + (b * H + h) * R * D;
             float *out = scores + (b * H + h) * R * row;
             for (int64_t n = 0; n < N; n++) {
-                load_params((const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut, D, sc);
-                load_params((const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, D, ze);
-                for (int64_t r = 0; r < R; r++) {
-                    float *qr = qs + r * Dp, acc = 0.f;
-                    for (int64_t d = 0; d < D; d++) {
-                        qr[d] = q[r * D + d] * sc[d];
-                        acc += q[r * D + d] * ze[d];
-                    }
-                    for (int64_t d = D; d < Dp; d++) qr[d] = 0.f;
-                    c0[r] = acc;
-                }
+                scale_query(q, R, D, Dp, (const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut,
+                            (const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, qs, c0);
                 const uint8_t *group = codes + b * cb + h * ch + n * cn;
                 for (int64_t r = 0; r < R; r += 4) {
                     const float *qr = qs + r * Dp;
