@@ -22,7 +22,6 @@ from kvfactory.kernels import I64 as _I64
 from kvfactory.kernels import PTR as _PTR
 
 MAX_DIM, MAX_ROWS = 512, 64  # as in kivi.c
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
 
 
 def _library() -> ctypes.CDLL | None:
@@ -43,7 +42,7 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
 def _param(t: torch.Tensor) -> tuple[object, ...]:
     """ctypes arguments for a scale or zero-point tensor: pointer, kind, table, strides of dims 0-2."""
     lut = _lut(t.dtype).data_ptr() if t.dtype.itemsize == 1 else None
-    return (_PTR(t.data_ptr()), _KINDS[t.dtype], _PTR(lut), *(_I64(s) for s in t.stride()[:3]))
+    return (_PTR(t.data_ptr()), kernels.KINDS[t.dtype], _PTR(lut), *(_I64(s) for s in t.stride()[:3]))
 
 
 def supports(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:
@@ -51,8 +50,9 @@ def supports(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits:
     dim contiguous, codes contiguous within a token (values) or a group (keys), at most ``MAX_DIM``
     channels, and the library built."""
     inner = codes.stride(-1) == 1 and (codes.dim() == 4 or codes.stride(-2) == codes.shape[-1])
-    return (codes.device.type == "cpu" and inner and scale.dtype in _KINDS and zero.dtype in _KINDS
-            and scale.stride(-1) == 1 and zero.stride(-1) == 1 and codes.shape[-1] * 8 // bits <= MAX_DIM
+    known = scale.dtype in kernels.KINDS and zero.dtype in kernels.KINDS
+    return (codes.device.type == "cpu" and inner and known and scale.stride(-1) == 1
+            and zero.stride(-1) == 1 and codes.shape[-1] * 8 // bits <= MAX_DIM
             and available())
 
 

@@ -23,8 +23,12 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+import torch
+
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
+# the dtype codes of common.h (F32, F16, BF16, LUT8: FP8 read through a 256-entry table)
+KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
 
 
 def source(name: str) -> Path:

@@ -54,20 +54,41 @@ static inline void unpack(const uint8_t *codes, int64_t P, int bits, float *out)
     }
 }
 
-/* scores[b, h, r, n * G + g] = query[b, h, r, :] . key[b, h, n, g, :] for every stored token.
+/* One key group's scores: out[r * row + g] = c0[r] + qs[r] . code[g] for its G tokens. */
+typedef void (*key_group_fn)(const float *qs, int64_t Dp, const float *c0, int64_t R, const uint8_t *group,
+                             int64_t G, int64_t P, int bits, float *out, int64_t row);
+
+static inline __attribute__((always_inline)) void key_group_portable(const float *qs, int64_t Dp, const float *c0,
+                                                                     int64_t R, const uint8_t *group, int64_t G,
+                                                                     int64_t P, int bits, float *out, int64_t row) {
+    float cf[MAX_DIM] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < G; g++) {
+        unpack(group + g * P, P, bits, cf);
+        for (int64_t r = 0; r < R; r++) {
+            const float *qr = qs + r * Dp;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < Dp; d++) acc += qr[d] * cf[d];
+            out[r * row + g] = c0[r] + acc;
+        }
+    }
+}
+
+/* scores[b, h, r, n * G + g] = query[b, h, r, :] . key[b, h, n, g, :] for every stored token, one
+ * group at a time by `step` (inlined: it is a constant at every call).
  * query: float [B, H, R, D] contiguous. codes: [B, H, N, G, P] with byte strides (cb, ch, cn) and
  * [G, P] contiguous. scale/zero: [B, H, N, 1, D] with element strides (sb, sh, sn), D contiguous.
  * scores: float, rows of stride `row` elements, [B, H, R] contiguous in rows.
  */
-static inline __attribute__((always_inline)) void key_scores_body(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query,
-                     const uint8_t *codes, int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P,
-                     const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, int64_t sn,
-                     const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zn,
-                     float *scores, int64_t row) {
+static inline __attribute__((always_inline)) void key_scores_loop(
+        int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query, const uint8_t *codes,
+        int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P, const void *scale, int skind,
+        const float *slut, int64_t sb, int64_t sh, int64_t sn, const void *zero, int zkind, const float *zlut,
+        int64_t zb, int64_t zh, int64_t zn, float *scores, int64_t row, key_group_fn step) {
     const int64_t Dp = P * (8 / bits);
     const int64_t ss = param_size(skind), zs = param_size(zkind);
     float qs[MAX_ROWS * MAX_DIM] __attribute__((aligned(64)));
-    float cf[MAX_DIM] __attribute__((aligned(64))), c0[MAX_ROWS];
+    float c0[MAX_ROWS];
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
             const float *q = query + (b * H + h) * R * D;
@@ -75,17 +96,7 @@ static inline __attribute__((always_inline)) void key_scores_body(int64_t B, int
             for (int64_t n = 0; n < N; n++) {
                 scale_query(q, R, D, Dp, (const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut,
                             (const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, qs, c0);
-                const uint8_t *group = codes + b * cb + h * ch + n * cn;
-                for (int64_t g = 0; g < G; g++) {
-                    unpack(group + g * P, P, bits, cf);
-                    for (int64_t r = 0; r < R; r++) {
-                        const float *qr = qs + r * Dp;
-                        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                        for (int64_t d = 0; d < Dp; d++) acc += qr[d] * cf[d];
-                        out[r * row + n * G + g] = c0[r] + acc;
-                    }
-                }
+                step(qs, Dp, c0, R, codes + b * cb + h * ch + n * cn, G, P, bits, out + n * G, row);
             }
         }
     }
@@ -186,34 +197,18 @@ static inline __attribute__((always_inline)) void key_rows_avx(const int RB, con
     }
 }
 
-static inline __attribute__((always_inline)) void key_scores_avx(
-        int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query, const uint8_t *codes,
-        int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P, const void *scale, int skind,
-        const float *slut, int64_t sb, int64_t sh, int64_t sn, const void *zero, int zkind, const float *zlut,
-        int64_t zb, int64_t zh, int64_t zn, float *scores, int64_t row) {
-    const int64_t Dp = P * (8 / bits);
-    const int64_t ss = param_size(skind), zs = param_size(zkind);
-    float qs[MAX_ROWS * MAX_DIM] __attribute__((aligned(64)));
-    float c0[MAX_ROWS];
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < H; h++) {
-            const float *q = query + (b * H + h) * R * D;
-            float *out = scores + (b * H + h) * R * row;
-            for (int64_t n = 0; n < N; n++) {
-                scale_query(q, R, D, Dp, (const char *)scale + (b * sb + h * sh + n * sn) * ss, skind, slut,
-                            (const char *)zero + (b * zb + h * zh + n * zn) * zs, zkind, zlut, qs, c0);
-                const uint8_t *group = codes + b * cb + h * ch + n * cn;
-                for (int64_t r = 0; r < R; r += 4) {
-                    const float *qr = qs + r * Dp;
-                    float *o = out + r * row + n * G;
-                    switch (R - r >= 4 ? 4 : R - r) {
-                        case 4: key_rows_avx(4, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
-                        case 3: key_rows_avx(3, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
-                        case 2: key_rows_avx(2, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
-                        default: key_rows_avx(1, qr, Dp, c0 + r, group, G, P, bits, o, row);
-                    }
-                }
-            }
+/* The AVX-512 group step: query rows four at a time (key_rows_avx). */
+static inline __attribute__((always_inline)) void key_group_avx(const float *qs, int64_t Dp, const float *c0,
+                                                                int64_t R, const uint8_t *group, int64_t G,
+                                                                int64_t P, int bits, float *out, int64_t row) {
+    for (int64_t r = 0; r < R; r += 4) {
+        const float *qr = qs + r * Dp;
+        float *o = out + r * row;
+        switch (R - r >= 4 ? 4 : R - r) {
+            case 4: key_rows_avx(4, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
+            case 3: key_rows_avx(3, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
+            case 2: key_rows_avx(2, qr, Dp, c0 + r, group, G, P, bits, o, row); break;
+            default: key_rows_avx(1, qr, Dp, c0 + r, group, G, P, bits, o, row);
         }
     }
 }
@@ -311,19 +306,19 @@ static inline __attribute__((always_inline)) void value_sums_avx(
  * where the CPU has it (value groups a multiple of 16 channels); other sizes run the portable
  * bodies with run-time sizes. */
 #ifdef AVX512
-#define KEY_FAST key_scores_avx
+#define KEY_FAST key_group_avx
 #define VALUE_FAST(BITS, PP) if (bits == BITS && P == PP && group % 16 == 0) { \
     value_sums_avx(B, H, R, D, BITS, group, probs, row, codes, cb, ch, ct, T, PP, scale, skind, slut, sb, sh, \
                    st, zero, zkind, zlut, zb, zh, zt, out); return; }
 #else
-#define KEY_FAST key_scores_body
+#define KEY_FAST key_group_portable
 #define VALUE_FAST(BITS, PP) if (bits == BITS && P == PP) { \
     value_sums_body(B, H, R, D, BITS, group, probs, row, codes, cb, ch, ct, T, PP, scale, skind, slut, sb, sh, \
                     st, zero, zkind, zlut, zb, zh, zt, out); return; }
 #endif
 #define KEY_CASE(BITS, PP) if (bits == BITS && P == PP) { \
-    KEY_FAST(B, H, R, D, BITS, query, codes, cb, ch, cn, N, G, PP, scale, skind, slut, sb, sh, sn, \
-             zero, zkind, zlut, zb, zh, zn, scores, row); return; }
+    key_scores_loop(B, H, R, D, BITS, query, codes, cb, ch, cn, N, G, PP, scale, skind, slut, sb, sh, sn, \
+                    zero, zkind, zlut, zb, zh, zn, scores, row, KEY_FAST); return; }
 
 void kivi_key_scores(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query,
                      const uint8_t *codes, int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P,
@@ -331,8 +326,8 @@ void kivi_key_scores(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const
                      const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zn,
                      float *scores, int64_t row) {
     KEY_CASE(4, 32) KEY_CASE(4, 64) KEY_CASE(2, 16) KEY_CASE(2, 32)
-    key_scores_body(B, H, R, D, bits, query, codes, cb, ch, cn, N, G, P, scale, skind, slut, sb, sh, sn,
-                    zero, zkind, zlut, zb, zh, zn, scores, row);
+    key_scores_loop(B, H, R, D, bits, query, codes, cb, ch, cn, N, G, P, scale, skind, slut, sb, sh, sn,
+                    zero, zkind, zlut, zb, zh, zn, scores, row, key_group_portable);
 }
 
 void kivi_value_sums(int64_t B, int64_t H, int64_t R, int64_t D, int bits, int64_t group, const float *probs,

@@ -44,7 +44,7 @@ def row_dots(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
 
 def _dots(rows: torch.Tensor, features: torch.Tensor, best_only: bool) -> torch.Tensor:
     lib = _pages_library(features)
-    if lib is None or features.stride(-1) != 1 or features.dtype not in _FEATURE_KINDS:
+    if lib is None or features.stride(-1) != 1 or features.dtype not in FEATURE_DTYPES:
         dots = rows.float() @ features.float().transpose(-1, -2)
         return dots.amax(2) if best_only else dots
     b, h, r, f = rows.shape
@@ -54,7 +54,7 @@ def _dots(rows: torch.Tensor, features: torch.Tensor, best_only: bool) -> torch.
     fs = features.stride()
     lib.page_scores(kernels.I64(b), kernels.I64(h), kernels.I64(r), kernels.I64(f), kernels.I64(p),
                     kernels.PTR(rows.data_ptr()), kernels.PTR(features.data_ptr()),
-                    _FEATURE_KINDS[features.dtype], kernels.I64(fs[0]), kernels.I64(fs[1]),
+                    kernels.KINDS[features.dtype], kernels.I64(fs[0]), kernels.I64(fs[1]),
                     kernels.I64(fs[2]), int(best_only), kernels.PTR(out.data_ptr()))
     return out
 
@@ -73,7 +73,7 @@ def top_pages(scores: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
     return out
 
 
-_FEATURE_KINDS = {torch.float32: 0, torch.float16: 1}
+FEATURE_DTYPES = (torch.float32, torch.float16)  # what pages.c reads
 INF = float("inf")
 
 
