@@ -76,6 +76,8 @@ def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: s
     ({"name": "quest", "sink_pages": -1}, "strategies[1].sink_pages"),
     ({"name": "quest", "shadow_every": 1.5}, "strategies[1].shadow_every"),
     ({"name": "quest", "seed": 1}, "strategies[1].seed"),
+    ({"name": "quest", "bound_scale": 1.5}, "strategies[1].bound_scale"),
+    ({"name": "quest", "bound_scale": -0.1}, "strategies[1].bound_scale"),
     ({"name": "random", "seed": "x"}, "strategies[1].seed"),
     ({"name": "quest", "dynamic_pages": True, "top_k": 4}, "strategies[1].top_k"),
     ({"name": "quest", "dynamic_pages": True, "max_page": 0}, "strategies[1].max_page"),
@@ -164,15 +166,30 @@ def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype)
     bases = PageBases(PAGE, dtype=dtype)
     bases.append(keys)
     queries = torch.randn(1, 2, 1, 8, generator=gen)  # one query head per KV head: the bound is Quest's
-    bound = QuestSelector().page_scores(queries, bases, RoutingContext())
+    quest = QuestSelector(bound_scale=1.0)
+    bound = quest.page_scores(queries, bases, RoutingContext())
     exact = (queries @ keys.transpose(-1, -2)).view(1, 2, 10, PAGE).amax(-1)
     assert (bound >= exact - 1e-5).all()
     # the bound is tight for a page whose keys share one sign pattern per channel (a single key)
     single = PageBases(1, dtype=dtype)
     single.append(keys)
     tolerance = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-3}
-    torch.testing.assert_close(QuestSelector().page_scores(queries, single, RoutingContext()),
+    torch.testing.assert_close(quest.page_scores(queries, single, RoutingContext()),
                                (queries @ keys.transpose(-1, -2))[:, :, 0], **tolerance)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5, 0.8, 1.0])
+def test_quest_scores_the_centre_plus_a_share_of_each_channels_half_width(scale: float) -> None:
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 3, 40, 8, generator=gen) * torch.linspace(0.2, 3.0, 8)
+    bases = PageBases(PAGE, dtype=torch.float32)
+    bases.append(keys)
+    queries = torch.randn(2, 3, 4, 8, generator=gen)  # 4 query rows per KV head: the best one counts
+    pages = keys.view(2, 3, -1, PAGE, 8)
+    centre, half = (pages.amax(3) + pages.amin(3)) / 2, (pages.amax(3) - pages.amin(3)) / 2
+    expected = (queries @ centre.transpose(-1, -2) + scale * queries.abs() @ half.transpose(-1, -2)).amax(2)
+    scores = QuestSelector(bound_scale=scale).page_scores(queries, bases, RoutingContext())
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,

@@ -61,3 +61,26 @@ def test_the_readme_example_turns_sparse_decode_on_in_at_most_15_lines(smollm2) 
     metrics = namespace["cache"].routing_metrics()
     assert metrics["steps"] == 63 and metrics["read_fraction"] < 0.35
     assert prompt.answer in tokenizer.decode(namespace["out"][0, namespace["inputs"]["input_ids"].shape[1]:])
+
+
+def test_quest_keeps_a_6144_token_passkey_that_its_full_bound_loses(smollm2) -> None:
+    """The protocol's passkey prompt at depth 0.5, sample 3 (key 68159): with Quest's full bound
+    (``bound_scale`` 1) layer 18 loses the key's pages at a read budget of 1/8 and the answer comes
+    out as 68156; the shipped ranking (ranges halved) keeps them, answers right and reads more of
+    the attention mass."""
+    model, tokenizer = smollm2
+    record = passkey_prompts(tokenizer, 6144, [0.5], keys_per_depth=4)[3]
+    ids = tokenizer(record.prompt, return_tensors="pt").input_ids
+    answers, recall = {}, {}
+    for scale in (1.0, None):
+        entry = {"name": "quest", "read_budget": 0.125, "shadow_every": 1}
+        if scale is not None:
+            entry["bound_scale"] = scale
+        cache = KVCacheFactory(model.config, {"type": "composite", "strategies": [
+            {"name": "paged", "page_size": 16}, entry]}).create_cache()
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        answers[scale] = tokenizer.decode(out[0, ids.shape[1]:])
+        recall[scale] = cache.routing_metrics()["recall"]
+    assert record.answer == "68159" and record.answer in answers[None], answers
+    assert recall[None] > recall[1.0], recall

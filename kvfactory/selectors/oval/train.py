@@ -3,7 +3,7 @@
 1. **Teacher.** Text is cut into chunks of ``chunk`` tokens and run through the frozen model once
    each with full attention. At ``positions`` sampled query positions ``t`` per chunk, every routed
    layer records the attention mass each page of 16 tokens gets from the query at ``t`` (the
-   group's query heads averaged per KV head, causal), Quest's bound for comparison, the pages'
+   group's query heads averaged per KV head, causal), Quest's score for comparison, the pages'
    bases (key maximum, minimum and mean per channel) and the decoder's last hidden state at
    ``t - 1`` (what the router sees when decoding the token at ``t``).
 2. **Training.** The router's logits over the candidate pages (after the sink page, before the
@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvfactory.selectors.oval.router import Router, RouterShape
+from kvfactory.selectors.quest import QuestSelector, bound_rows
 
 PAGE = 16
 TEACHER = "kvfactory_oval_teacher"
@@ -41,7 +42,7 @@ class Chunk:
     hidden: torch.Tensor  # [S, hidden]: the decoder's last hidden state before each query position
     current: torch.Tensor  # [S]: the page holding each query position
     mass: torch.Tensor  # [S, L, Hkv, P]: full-attention mass per page (0 after the current page)
-    quest: torch.Tensor  # [S, L, Hkv, P]: Quest's bound per page
+    quest: torch.Tensor  # [S, L, Hkv, P]: Quest's score per page
 
 
 class _Recorder:
@@ -68,7 +69,7 @@ AttentionInterface.register(TEACHER, _teacher_attention)
 
 def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
                 scaling: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's bound
+    """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's score
     ``[S, Hkv, P]`` of the queries at ``positions``."""
     _, hq, t, d = query.shape
     hkv = key.shape[1]
@@ -81,8 +82,8 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     mass = probs.view(hkv, -1, pages, PAGE).sum(-1)
     by_page = keys.view(hkv, pages, PAGE, d)
     features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
-    split = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1)  # Quest: q+ meets the max, q- the min
-    quest = (split @ features[:, None, :, :2 * d].transpose(-1, -2)).amax(1)  # [Hkv, S, P]
+    rows = bound_rows(q, QuestSelector.bound_scale)  # Quest as shipped
+    quest = (rows @ features[:, None, :, :2 * d].transpose(-1, -2)).amax(1)  # [Hkv, S, P]
     return features, mass.transpose(0, 1), quest.transpose(0, 1)
 
 
