@@ -115,7 +115,9 @@ def test_no_compiler_warns_and_leaves_the_torch_kernels(tmp_path, monkeypatch) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("features", [128, 192, 24])  # 24: not whole vectors (the portable loop)
+# 128, 64, 16: blocks of 16 pages and a tail of 2; 192: wider than a block keeps (page by page);
+# 24: not whole vectors (the portable loop)
+@pytest.mark.parametrize("features", [128, 64, 16, 192, 24])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_page_scores_equal_the_matrix_product(dtype, features, rows) -> None:
     gen = torch.Generator().manual_seed(0)

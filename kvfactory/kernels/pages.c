@@ -21,6 +21,51 @@ static inline __m512 load16(const void *f, int kind, int64_t i) {
     if (kind == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)f + i)));
     return _mm512_loadu_ps((const float *)f + i);
 }
+
+/* The horizontal sums of v[0..16) as one vector (lane j: the sum of v[j]): pairs of vectors are
+ * folded by unpacking within 128-bit lanes, then across lanes, 45 instructions in all where 16
+ * separate reductions take about 130. */
+static inline __m512 sums16(const __m512 *v) {
+    __m512 w[8], y[4];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+        y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
+}
+
+#define BLOCK 16     /* pages scored together: one vector of their scores per row */
+#define WIDEST 128   /* features a block keeps converted (BLOCK x WIDEST floats, 8 KB) */
+
+/* Pages [p, p + BLOCK) of one (b, h): features converted once into a float32 block, then each row's
+ * 16 dot products accumulate side by side (16 independent chains) and are summed in one vector. */
+static inline void score_block(const float *q, const char *f, int kind, int64_t size, int64_t fp, int64_t R,
+                               int64_t F, int64_t P, int64_t p, int best_only, float *out) {
+    float block[BLOCK * WIDEST] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < BLOCK; j++) {
+        const char *page = f + (p + j) * fp * size;
+        for (int64_t i = 0; i < F * size; i += 64)  /* bases are cold: ask for the next block */
+            _mm_prefetch(page + BLOCK * fp * size + i, _MM_HINT_T0);
+        for (int64_t i = 0; i < F / 16; i++) _mm512_store_ps(block + j * F + 16 * i, load16(page, kind, 16 * i));
+    }
+    __m512 best = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t r = 0; r < R; r++) {
+        __m512 acc[BLOCK];
+        for (int j = 0; j < BLOCK; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < F / 16; i++) {
+            const __m512 qi = _mm512_loadu_ps(q + r * F + 16 * i);
+            for (int j = 0; j < BLOCK; j++) acc[j] = _mm512_fmadd_ps(qi, _mm512_load_ps(block + j * F + 16 * i), acc[j]);
+        }
+        const __m512 dots = sums16(acc);
+        if (best_only) best = _mm512_max_ps(best, dots);
+        else _mm512_storeu_ps(out + r * P + p, dots);
+    }
+    if (best_only) _mm512_storeu_ps(out + p, best);
+}
 #endif
 
 /* best: scores[b, h, p] = max over r < R of rows[b, h, r, :] . features[b, h, p, :F] ([B, H, P]);
@@ -35,7 +80,12 @@ void page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const fl
             const float *q = rows + (b * H + h) * R * F;
             const char *feat = (const char *)features + (b * fb + h * fh) * size;
             float *out = scores + (b * H + h) * P * (best_only ? 1 : R);
-            for (int64_t p = 0; p < P; p++) {
+            int64_t p = 0;
+#if defined(__AVX512F__)
+            if (F % 16 == 0 && F <= WIDEST)
+                for (; p + BLOCK <= P; p += BLOCK) score_block(q, feat, kind, size, fp, R, F, P, p, best_only, out);
+#endif
+            for (; p < P; p++) {
                 const char *f = feat + p * fp * size;
                 float best = 0.f;
 #if defined(__AVX512F__)
