@@ -1,8 +1,8 @@
 /* Page selection for sparse decode: score every page of a layer, then keep the best k.
  *
  * Scores are the best dot product of a few query rows with each page's feature vector: Quest's
- * bound (rows: each query head's positive and negative parts; features: the page's key maxima and
- * minima) and OVAL's logit (one routing vector; features: maxima, minima and means) are both this;
+ * score (rows: each query head's queries split here into two halves weighing the page's key maxima
+ * and minima, see split_rows) and OVAL's logit (one routing vector; features: maxima, minima and means) are both this;
  * OVAL's graph step is the same product with every row kept (rows: scores; features: adjacency).
  * Each page's features are read once, in their stored dtype (float16 halves the bytes a step
  * reads), where torch's batched product packs the whole feature matrix first. Built by
@@ -68,16 +68,36 @@ static inline void score_block(const float *q, const char *f, int kind, int64_t 
 }
 #endif
 
+/* Each row x of width F / 2 as the F-wide row [(x + s|x|) / 2 | (x - s|x|) / 2], whose dot with a
+ * page's [maxima | minima] is x . centre + s |x| . half-width (Quest's bound at s = 1). */
+static void split_rows(const float *x, int64_t R, int64_t F, float s, float *out) {
+    const int64_t D = F / 2;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < D; c++) {
+            const float v = x[r * D + c], spread = s * (v < 0.f ? -v : v);
+            out[r * F + c] = 0.5f * (v + spread);
+            out[r * F + D + c] = 0.5f * (v - spread);
+        }
+}
+
 /* best: scores[b, h, p] = max over r < R of rows[b, h, r, :] . features[b, h, p, :F] ([B, H, P]);
  * otherwise every row's, scores[b, h, r, p] ([B, H, R, P]).
- * rows: float32 [B, H, R, F] contiguous. features: float32 (kind F32) or float16 (F16) with element
- * strides (fb, fh, fp), the F channels contiguous. scores: float32, contiguous. */
-void page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, const void *features,
-                 int kind, int64_t fb, int64_t fh, int64_t fp, int best_only, float *scores) {
-    const int64_t size = param_size(kind);
+ * rows: float32 [B, H, R, F] contiguous; with split >= 0, [B, H, R, F / 2] queries taken as
+ * split_rows(rows, split). features: float32 (kind F32) or float16 (F16) with element strides
+ * (fb, fh, fp), the F channels contiguous. scores: float32, contiguous. Returns -1 if the split rows'
+ * memory cannot be allocated, else 0. */
+int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, const void *features,
+                int kind, int64_t fb, int64_t fh, int64_t fp, int best_only, float split, float *scores) {
+    const int64_t size = param_size(kind), width = split >= 0.f ? F / 2 : F;
+    float *expanded = NULL;
+    if (split >= 0.f && !(expanded = malloc(sizeof(float) * (size_t)(R * F)))) return -1;
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
-            const float *q = rows + (b * H + h) * R * F;
+            const float *q = rows + (b * H + h) * R * width;
+            if (expanded) {
+                split_rows(q, R, F, split, expanded);
+                q = expanded;
+            }
             const char *feat = (const char *)features + (b * fb + h * fh) * size;
             float *out = scores + (b * H + h) * P * (best_only ? 1 : R);
             int64_t p = 0;
@@ -121,6 +141,8 @@ void page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const fl
             }
         }
     }
+    free(expanded);
+    return 0;
 }
 
 /* Quickselect: reorder idx[0..n) so that its first k entries index the k largest values. */

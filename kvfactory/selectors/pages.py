@@ -16,6 +16,7 @@ a bound, means to nearest. On the CPU the scores and the top pages come from C k
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 
@@ -31,10 +32,18 @@ def _pages_library(t: torch.Tensor) -> object | None:
     return kernels.load("pages") if t.device.type == "cpu" else None
 
 
-def best_dot(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+def split_rows(queries: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[..., 2D]`` rows whose dot with a page's ``[max | min]`` is ``q · c + s |q| · h`` (``c`` the
+    centre and ``h`` the half-width of each channel's range): with s = 1, Quest's bound."""
+    spread = queries.abs().mul_(scale)
+    return torch.cat([queries + spread, queries - spread], -1).mul_(0.5)
+
+
+def best_dot(rows: torch.Tensor, features: torch.Tensor, split: float | None = None) -> torch.Tensor:
     """``max_r rows[..., r, :] · features[..., p, :]`` in float32: ``rows [B, H, R, F]`` against
-    ``features [B, H, P, F]`` (float32 or float16, a view of the bases) gives ``[B, H, P]``."""
-    return _dots(rows, features, best_only=True)
+    ``features [B, H, P, F]`` (float32 or float16, a view of the bases) gives ``[B, H, P]``. With
+    ``split``, ``rows [B, H, R, F / 2]`` are queries taken as ``split_rows(rows, split)`` (in the kernel)."""
+    return _dots(rows, features, best_only=True, split=split)
 
 
 def row_dots(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -42,20 +51,25 @@ def row_dots(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     return _dots(rows, features, best_only=False)
 
 
-def _dots(rows: torch.Tensor, features: torch.Tensor, best_only: bool) -> torch.Tensor:
+def _dots(rows: torch.Tensor, features: torch.Tensor, best_only: bool, split: float | None = None
+          ) -> torch.Tensor:
     lib = _pages_library(features)
     if lib is None or features.stride(-1) != 1 or features.dtype not in FEATURE_DTYPES:
+        if split is not None:
+            rows = split_rows(rows.float(), split)
         dots = rows.float() @ features.float().transpose(-1, -2)
         return dots.amax(2) if best_only else dots
-    b, h, r, f = rows.shape
-    p = features.shape[2]
+    b, h, r = rows.shape[:3]
+    p, f = features.shape[2:]
     rows = rows.float().contiguous()
     out = torch.empty((b, h, p) if best_only else (b, h, r, p), dtype=torch.float32)
     fs = features.stride()
-    lib.page_scores(kernels.I64(b), kernels.I64(h), kernels.I64(r), kernels.I64(f), kernels.I64(p),
-                    kernels.PTR(rows.data_ptr()), kernels.PTR(features.data_ptr()),
-                    kernels.KINDS[features.dtype], kernels.I64(fs[0]), kernels.I64(fs[1]),
-                    kernels.I64(fs[2]), int(best_only), kernels.PTR(out.data_ptr()))
+    if lib.page_scores(kernels.I64(b), kernels.I64(h), kernels.I64(r), kernels.I64(f), kernels.I64(p),
+                       kernels.PTR(rows.data_ptr()), kernels.PTR(features.data_ptr()),
+                       kernels.KINDS[features.dtype], kernels.I64(fs[0]), kernels.I64(fs[1]),
+                       kernels.I64(fs[2]), int(best_only), ctypes.c_float(-1.0 if split is None else split),
+                       kernels.PTR(out.data_ptr())):
+        raise MemoryError(f"page_scores: no memory to split {r} query rows")
     return out
 
 

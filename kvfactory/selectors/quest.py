@@ -25,15 +25,6 @@ from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.pages import PageBases, best_dot
 
 
-def bound_rows(queries: torch.Tensor, bound_scale: float) -> torch.Tensor:
-    """``[..., 2D]`` rows whose dot with a page's ``[max | min]`` is ``q · c + s |q| · h``: with s = 1,
-    ``q+`` meets the max and ``q-`` the min."""
-    if bound_scale == 1.0:
-        return torch.cat([queries.clamp(min=0), queries.clamp(max=0)], -1)
-    spread = queries.abs().mul_(bound_scale)
-    return torch.cat([queries + spread, queries - spread], -1).mul_(0.5)
-
-
 @dataclass
 class QuestSelector(Selector):
     """Training-free: needs only the page key bounds."""
@@ -45,4 +36,4 @@ class QuestSelector(Selector):
             raise ConfigError("bound_scale", self.bound_scale, "a number in [0, 1] (1: Quest's bound)")
 
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
-        return best_dot(bound_rows(queries, self.bound_scale), bases.bounds)  # bounds: [B, Hkv, pages, 2D]
+        return best_dot(queries, bases.bounds, split=self.bound_scale)  # bounds: [B, Hkv, pages, 2D]

@@ -28,7 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvfactory.selectors.oval.router import Router, RouterShape
-from kvfactory.selectors.quest import QuestSelector, bound_rows
+from kvfactory.selectors.pages import split_rows
+from kvfactory.selectors.quest import QuestSelector
 
 PAGE = 16
 TEACHER = "kvfactory_oval_teacher"
@@ -82,7 +83,7 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     mass = probs.view(hkv, -1, pages, PAGE).sum(-1)
     by_page = keys.view(hkv, pages, PAGE, d)
     features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
-    rows = bound_rows(q, QuestSelector.bound_scale)  # Quest as shipped
+    rows = split_rows(q, QuestSelector.bound_scale)  # Quest as shipped
     quest = (rows @ features[:, None, :, :2 * d].transpose(-1, -2)).amax(1)  # [Hkv, S, P]
     return features, mass.transpose(0, 1), quest.transpose(0, 1)
 
