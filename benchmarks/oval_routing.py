@@ -7,7 +7,8 @@ The teacher (``kvfactory.selectors.oval.train``) runs the frozen SmolLM2 with fu
 positions per chunk, the attention mass per 16-token page. Each method then picks pages at each
 read budget as sparse decode does (the sink and current page always read); the hit rate and the
 attention-mass recall are means over positions, the 28 routed layers and the KV heads.
-``router_no_decay`` is the ablation without the positional term. Prints JSON; ``--plot FILE``
+``router_no_decay`` is the ablation without the positional term; ``oracle_pooled`` the oracle free to
+move the budget between the layers and KV heads of a position. Prints JSON; ``--plot FILE``
 also draws recall and hit rate against the read budget (``--replot JSON`` redraws a saved run).
 
     python benchmarks/oval_routing.py [--budgets 0.25,0.125,0.0625] [--chunks 12] [--router embedded]

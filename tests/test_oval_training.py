@@ -53,6 +53,9 @@ def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
     report = oval_train.evaluate(router, chunks, 0.25)
     assert set(report) == {"router", "quest", "recent", "oracle"}
     assert all(report["oracle"]["recall"] >= v["recall"] - 1e-6 for v in report.values())
+    pooled = oval_train.evaluate(router, chunks, 0.25, ablations=True)
+    assert set(pooled) == set(report) | {"router_no_decay", "random", "oracle_pooled"}
+    assert pooled["oracle_pooled"]["recall"] >= pooled["oracle"]["recall"] - 1e-6  # a freer choice
     assert model.config._attn_implementation == "sdpa"  # the teacher's attention is switched back
 
 

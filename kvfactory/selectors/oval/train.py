@@ -161,12 +161,14 @@ def evaluate(router: Router, chunks: Sequence[Chunk], budget: float, ablations: 
              ) -> dict[str, dict[str, float]]:
     """Hit rate and mass recall at ``budget`` per method, as the cache measures them (the sink and
     current page always read), mean over positions, layers and KV heads. ``ablations`` adds the
-    router without its positional decay and the random baseline."""
+    router without its positional decay, the random baseline and ``oracle_pooled``: the oracle
+    free to move the budget between the layers and KV heads of a position (the best any per-step
+    allocation could read)."""
     totals: dict[str, list[float]] = {}
     gen = torch.Generator().manual_seed(0)
     for chunk in chunks:
         pages = chunk.features.shape[2]
-        allowed = candidates(chunk.current, pages)[:, None, None, :]
+        allowed = candidates(chunk.current, pages)[:, None, None, :].expand(chunk.mass.shape)
         mass = chunk.mass.float()
         k = chosen_count(chunk.current, budget)
         ranked = {"router": router_logits(router, chunk), "quest": chunk.quest.float(),
@@ -177,10 +179,13 @@ def evaluate(router: Router, chunks: Sequence[Chunk], budget: float, ablations: 
         forced = torch.zeros(mass.shape, dtype=torch.bool)
         forced[..., 0] = True
         forced.scatter_(-1, chunk.current[:, None, None, None].expand(*mass.shape[:3], 1), True)
+        reads = {name: _top(scores, allowed, k[:, None, None, None]) | forced
+                 for name, scores in ranked.items()}
+        if ablations:
+            pooled = (k * mass.shape[1] * mass.shape[2])[:, None]
+            reads["oracle_pooled"] = _top(mass.flatten(1), allowed.flatten(1), pooled).view_as(mass) | forced
         truth_rank = mass.argsort(-1, descending=True).argsort(-1)
-        for name, scores in ranked.items():
-            rank = scores.masked_fill(~allowed, float("-inf")).argsort(-1, descending=True).argsort(-1)
-            read = (rank < k[:, None, None, None]) & allowed | forced
+        for name, read in reads.items():
             total = read.sum(-1)
             recall = (mass * read).sum(-1)
             hit = ((truth_rank < total[..., None]) & read).sum(-1).float() / total
@@ -189,6 +194,12 @@ def evaluate(router: Router, chunks: Sequence[Chunk], budget: float, ablations: 
             stats[1] += float(hit.sum())
             stats[2] += recall.numel()
     return {name: {"recall": s[0] / s[2], "hit_rate": s[1] / s[2]} for name, s in totals.items()}
+
+
+def _top(scores: torch.Tensor, allowed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Where ``scores`` ranks among the ``count`` highest of the ``allowed`` entries of its last dim."""
+    rank = scores.masked_fill(~allowed, float("-inf")).argsort(-1, descending=True).argsort(-1)
+    return (rank < count) & allowed
 
 
 def train(router: Router, chunks: Sequence[Chunk], epochs: int, budget: float, lr: float = 3e-3,
