@@ -19,7 +19,7 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
     gen = torch.Generator().manual_seed(0)
     query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
     positions = torch.tensor([20, 47, 63])
-    features, mass, quest = oval_train.page_record(query, key, positions, 0.5)
+    features, mass, quest, bound = oval_train.page_record(query, key, positions, 0.5, bound_scales=(1.0,))
     assert features.shape == (2, 4, 24) and mass.shape == quest.shape == (3, 2, 4)
     for s, t in enumerate(positions.tolist()):
         for h in range(2):
@@ -34,6 +34,8 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
             shipped = torch.stack([centre @ query[0, g, t] + scale * half @ query[0, g, t].abs()
                                    for g in group])
             torch.testing.assert_close(quest[s, h], shipped.amax(0))
+            exact = torch.stack([(query[0, g, t] @ pages.transpose(-1, -2)).amax(-1) for g in group]).amax(0)
+            assert (bound[1.0][s, h] >= exact - 1e-5).all()  # bound_scale 1: Quest's upper bound
     torch.testing.assert_close(features[..., 16:], key[0].view(2, 4, 16, 8).mean(2))
 
 

@@ -9,9 +9,10 @@ step's queries), so a page any of them may need stays in the running.
 ``bound_scale`` s ranks by ``q · c + s |q| · h``, with ``c`` the centre and ``h`` the half-width of
 each channel's range: s = 1 is Quest's bound. After RoPE, the fast-rotating channels of a 16-token
 page span nearly ``±|k|`` on every page alike, so the full bound ranks pages mostly by a width they
-share; halving it (the default, s = 0.5) lets the channels that differ decide. On held-out text
-(SmolLM2, 6144 tokens, read budget 1/8) that reads 0.861 of the attention mass against the bound's
-0.849 (the oracle's 0.906), and it keeps the passkey pages the bound loses in layer 18.
+share; halving it (the default, s = 0.5) lets the channels that differ decide. On held-out books
+(SmolLM2, 6144 tokens, read budget 1/8, ``benchmarks/quest_scale.py``) that reads 0.833 of the
+attention mass against the bound's 0.823 (the oracle's 0.882), and it keeps the passkey pages the
+bound loses in layer 18 (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,12 +44,13 @@ class Chunk:
     current: torch.Tensor  # [S]: the page holding each query position
     mass: torch.Tensor  # [S, L, Hkv, P]: full-attention mass per page (0 after the current page)
     quest: torch.Tensor  # [S, L, Hkv, P]: Quest's score per page
+    quest_at: dict[float, torch.Tensor] = field(default_factory=dict)  # the same at other bound_scale
 
 
 class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int]) -> None:
-        self.positions, self.layers = positions, set(layers)
-        self.out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int], bound_scales: Sequence[float]) -> None:
+        self.positions, self.layers, self.bound_scales = positions, set(layers), bound_scales
+        self.out: dict[int, PageRecord] = {}
 
 
 _recording: _Recorder | None = None
@@ -61,17 +62,21 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
-        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"))
+        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"),
+                                            _recording.bound_scales)
     return out
 
 
 AttentionInterface.register(TEACHER, _teacher_attention)
 
 
-def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
-                scaling: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[float, torch.Tensor]]
+
+
+def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None,
+                bound_scales: Sequence[float] = ()) -> PageRecord:
     """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's score
-    ``[S, Hkv, P]`` of the queries at ``positions``."""
+    ``[S, Hkv, P]`` of the queries at ``positions``, and Quest's score at each of ``bound_scales``."""
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     groups, pages = hq // hkv, t // PAGE
@@ -83,16 +88,20 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     mass = probs.view(hkv, -1, pages, PAGE).sum(-1)
     by_page = keys.view(hkv, pages, PAGE, d)
     features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
-    rows = split_rows(q, QuestSelector.bound_scale)  # Quest as shipped
-    quest = (rows @ features[:, None, :, :2 * d].transpose(-1, -2)).amax(1)  # [Hkv, S, P]
-    return features, mass.transpose(0, 1), quest.transpose(0, 1)
+
+    def quest(scale: float) -> torch.Tensor:  # [S, Hkv, P]
+        return (split_rows(q, scale) @ features[:, None, :, :2 * d].transpose(-1, -2)).amax(1).transpose(0, 1)
+
+    return (features, mass.transpose(0, 1), quest(QuestSelector.bound_scale),
+            {scale: quest(scale) for scale in bound_scales})
 
 
 @torch.no_grad()
 def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None) -> list[Chunk]:
+            advance: Callable[[], None] = lambda: None, bound_scales: Sequence[float] = ()) -> list[Chunk]:
     """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
-    positions each (uniform over the chunk's second half and beyond the first eighth)."""
+    positions each (uniform over the chunk's second half and beyond the first eighth); Quest's scores
+    also at ``bound_scales`` (``Chunk.quest_at``)."""
     global _recording
     gen = random.Random(seed)
     previous = model.config._attn_implementation
@@ -102,13 +111,14 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
         for start in range(0, ids.numel() - chunk + 1, chunk):
             window = ids[start:start + chunk][None]
             at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-            _recording = _Recorder(at, layers)
+            _recording = _Recorder(at, layers, bound_scales)
             hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
             out = [_recording.out[layer] for layer in layers]
             records.append(Chunk(
                 features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
                 current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
-                quest=torch.stack([o[2] for o in out], 1).half()))
+                quest=torch.stack([o[2] for o in out], 1).half(),
+                quest_at={s: torch.stack([o[3][s] for o in out], 1).half() for s in bound_scales}))
             advance()
     finally:
         _recording = None

@@ -1,0 +1,66 @@
+"""How much of the range Quest should weigh: page recall against ``bound_scale`` on held-out books.
+
+Quest (``kvfactory.selectors.quest``) ranks a page by ``q · centre + s |q| · half-width`` per key
+channel; s = 1 is the paper's upper bound, the package ships s = 0.5. This measures the choice on
+text the evaluation never uses: one ``--context``-token window of each Gutenberg book in
+``shared/data`` goes through the frozen SmolLM2 once with full attention (the teacher pass of
+``kvfactory oval train``), and at ``--positions`` query positions every routed layer's pages are
+ranked at each s and each read budget as sparse decode does (the sink and current page always
+read). Prints JSON: recall and hit rate per book, budget and s, plus the oracle (the pages with
+the most mass, per layer and KV head) and ``oracle_pooled`` (the oracle free to move the budget
+between layers and KV heads), which bound what any page selector can read.
+
+    python benchmarks/quest_scale.py [--context 6144] [--positions 48] [--scales 0,0.25,0.4,0.5,0.6,0.75,1]
+        [--budgets 0.25,0.125,0.0625]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvfactory.models import load_model
+from kvfactory.selectors.oval import load_router, router_path
+from kvfactory.selectors.oval import train as oval_train
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+BOOKS = {"pg84_frankenstein.txt": 30000, "pg1342_pride_and_prejudice.txt": 60000}  # book: first token
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=6144)
+    parser.add_argument("--positions", type=int, default=48)
+    parser.add_argument("--scales", default="0,0.25,0.4,0.5,0.6,0.75,1")
+    parser.add_argument("--budgets", default="0.25,0.125,0.0625")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    scales = [float(s) for s in args.scales.split(",")]
+    model, tokenizer = load_model()
+    router = load_router(str(router_path("embedded")))
+    results = {}
+    for book, first in BOOKS.items():
+        ids = oval_train.tokens_of(tokenizer, [(DATA / book).read_text()])[first:first + args.context]
+        chunks = oval_train.collect(model, ids, router.shape.layers, args.positions, args.context, seed=1,
+                                    bound_scales=scales)
+        results[book] = {}
+        for budget in map(float, args.budgets.split(",")):
+            row = {}
+            for scale in scales:
+                scaled = [dataclasses.replace(c, quest=c.quest_at[scale]) for c in chunks]
+                report = oval_train.evaluate(router, scaled, budget, ablations=True)
+                row[f"quest_{scale:g}"] = report["quest"]
+            row |= {name: report[name] for name in ("oracle", "oracle_pooled")}
+            results[book][budget] = row
+    print(json.dumps({"benchmark": "quest_scale", "context": args.context, "positions": args.positions,
+                      "seconds": round(time.perf_counter() - started, 1), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
