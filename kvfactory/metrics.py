@@ -24,6 +24,7 @@ PREFIX = "kvfactory"
 GAUGES = {  # metric name: (RoutingMetrics.as_dict key, help)
     "routing_hit_rate": ("hit_rate", "Pages read among the same number with the most attention mass"),
     "routing_recall": ("recall", "Full-attention mass on the pages read (shadow steps)"),
+    "routing_oracle_recall": ("oracle_recall", "The same for as many pages chosen by full attention"),
     "routing_page_utilisation": ("page_utilisation", "Stored pages read in the last 128 decode steps"),
     "routing_graph_density": ("graph_density", "Non-zero share of OVAL's page co-occurrence graph"),
     "kv_bytes_read_per_step": ("kv_bytes_read_per_step", "KV bytes a decode step read, page bases included"),

@@ -21,8 +21,8 @@ class CacheFootprint:
     ``1 - stored / seen``. Quantized kvfactory caches add the relative MSE of their stored keys and
     values, averaged over quantized layers (``KVCache.quantization_error``); None elsewhere. Caches
     with a page selector add its routing metrics (``KVCache.routing_metrics``): the fraction of KV
-    bytes decode read, hit rate and attention-mass recall (NaN without shadow samples) and the
-    router's p99 latency per decode step; others read
+    bytes decode read, hit rate and attention-mass recall, the oracle's recall at the same number of
+    pages (NaN without shadow samples) and the router's p99 latency per decode step; others read
     everything (``read_fraction`` 1.0).
     """
 
@@ -37,6 +37,7 @@ class CacheFootprint:
     hit_rate: float | None = None
     recall: float | None = None
     router_p99_ms: float | None = None
+    oracle_recall: float | None = None
 
 
 def cache_footprint(cache: Any) -> CacheFootprint:
@@ -59,5 +60,5 @@ def cache_footprint(cache: Any) -> CacheFootprint:
     read = routing["read_fraction"] if routing and not math.isnan(routing["read_fraction"]) else 1.0
     return CacheFootprint(held, seen, stored, held / seen if seen else 0.0,
                           1.0 - stored / seen if seen else 0.0, key_mse, value_mse, read,
-                          *((routing["hit_rate"], routing["recall"], routing["router_latency_p99_ms"])
-                            if routing else (None, None, None)))
+                          *((routing["hit_rate"], routing["recall"], routing["router_latency_p99_ms"],
+                             routing["oracle_recall"]) if routing else (None, None, None, None)))

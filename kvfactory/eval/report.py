@@ -125,12 +125,15 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
                   "Sparse decode (page selectors): KV bytes read per decode step over all stored (page "
                   "bases included), and on shadow steps (full attention every `shadow_every` steps) the "
                   "hit rate (pages read among the same number with the most attention mass) and the "
-                  "attention-mass recall, mean over sparse layers, KV heads and prompts; the router's "
-                  "p99 seconds choosing pages per decode step (all layers):", ""]
-        lines += _table(["config", "task", "context", "read", "hit rate", "recall", "router p99 ms/step"],
+                  "attention-mass recall, mean over sparse layers, KV heads and prompts, beside the "
+                  "oracle's (as many pages chosen by full attention: the most any selector reads); the "
+                  "router's p99 seconds choosing pages per decode step (all layers):", ""]
+        lines += _table(["config", "task", "context", "read", "hit rate", "recall", "oracle recall",
+                         "router p99 ms/step"],
                         [[r["config"], r["task"], str(r["context"]), _f(r["read_budget"], ".3f"),
                           _f(r.get("hit_rate"), ".3f"), _f(r["recall"], ".3f"),
-                          _f(r.get("router_p99_ms"), ".2f")] for r in routed])
+                          _f(r.get("oracle_recall"), ".3f"), _f(r.get("router_p99_ms"), ".2f")]
+                         for r in routed])
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"

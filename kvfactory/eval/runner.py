@@ -186,7 +186,8 @@ def _aggregate(unit: Unit) -> dict[str, Any]:
         "prefill_s": statistics.median(i.prefill_s for i in items) if items else float("nan"),
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
     }
-    for field_name in ("key_rel_mse", "value_rel_mse", "hit_rate", "recall", "router_p99_ms"):
+    for field_name in ("key_rel_mse", "value_rel_mse", "hit_rate", "recall", "oracle_recall",
+                       "router_p99_ms"):
         values = [getattr(p, field_name) for p in prints
                   if getattr(p, field_name) is not None and not math.isnan(getattr(p, field_name))]
         if values:

@@ -2,7 +2,9 @@
 
 - hit rate: of the pages a step read, the fraction that are among the same number of pages with
   the most attention mass under full attention (shadow steps, every ``shadow_every`` decode steps);
-- attention-mass recall: the full-attention mass that falls on the pages read (shadow steps);
+- attention-mass recall: the full-attention mass that falls on the pages read (shadow steps), and
+  the oracle's: the mass on as many pages per head chosen by full attention itself, the most any
+  selector reading that many pages can reach (dynamic pages: as many, whatever their sizes);
 - page utilisation: stored pages read at least once in the last ``UTILISATION_STEPS`` steps;
 - co-occurrence graph density (OVAL): non-zero off-diagonal share of its page graph;
 - router latency: seconds spent choosing pages per decode step (all layers), p50 and p99;
@@ -37,7 +39,7 @@ class RoutingMetrics:
         self.bytes_full = 0
         self.bytes_index = 0  # of bytes_read: page bases the selector scored
         self.shadow_samples = 0
-        self._hit_sum = self._recall_sum = 0.0  # sums over shadow samples (a server runs for days)
+        self._hit_sum = self._recall_sum = self._oracle_sum = 0.0  # sums over shadow samples
         self._latency: dict[int, float] = {}
         self._latencies: deque[float] = deque(maxlen=LATENCY_STEPS)
         self._stores: weakref.WeakSet[SparseStore] = weakref.WeakSet()
@@ -66,11 +68,14 @@ class RoutingMetrics:
         """``read [B, Hkv, pages]`` (bool) the pages read and ``mass [B, Hkv, pages]`` the full-attention
         mass per page; each head reads its own number of pages."""
         k = read.sum(-1, keepdim=True)
-        rank = mass.argsort(-1, descending=True).argsort(-1)  # 0: the page with the most mass
+        ordered, order = mass.sort(-1, descending=True)
+        rank = order.argsort(-1)  # 0: the page with the most mass
         hit = float(((rank < k) & read).sum(-1).div(k.squeeze(-1).clamp_min(1)).mean())
+        best = ordered.cumsum(-1).gather(-1, (k - 1).clamp_min(0)).squeeze(-1) * (k.squeeze(-1) > 0)
         self.shadow_samples += 1
         self._hit_sum += hit
         self._recall_sum += float((mass * read).sum(-1).mean())
+        self._oracle_sum += float(best.mean())
         for listener in self.listeners:
             listener(hit)
 
@@ -99,6 +104,7 @@ class RoutingMetrics:
             "steps": self.steps,
             "hit_rate": self._hit_sum / self.shadow_samples if self.shadow_samples else float("nan"),
             "recall": self._recall_sum / self.shadow_samples if self.shadow_samples else float("nan"),
+            "oracle_recall": self._oracle_sum / self.shadow_samples if self.shadow_samples else float("nan"),
             "shadow_samples": self.shadow_samples,
             "page_utilisation": self.page_utilisation(),
             "graph_density": self.graph_density(),
