@@ -4,9 +4,9 @@
  * score (rows: each query head's query split here into two halves weighing the page's key maxima
  * and minima, see split_rows) and OVAL's logit (one routing vector; features: maxima, minima and
  * means) are both this; OVAL's graph step is the same product with every row kept (rows: scores;
- * features: adjacency). Each page's features are read once, in their stored dtype (float16 halves the bytes a step
- * reads), where torch's batched product packs the whole feature matrix first. Built by
- * kvfactory/kernels/__init__.py, called by kvfactory/selectors/pages.py.
+ * features: adjacency). Each page's features are read once, in their stored dtype (float16 halves
+ * the bytes a step reads), where torch's batched product packs the whole feature matrix first.
+ * Built by kvfactory/kernels/__init__.py, called by kvfactory/selectors/pages.py.
  */
 #include <stdlib.h>
 
