@@ -51,13 +51,13 @@ def main() -> None:
                                     bound_scales=scales)
         results[book] = {}
         for budget in map(float, args.budgets.split(",")):
-            row = {}
-            for scale in scales:
+            row, oracles = {}, {}
+            for scale in scales:  # the ablations (for the pooled oracle) once per budget
                 scaled = [dataclasses.replace(c, quest=c.quest_at[scale]) for c in chunks]
-                report = oval_train.evaluate(router, scaled, budget, ablations=True)
+                report = oval_train.evaluate(router, scaled, budget, ablations=not oracles)
                 row[f"quest_{scale:g}"] = report["quest"]
-            row |= {name: report[name] for name in ("oracle", "oracle_pooled")}
-            results[book][budget] = row
+                oracles = oracles or {name: report[name] for name in ("oracle", "oracle_pooled")}
+            results[book][budget] = row | oracles
     print(json.dumps({"benchmark": "quest_scale", "context": args.context, "positions": args.positions,
                       "seconds": round(time.perf_counter() - started, 1), "results": results}, indent=2))
 
