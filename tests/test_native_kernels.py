@@ -10,7 +10,7 @@ from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
 from kvfactory.errors import ShapeError
-from kvfactory.selectors.pages import best_dot, row_dots, split_rows, top_pages
+from kvfactory.selectors.pages import best_dot, row_dots, softmax_mass, split_rows, top_pages
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
@@ -126,6 +126,10 @@ def test_page_scores_equal_the_matrix_product(dtype, features, rows) -> None:
     dots = query @ bases.float().transpose(-1, -2)
     torch.testing.assert_close(row_dots(query, bases), dots, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(best_dot(query, bases), dots.amax(2), atol=1e-4, rtol=1e-5)
+    # the rows' softmax over the 50 pages (16-wide vectors and a tail of 2), summed over the rows
+    for scale in (0.3, 3.0):  # 3: scores spread over hundreds, most exponents underflow
+        torch.testing.assert_close(softmax_mass(query, bases, scale), (dots * scale).softmax(-1).sum(2),
+                                   atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("features", [128, 24])
@@ -137,6 +141,8 @@ def test_page_scores_split_the_queries_themselves(features, split) -> None:
     query = torch.randn(2, 3, 3, features // 2, generator=gen)
     expected = (split_rows(query, split) @ bases.float().transpose(-1, -2)).amax(2)
     torch.testing.assert_close(best_dot(query, bases, split=split), expected, atol=1e-4, rtol=1e-5)
+    expected = (split_rows(query, split) @ bases.float().transpose(-1, -2) * 0.125).softmax(-1).sum(2)
+    torch.testing.assert_close(softmax_mass(query, bases, 0.125, split=split), expected, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("lo", "hi", "k"), [(0, 50, 7), (1, 49, 48), (3, 40, 1), (0, 50, 50)])

@@ -30,12 +30,15 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
             torch.testing.assert_close(mass[s, h], per_page.view(4, 16).sum(-1))
             pages = key[0, h].view(4, 16, 8)
             centre, half = (pages.amax(1) + pages.amin(1)) / 2, (pages.amax(1) - pages.amin(1)) / 2
-            scale = QuestSelector.bound_scale  # Quest as the selector ranks pages
-            shipped = torch.stack([centre @ query[0, g, t] + scale * half @ query[0, g, t].abs()
-                                   for g in group])
-            torch.testing.assert_close(quest[s, h], shipped.amax(0))
-            exact = torch.stack([(query[0, g, t] @ pages.transpose(-1, -2)).amax(-1) for g in group]).amax(0)
-            assert (bound[1.0][s, h] >= exact - 1e-5).all()  # bound_scale 1: Quest's upper bound
+            stored = t // 16 + 1  # the pages the cache holds at this query
+            ranked = {}  # Quest as the selector ranks pages (softmax aggregate), at bound_scale 0.5 and 1
+            for scale in (QuestSelector.bound_scale, 1.0):
+                scores = torch.stack([centre[:stored] @ query[0, g, t]
+                                      + scale * half[:stored] @ query[0, g, t].abs() for g in group])
+                ranked[scale] = torch.cat([(scores * 8 ** -0.5).softmax(-1).sum(0), torch.zeros(4 - stored)])
+            assert QuestSelector.aggregate == "softmax"
+            torch.testing.assert_close(quest[s, h], ranked[QuestSelector.bound_scale])
+            torch.testing.assert_close(bound[1.0][s, h], ranked[1.0])
     torch.testing.assert_close(features[..., 16:], key[0].view(2, 4, 16, 8).mean(2))
 
 

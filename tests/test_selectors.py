@@ -78,6 +78,7 @@ def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: s
     ({"name": "quest", "seed": 1}, "strategies[1].seed"),
     ({"name": "quest", "bound_scale": 1.5}, "strategies[1].bound_scale"),
     ({"name": "quest", "bound_scale": -0.1}, "strategies[1].bound_scale"),
+    ({"name": "quest", "aggregate": "mean"}, "strategies[1].aggregate"),
     ({"name": "random", "seed": "x"}, "strategies[1].seed"),
     ({"name": "quest", "dynamic_pages": True, "top_k": 4}, "strategies[1].top_k"),
     ({"name": "quest", "dynamic_pages": True, "max_page": 0}, "strategies[1].max_page"),
@@ -166,7 +167,7 @@ def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype)
     bases = PageBases(PAGE, dtype=dtype)
     bases.append(keys)
     queries = torch.randn(1, 2, 1, 8, generator=gen)  # one query head per KV head: the bound is Quest's
-    quest = QuestSelector(bound_scale=1.0)
+    quest = QuestSelector(bound_scale=1.0, aggregate="max")
     bound = quest.page_scores(queries, bases, RoutingContext())
     exact = (queries @ keys.transpose(-1, -2)).view(1, 2, 10, PAGE).amax(-1)
     assert (bound >= exact - 1e-5).all()
@@ -178,18 +179,39 @@ def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype)
                                (queries @ keys.transpose(-1, -2))[:, :, 0], **tolerance)
 
 
+@pytest.mark.parametrize("aggregate", ["max", "softmax"])
 @pytest.mark.parametrize("scale", [0.0, 0.5, 0.8, 1.0])
-def test_quest_scores_the_centre_plus_a_share_of_each_channels_half_width(scale: float) -> None:
+def test_quest_scores_the_centre_plus_a_share_of_each_channels_half_width(scale: float, aggregate: str
+                                                                          ) -> None:
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(2, 3, 40, 8, generator=gen) * torch.linspace(0.2, 3.0, 8)
     bases = PageBases(PAGE, dtype=torch.float32)
     bases.append(keys)
-    queries = torch.randn(2, 3, 4, 8, generator=gen)  # 4 query rows per KV head: the best one counts
+    queries = torch.randn(2, 3, 4, 8, generator=gen) * 2  # 4 query rows per KV head
     pages = keys.view(2, 3, -1, PAGE, 8)
     centre, half = (pages.amax(3) + pages.amin(3)) / 2, (pages.amax(3) - pages.amin(3)) / 2
-    expected = (queries @ centre.transpose(-1, -2) + scale * queries.abs() @ half.transpose(-1, -2)).amax(2)
-    scores = QuestSelector(bound_scale=scale).page_scores(queries, bases, RoutingContext())
+    rows = queries @ centre.transpose(-1, -2) + scale * queries.abs() @ half.transpose(-1, -2)  # [B, H, R, P]
+    # max: the best row's score; softmax: each row's attention share of the pages, summed over the rows
+    expected = rows.amax(2) if aggregate == "max" else (rows * 8 ** -0.5).softmax(-1).sum(2)
+    quest = QuestSelector(bound_scale=scale, aggregate=aggregate)
+    scores = quest.page_scores(queries, bases, RoutingContext())
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_quest_softmax_aggregate_reads_each_heads_favourite_before_a_higher_raw_score() -> None:
+    # one KV head, two query heads, three one-key pages: head 0 wants page 0, head 1 wants page 1;
+    # page 2 is both heads' second choice, yet has a higher dot product than page 1 (head 0's scale)
+    keys = torch.tensor([[[[8.0, 0.0], [0.0, 3.0], [6.0, 1.0]]]])
+    bases = PageBases(1, dtype=torch.float32)
+    bases.append(keys)
+    queries = torch.tensor([[[[4.0, 0.0], [0.0, 2.0]]]])
+    by_max = QuestSelector(aggregate="max").page_scores(queries, bases, RoutingContext())[0, 0]
+    by_softmax = QuestSelector(aggregate="softmax").page_scores(queries, bases, RoutingContext())[0, 0]
+    attention = (queries[0, 0] @ keys[0, 0].T * 2 ** -0.5).softmax(-1)  # [heads, pages]
+    assert attention[1, 1] > 0.9  # head 1 attends to page 1
+    assert by_max.topk(2).indices.sort().values.tolist() == [0, 2]  # the best score drops page 1
+    assert by_softmax.topk(2).indices.sort().values.tolist() == [0, 1]
+    torch.testing.assert_close(by_softmax, attention.sum(0))  # one key per page: the attention itself
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,

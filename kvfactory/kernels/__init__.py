@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11"]
+LIBS = ["-lm"]  # after the source, as linkers resolve in order
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
 # the dtype codes of common.h (F32, F16, BF16, LUT8: FP8 read through a 256-entry table)
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
@@ -53,15 +54,15 @@ def build(name: str, compiler: str) -> Path:
     """The compiled library of ``NAME.c`` (with the headers here), built unless a matching one is cached."""
     headers = sorted(source(name).parent.glob("*.h"))
     text = source(name).read_bytes() + b"".join(h.read_bytes() for h in headers)
-    key = hashlib.sha256(text + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(text + " ".join([compiler, *FLAGS, *LIBS, _cpu_id()]).encode()).hexdigest()[:16]
     target = _kernel_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(source(name)), "-o", tmp], check=True, capture_output=True,
-                           text=True, timeout=120)
+            subprocess.run([compiler, *FLAGS, str(source(name)), *LIBS, "-o", tmp], check=True,
+                           capture_output=True, text=True, timeout=120)
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):

@@ -1,13 +1,14 @@
 /* Page selection for sparse decode: score every page of a layer, then keep the best k.
  *
- * Scores are the best dot product of a few query rows with each page's feature vector: Quest's
- * score (rows: each query head's query split here into two halves weighing the page's key maxima
- * and minima, see split_rows) and OVAL's logit (one routing vector; features: maxima, minima and
- * means) are both this; OVAL's graph step is the same product with every row kept (rows: scores;
- * features: adjacency). Each page's features are read once, in their stored dtype (float16 halves
+ * Scores are dot products of a few query rows with each page's feature vector, kept per row, as
+ * the best row's, or as the rows' softmax over the pages summed. Quest's score is the last (rows:
+ * each query head's query split here into two halves weighing the page's key maxima and minima,
+ * see split_rows); OVAL's logit is the best (one routing vector; features: maxima, minima and
+ * means); OVAL's graph step keeps every row (rows: scores; features: adjacency). Each page's features are read once, in their stored dtype (float16 halves
  * the bytes a step reads), where torch's batched product packs the whole feature matrix first.
  * Built by kvfactory/kernels/__init__.py, called by kvfactory/selectors/pages.py.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -68,6 +69,47 @@ static inline void score_block(const float *q, const char *f, int kind, int64_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+/* e^x for x <= 0 to about 2e-7 relative: 2^(x log2 e) split into a rounded power of two (scalef)
+ * and a degree-6 polynomial of the remainder in [-1/2, 1/2]. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    static const float c[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f,
+                              6.9314718e-1f, 1.f};
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* out[p] += softmax over p of scale * dots[p] (P entries); dots is overwritten. */
+static void add_softmax(float *dots, int64_t P, float scale, float *out) {
+    float top = -__builtin_inff(), total = 0.f;
+    int64_t p = 0;
+#if defined(__AVX512F__)
+    __m512 most = _mm512_set1_ps(top);
+    for (; p + 16 <= P; p += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(dots + p));
+    top = _mm512_reduce_max_ps(most);
+#endif
+    for (; p < P; p++) top = dots[p] > top ? dots[p] : top;
+    p = 0;
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(top);
+    for (; p + 16 <= P; p += 16) {
+        const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(dots + p), m), s));
+        _mm512_storeu_ps(dots + p, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; p < P; p++) total += dots[p] = expf(scale * (dots[p] - top));
+    const float inv = 1.f / total;
+    for (p = 0; p < P; p++) out[p] += dots[p] * inv;
+}
+
 /* Each row x of width F / 2 as the F-wide row [(x + s|x|) / 2 | (x - s|x|) / 2], whose dot with a
  * page's [maxima | minima] is x . centre + s |x| . half-width (Quest's bound at s = 1). */
 static void split_rows(const float *x, int64_t R, int64_t F, float s, float *out) {
@@ -80,17 +122,25 @@ static void split_rows(const float *x, int64_t R, int64_t F, float s, float *out
         }
 }
 
-/* best: scores[b, h, p] = max over r < R of rows[b, h, r, :] . features[b, h, p, :F] ([B, H, P]);
- * otherwise every row's, scores[b, h, r, p] ([B, H, R, P]).
+enum { ROWS = 0, BEST = 1, SOFTMAX = 2 };
+
+/* With d[r, p] = rows[b, h, r, :] . features[b, h, p, :F], mode ROWS: scores[b, h, r, p] = d[r, p]
+ * ([B, H, R, P]); BEST: scores[b, h, p] = max over r of d[r, p]; SOFTMAX: scores[b, h, p] = sum over
+ * r of softmax over p of scale * d[r, p] ([B, H, P]).
  * rows: float32 [B, H, R, F] contiguous; with split >= 0, [B, H, R, F / 2] queries taken as
  * split_rows(rows, split). features: float32 (kind F32) or float16 (F16) with element strides
- * (fb, fh, fp), the F channels contiguous. scores: float32, contiguous. Returns -1 if the split rows'
- * memory cannot be allocated, else 0. */
+ * (fb, fh, fp), the F channels contiguous. scores: float32, contiguous. Returns -1 if working memory
+ * (split rows, per-row dots) cannot be allocated, else 0. */
 int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, const void *features,
-                int kind, int64_t fb, int64_t fh, int64_t fp, int best_only, float split, float *scores) {
+                int kind, int64_t fb, int64_t fh, int64_t fp, int mode, float split, float scale, float *scores) {
     const int64_t size = param_size(kind), width = split >= 0.f ? F / 2 : F;
-    float *expanded = NULL;
-    if (split >= 0.f && !(expanded = malloc(sizeof(float) * (size_t)(R * F)))) return -1;
+    const int best_only = mode == BEST;
+    float *expanded = NULL, *dots = NULL;
+    if ((split >= 0.f && !(expanded = malloc(sizeof(float) * (size_t)(R * F))))
+        || (mode == SOFTMAX && !(dots = malloc(sizeof(float) * (size_t)(R * P))))) {
+        free(expanded);
+        return -1;
+    }
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
             const float *q = rows + (b * H + h) * R * width;
@@ -99,7 +149,7 @@ int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const flo
                 q = expanded;
             }
             const char *feat = (const char *)features + (b * fb + h * fh) * size;
-            float *out = scores + (b * H + h) * P * (best_only ? 1 : R);
+            float *out = dots ? dots : scores + (b * H + h) * P * (best_only ? 1 : R);
             int64_t p = 0;
 #if defined(__AVX512F__)
             if (F % 16 == 0 && F <= WIDEST)
@@ -139,9 +189,15 @@ int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const flo
                 }
                 if (best_only) out[p] = best;
             }
+            if (dots) {
+                float *sums = scores + (b * H + h) * P;
+                memset(sums, 0, sizeof(float) * (size_t)P);
+                for (int64_t r = 0; r < R; r++) add_softmax(dots + r * P, P, scale, sums);
+            }
         }
     }
     free(expanded);
+    free(dots);
     return 0;
 }
 

@@ -43,33 +43,46 @@ def best_dot(rows: torch.Tensor, features: torch.Tensor, split: float | None = N
     """``max_r rows[..., r, :] · features[..., p, :]`` in float32: ``rows [B, H, R, F]`` against
     ``features [B, H, P, F]`` (float32 or float16, a view of the bases) gives ``[B, H, P]``. With
     ``split``, ``rows [B, H, R, F / 2]`` are queries taken as ``split_rows(rows, split)`` (in the kernel)."""
-    return _dots(rows, features, best_only=True, split=split)
+    return _dots(rows, features, BEST, split=split)
+
+
+def softmax_mass(rows: torch.Tensor, features: torch.Tensor, scale: float, split: float | None = None
+                 ) -> torch.Tensor:
+    """``sum_r softmax_p(scale · rows[..., r, :] · features[..., p, :])``, ``[B, H, P]`` in float32: the
+    share of each row's attention a page would get if its features were its one key, summed over the
+    rows. ``rows``, ``features`` and ``split`` as in ``best_dot``."""
+    return _dots(rows, features, SOFTMAX, split=split, scale=scale)
 
 
 def row_dots(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
     """``rows @ features^T`` in float32, every row kept: ``[B, H, R, P]``."""
-    return _dots(rows, features, best_only=False)
+    return _dots(rows, features, ROWS)
 
 
-def _dots(rows: torch.Tensor, features: torch.Tensor, best_only: bool, split: float | None = None
-          ) -> torch.Tensor:
+ROWS, BEST, SOFTMAX = 0, 1, 2  # pages.c's modes
+
+
+def _dots(rows: torch.Tensor, features: torch.Tensor, mode: int, split: float | None = None,
+          scale: float = 1.0) -> torch.Tensor:
     lib = _pages_library(features)
     if lib is None or features.stride(-1) != 1 or features.dtype not in FEATURE_DTYPES:
         if split is not None:
             rows = split_rows(rows.float(), split)
         dots = rows.float() @ features.float().transpose(-1, -2)
-        return dots.amax(2) if best_only else dots
+        if mode == SOFTMAX:
+            return dots.mul_(scale).softmax(-1).sum(2)
+        return dots.amax(2) if mode == BEST else dots
     b, h, r = rows.shape[:3]
     p, f = features.shape[2:]
     rows = rows.float().contiguous()
-    out = torch.empty((b, h, p) if best_only else (b, h, r, p), dtype=torch.float32)
+    out = torch.empty((b, h, r, p) if mode == ROWS else (b, h, p), dtype=torch.float32)
     fs = features.stride()
     if lib.page_scores(kernels.I64(b), kernels.I64(h), kernels.I64(r), kernels.I64(f), kernels.I64(p),
                        kernels.PTR(rows.data_ptr()), kernels.PTR(features.data_ptr()),
                        kernels.KINDS[features.dtype], kernels.I64(fs[0]), kernels.I64(fs[1]),
-                       kernels.I64(fs[2]), int(best_only), ctypes.c_float(-1.0 if split is None else split),
-                       kernels.PTR(out.data_ptr())):
-        raise MemoryError(f"page_scores: no memory to split {r} query rows")
+                       kernels.I64(fs[2]), mode, ctypes.c_float(-1.0 if split is None else split),
+                       ctypes.c_float(scale), kernels.PTR(out.data_ptr())):
+        raise MemoryError(f"page_scores: no memory for {r} query rows over {p} pages")
     return out
 
 

@@ -89,8 +89,14 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     by_page = keys.view(hkv, pages, PAGE, d)
     features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
 
-    def quest(scale: float) -> torch.Tensor:  # [S, Hkv, P]
-        return (split_rows(q, scale) @ features[:, None, :, :2 * d].transpose(-1, -2)).amax(1).transpose(0, 1)
+    visible = torch.arange(pages) <= positions[:, None] // PAGE  # [S, P]: the pages stored at each query
+
+    def quest(scale: float) -> torch.Tensor:  # [S, Hkv, P], as QuestSelector scores with its aggregate
+        dots = split_rows(q, scale) @ features[:, None, :, :2 * d].transpose(-1, -2)  # [Hkv, G, S, P]
+        if QuestSelector.aggregate == "max":
+            return dots.amax(1).transpose(0, 1)
+        dots = dots.mul_(d ** -0.5).masked_fill_(~visible, float("-inf"))
+        return dots.softmax(-1).sum(1).transpose(0, 1)
 
     return (features, mass.transpose(0, 1), quest(QuestSelector.bound_scale),
             {scale: quest(scale) for scale in bound_scales})
