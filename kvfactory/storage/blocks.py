@@ -126,7 +126,8 @@ class BlockPool:
         if ids.size == 0:
             return
         np.add.at(self.refcount, ids, -1)
-        touched = np.unique(ids)
+        ordered = np.sort(ids)  # unique by hand: np.unique may import numpy.ma, which a finalizer run
+        touched = ordered[np.append(True, ordered[1:] != ordered[:-1])]  # during that import recurses on
         if (self.refcount[touched] < 0).any():
             raise RuntimeError(f"layer {self.layer_idx}: block freed more often than referenced")
         self.free.extend(touched[self.refcount[touched] == 0].tolist())
