@@ -214,27 +214,6 @@ def test_quest_softmax_aggregate_reads_each_heads_favourite_before_a_higher_raw_
     torch.testing.assert_close(by_softmax, attention.sum(0))  # one key per page: the attention itself
 
 
-def test_quest_carry_scores_a_page_at_least_the_attention_it_got_last_step() -> None:
-    gen = torch.Generator().manual_seed(5)
-    bases = PageBases(PAGE, dtype=torch.float32)
-    bases.append(torch.randn(1, 2, 40, 8, generator=gen))
-    queries = torch.randn(1, 2, 3, 8, generator=gen)
-    quest = QuestSelector()
-    assert quest.carry and quest.wants_attention  # on with the softmax aggregate, the default
-    fresh = quest.page_scores(queries, bases, RoutingContext())
-    shares = torch.zeros(1, 2, 4)  # the pages stored last step: one fewer than now
-    shares[0, 0, 1], shares[0, 1, 0] = 2.5, 1e-9
-    quest.attended(shares, RoutingContext())
-    carried = quest.page_scores(queries, bases, RoutingContext())
-    torch.testing.assert_close(carried[..., :4], torch.maximum(fresh[..., :4], shares))
-    torch.testing.assert_close(carried[..., 4], fresh[..., 4])
-    quest.forget()
-    torch.testing.assert_close(quest.page_scores(queries, bases, RoutingContext()), fresh)
-    assert not QuestSelector(aggregate="max").carry
-    with pytest.raises(ConfigError, match="carry"):
-        QuestSelector(aggregate="max", carry=True)
-
-
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
               scaling: float) -> torch.Tensor:
     """Attention of ``query [B, Hq, q, D]`` over the ``allowed [B, Hkv, q, T]`` tokens: ``[B, q, Hq, D]``."""
@@ -273,13 +252,6 @@ def test_a_sparse_step_is_exact_attention_over_its_pages(selector: str, new: int
     allowed = chosen[:, :, None] & (causal if mask is None else mask[:, 0, None])
     torch.testing.assert_close(out, reference(query, keys, values, allowed, d ** -0.5), rtol=1e-5, atol=1e-5)
     assert read.pages.shape[-1] == store.spec.pages_to_read(store.bases.pages)
-    if store.selector.wants_attention:  # Quest's carry: the attention each page got, per KV head
-        store.observe(query, d ** -0.5)
-        scores = query.view(b, hkv, groups, new, d) @ keys[:, :, None].transpose(-1, -2) * d ** -0.5
-        probs = scores.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1).sum((2, 3))
-        pages = -(-(t + new) // PAGE)
-        expected = F.pad(probs, (0, pages * PAGE - t - new)).view(b, hkv, pages, PAGE).sum(-1)
-        torch.testing.assert_close(store.selector._carried, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])

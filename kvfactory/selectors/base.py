@@ -45,7 +45,6 @@ class Selector(ABC):
     reads_all: ClassVar[bool] = False  # True: decode reads every page whatever the budget
     reads_bases: ClassVar[bool] = True  # scoring reads the page bases (counted in the bytes read)
     uses_mean: ClassVar[bool] = False  # the page bases keep each page's mean key
-    wants_attention: ClassVar[bool] = False  # called back with the attention each read page received
 
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
@@ -58,14 +57,6 @@ class Selector(ABC):
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
         """Called with the indices of the pages this layer read in this step (``[B, Hkv, k]`` per head
         with fixed pages; a flat list of every page any head read with dynamic ones)."""
-
-    def attended(self, shares: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
-        """With ``wants_attention``, after each sparse decode step: ``shares [B, Hkv, pages]``, the
-        attention each page received in it (summed over the KV head's query rows; 0 where unread)."""
-
-    def forget(self) -> None:  # noqa: B027 - optional
-        """The stored tokens changed other than by appending (crop, row selection, clear): drop any
-        state about past steps."""
 
     @abstractmethod
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:

@@ -60,10 +60,6 @@ class RoutingMetrics:
         self.bytes_full += full_bytes
         self.bytes_index += index_bytes
 
-    def record_routing(self, step: int, seconds: float) -> None:
-        """More router time in decode step ``step`` (a selector's feedback after attention)."""
-        self._latency[step] = self._latency.get(step, 0.0) + seconds
-
     def _close_steps(self) -> None:
         self._latencies.extend(self._latency.values())
         self._latency.clear()

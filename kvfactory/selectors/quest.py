@@ -16,14 +16,11 @@ Two departures, both measured on held-out books (SmolLM2, 6144 tokens, read budg
   sums each head's softmax over the pages' scores (at attention's temperature ``1/sqrt(D)``): the
   attention share each head would give the page, so one head's clear favourite outranks a page
   that several heads rate as mediocre, and a head with flat scores spreads its vote thin.
-- ``carry`` (on with the softmax aggregate) scores each page read in the previous step by at least
-  the attention it got there: a decode step's query is close to the last one, and that attention
-  was exact where the bounds only estimate it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,42 +33,19 @@ AGGREGATES = ("softmax", "max")
 
 @dataclass
 class QuestSelector(Selector):
-    """Training-free: needs only the page key bounds (and, with ``carry``, the last step's attention)."""
+    """Training-free: needs only the page key bounds."""
 
     bound_scale: float = 0.5  # 1: Quest's upper bound; below 1: ranges shrunk about their centres
     aggregate: str = "softmax"  # how a KV head's query heads combine: summed softmax, or the best score
-    carry: bool | None = None  # a page read in the last step scores at least the attention it got
-    # there; None: with the softmax aggregate
-    _carried: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.bound_scale <= 1.0:
             raise ConfigError("bound_scale", self.bound_scale, "a number in [0, 1] (1: Quest's bound)")
         if self.aggregate not in AGGREGATES:
             raise ConfigError("aggregate", self.aggregate, f"one of {', '.join(AGGREGATES)}")
-        if self.carry is None:
-            self.carry = self.aggregate == "softmax"
-        if self.carry and self.aggregate != "softmax":
-            raise ConfigError("carry", self.carry, "false unless aggregate is 'softmax' (scores must be "
-                                                   "attention shares to compare with the attention got)")
-
-    @property
-    def wants_attention(self) -> bool:  # type: ignore[override]
-        return self.carry
-
-    def attended(self, shares: torch.Tensor, context: RoutingContext) -> None:
-        self._carried = shares
-
-    def forget(self) -> None:
-        self._carried = None
 
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         bounds = bases.bounds  # [B, Hkv, pages, 2D]
         if self.aggregate == "max":
             return best_dot(queries, bounds, split=self.bound_scale)
-        scores = softmax_mass(queries, bounds, queries.shape[-1] ** -0.5, split=self.bound_scale)
-        carried = self._carried
-        if carried is not None:  # the pages stored then are the first of those stored now
-            held = scores[..., :carried.shape[2]]
-            torch.maximum(held, carried.to(held.device), out=held)
-        return scores
+        return softmax_mass(queries, bounds, queries.shape[-1] ** -0.5, split=self.bound_scale)

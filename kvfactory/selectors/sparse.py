@@ -12,10 +12,9 @@ With ``dynamic_pages`` the pages are the token ranges of a ``PageLayout`` (``lay
 the cache's layers and cut at prefill by the first sparse layer from its attention entropy; a
 ``DynamicRead`` then reads the best pages up to a token budget, token by token from the pool.
 
-The store also takes part in its attention call (``kvfactory.attention.Observer``): after a sparse
-step it tells a selector that asks (``wants_attention``) how much attention each read page got,
-and on shadow steps it computes full attention for the same queries to measure hit rate and
-recall (``metrics.py``).
+The store also takes part in its attention call (``kvfactory.attention.Observer``): on shadow steps
+it computes full attention for the same queries to measure hit rate and recall
+(``metrics.py``).
 """
 
 from __future__ import annotations
@@ -88,7 +87,6 @@ class SparseStore(WrappedStore):
         if self.layout is not None:
             self.layout.clear()
         self._new, self._last_read = None, None
-        self.selector.forget()
 
     def _rebuild(self) -> None:
         if self.layout is not None:  # dynamic pages: rebuilt from the layout at the next decode step
@@ -97,7 +95,6 @@ class SparseStore(WrappedStore):
         else:
             self.bases.rebuild(self.inner.gather()[0] if self.inner.size() and self.routed else None)
         self._last_read = None
-        self.selector.forget()
 
     def sync_bases(self) -> None:
         """Dynamic pages: bring the bases up to the stored tokens (the step's own, or all after a prefill)."""
@@ -131,7 +128,6 @@ class SparseStore(WrappedStore):
         self.inner.select_rows(rows)
         self.bases.select_rows(rows)
         self._last_read = None
-        self.selector.forget()
 
     def memory_report(self) -> MemoryReport:
         """The pages plus the page bases (held for the selector)."""
@@ -200,8 +196,6 @@ class SparseStore(WrappedStore):
 
     def observe(self, query: torch.Tensor, scaling: float) -> None:
         read, self._read = self._read, None
-        if read is not None and read.seen is not None:
-            self._feed_back(read, query, scaling)
         if read is None and self.layout is not None and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed and self.layer_idx == self.spec.dense_layers:
             self._cut_pages(query, scaling)  # a prefill: the first sparse layer sizes the pages
@@ -220,25 +214,6 @@ class SparseStore(WrappedStore):
             self.metrics.record_shadow(read.read, mass)
 
     @torch.no_grad()
-    @torch.no_grad()
-    def _feed_back(self, read: PageRead, query: torch.Tensor, scaling: float) -> None:
-        """The attention this step's queries gave each page read (what SDPA computed, summed over
-        each KV head's query rows) to the selector."""
-        started = time.perf_counter()
-        columns, keys, mask = read.seen
-        read.seen = None
-        b, hq, q, d = query.shape
-        hkv, n = keys.shape[1], keys.shape[2]
-        scores = (query.reshape(b, hkv, -1, d) @ keys.transpose(-1, -2)).float().mul_(scaling)  # [B, H, R, n]
-        if mask is not None:
-            mask = mask.expand(b, hq, q, n).reshape(b, hkv, -1, n)
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        probs = scores.softmax(-1).sum(2)
-        page = self.page_index(self.size(), probs.device)[columns.to(probs.device)]
-        shares = probs.new_zeros((b, hkv, self.bases.pages)).scatter_add_(2, page, probs)
-        self.selector.attended(shares, self.context)
-        self.metrics.record_routing(self.steps, time.perf_counter() - started)
-
     def _cut_pages(self, query: torch.Tensor, scaling: float) -> None:
         """Cut the prefill's ``query.shape[2]`` new tokens into pages by their attention entropy."""
         size = self.size()
@@ -277,9 +252,6 @@ class PageRead(NarrowRead):
     def __init__(self, store: SparseStore, wanted: int) -> None:
         self.store, self.wanted = store, wanted
         self.read: torch.Tensor | None = None  # [B, Hkv, pages]: every page read (set by ``narrow``)
-        # for a selector that wants the attention back: the stored positions read [B, Hkv, n], their
-        # keys and the attention mask of the step (set by ``narrow``)
-        self.seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def length(self) -> int:
@@ -335,8 +307,6 @@ class SparseRead(PageRead):
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, bases_bytes)
         store._mark_read(self.read)
         store.selector.selected(self.pages, store.context)
-        if store.selector.wants_attention:
-            self.seen = columns, keys, mask
         return keys, values, mask
 
 
@@ -388,6 +358,4 @@ class DynamicRead(PageRead):
         store.metrics.record_read(store.steps, read_bytes, store.full_bytes(), seconds, bases_bytes)
         store._mark_read(read)
         store.selector.selected(read.any(1).any(0).nonzero().flatten(), store.context)
-        if store.selector.wants_attention:
-            self.seen = columns, keys, mask
         return keys, values, mask
