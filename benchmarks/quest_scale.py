@@ -1,17 +1,19 @@
-"""How much of the range Quest should weigh: page recall against ``bound_scale`` on held-out books.
+"""How Quest should rank pages: recall against ``bound_scale`` and ``aggregate`` on held-out books.
 
 Quest (``kvfactory.selectors.quest``) ranks a page by ``q · centre + s |q| · half-width`` per key
-channel; s = 1 is the paper's upper bound, the package ships s = 0.5. This measures the choice on
-text the evaluation never uses: one ``--context``-token window of each Gutenberg book in
-``shared/data`` goes through the frozen SmolLM2 once with full attention (the teacher pass of
-``kvfactory oval train``), and at ``--positions`` query positions every routed layer's pages are
-ranked at each s and each read budget as sparse decode does (the sink and current page always
-read). Prints JSON: recall and hit rate per book, budget and s, plus the oracle (the pages with
-the most mass, per layer and KV head) and ``oracle_pooled`` (the oracle free to move the budget
-between layers and KV heads), which bound what any page selector can read.
+channel (s = 1 is the paper's upper bound, the package ships s = 0.5) and joins a KV head's query
+heads by the best score (``max``, the paper's) or by their summed softmax over the pages
+(``softmax``, shipped). This measures both choices on text the evaluation never uses: one
+``--context``-token window of each Gutenberg book in ``shared/data`` goes through the frozen
+SmolLM2 once with full attention (the teacher pass of ``kvfactory oval train``), and at
+``--positions`` query positions every routed layer's pages are ranked with each s and aggregate
+at each read budget as sparse decode does (the sink and current page always read). Prints JSON:
+recall and hit rate per book, budget, aggregate and s, plus the oracle (the pages with the most
+mass, per layer and KV head) and ``oracle_pooled`` (the oracle free to move the budget between
+layers and KV heads), which bound what any page selector can read.
 
     python benchmarks/quest_scale.py [--context 6144] [--positions 48] [--scales 0,0.25,0.4,0.5,0.6,0.75,1]
-        [--budgets 0.25,0.125,0.0625]
+        [--aggregates softmax,max] [--budgets 0.25,0.125,0.0625]
 """
 
 from __future__ import annotations
@@ -37,25 +39,26 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=6144)
     parser.add_argument("--positions", type=int, default=48)
     parser.add_argument("--scales", default="0,0.25,0.4,0.5,0.6,0.75,1")
+    parser.add_argument("--aggregates", default="softmax,max")
     parser.add_argument("--budgets", default="0.25,0.125,0.0625")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
-    scales = [float(s) for s in args.scales.split(",")]
+    variants = [(float(s), a) for a in args.aggregates.split(",") for s in args.scales.split(",")]
     model, tokenizer = load_model()
     router = load_router(str(router_path("embedded")))
     results = {}
     for book, first in BOOKS.items():
         ids = oval_train.tokens_of(tokenizer, [(DATA / book).read_text()])[first:first + args.context]
         chunks = oval_train.collect(model, ids, router.shape.layers, args.positions, args.context, seed=1,
-                                    bound_scales=scales)
+                                    variants=variants)
         results[book] = {}
         for budget in map(float, args.budgets.split(",")):
             row, oracles = {}, {}
-            for scale in scales:  # the ablations (for the pooled oracle) once per budget
-                scaled = [dataclasses.replace(c, quest=c.quest_at[scale]) for c in chunks]
-                report = oval_train.evaluate(router, scaled, budget, ablations=not oracles)
-                row[f"quest_{scale:g}"] = report["quest"]
+            for scale, aggregate in variants:  # the ablations (for the pooled oracle) once per budget
+                ranked = [dataclasses.replace(c, quest=c.quest_at[scale, aggregate]) for c in chunks]
+                report = oval_train.evaluate(router, ranked, budget, ablations=not oracles)
+                row[f"quest_{aggregate}_{scale:g}"] = report["quest"]
                 oracles = oracles or {name: report[name] for name in ("oracle", "oracle_pooled")}
             results[book][budget] = row | oracles
     print(json.dumps({"benchmark": "quest_scale", "context": args.context, "positions": args.positions,

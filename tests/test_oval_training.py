@@ -19,7 +19,8 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
     gen = torch.Generator().manual_seed(0)
     query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
     positions = torch.tensor([20, 47, 63])
-    features, mass, quest, bound = oval_train.page_record(query, key, positions, 0.5, bound_scales=(1.0,))
+    variants = [(1.0, "softmax"), (1.0, "max")]
+    features, mass, quest, other = oval_train.page_record(query, key, positions, 0.5, variants=variants)
     assert features.shape == (2, 4, 24) and mass.shape == quest.shape == (3, 2, 4)
     for s, t in enumerate(positions.tolist()):
         for h in range(2):
@@ -38,7 +39,9 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
                 ranked[scale] = torch.cat([(scores * 8 ** -0.5).softmax(-1).sum(0), torch.zeros(4 - stored)])
             assert QuestSelector.aggregate == "softmax"
             torch.testing.assert_close(quest[s, h], ranked[QuestSelector.bound_scale])
-            torch.testing.assert_close(bound[1.0][s, h], ranked[1.0])
+            torch.testing.assert_close(other[1.0, "softmax"][s, h], ranked[1.0])
+            exact = torch.stack([(query[0, g, t] @ pages.transpose(-1, -2)).amax(-1) for g in group]).amax(0)
+            assert (other[1.0, "max"][s, h] >= exact - 1e-5).all()  # Quest's own ranking: an upper bound
     torch.testing.assert_close(features[..., 16:], key[0].view(2, 4, 16, 8).mean(2))
 
 

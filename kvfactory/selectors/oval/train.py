@@ -35,6 +35,9 @@ PAGE = 16
 TEACHER = "kvfactory_oval_teacher"
 
 
+QuestVariant = tuple[float, str]  # a QuestSelector's (bound_scale, aggregate)
+
+
 @dataclass
 class Chunk:
     """One chunk's teacher record (``S`` query positions, ``L`` routed layers, ``P`` pages)."""
@@ -44,12 +47,13 @@ class Chunk:
     current: torch.Tensor  # [S]: the page holding each query position
     mass: torch.Tensor  # [S, L, Hkv, P]: full-attention mass per page (0 after the current page)
     quest: torch.Tensor  # [S, L, Hkv, P]: Quest's score per page
-    quest_at: dict[float, torch.Tensor] = field(default_factory=dict)  # the same at other bound_scale
+    quest_at: dict[QuestVariant, torch.Tensor] = field(default_factory=dict)  # the same, other settings
 
 
 class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int], bound_scales: Sequence[float]) -> None:
-        self.positions, self.layers, self.bound_scales = positions, set(layers), bound_scales
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int], variants: Sequence[QuestVariant]
+                 ) -> None:
+        self.positions, self.layers, self.variants = positions, set(layers), variants
         self.out: dict[int, PageRecord] = {}
 
 
@@ -63,20 +67,20 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
         _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"),
-                                            _recording.bound_scales)
+                                            _recording.variants)
     return out
 
 
 AttentionInterface.register(TEACHER, _teacher_attention)
 
 
-PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[float, torch.Tensor]]
+PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[QuestVariant, torch.Tensor]]
 
 
 def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None,
-                bound_scales: Sequence[float] = ()) -> PageRecord:
+                variants: Sequence[QuestVariant] = ()) -> PageRecord:
     """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's score
-    ``[S, Hkv, P]`` of the queries at ``positions``, and Quest's score at each of ``bound_scales``."""
+    ``[S, Hkv, P]`` of the queries at ``positions``, and Quest's score with each of ``variants``."""
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     groups, pages = hq // hkv, t // PAGE
@@ -91,23 +95,23 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
     visible = torch.arange(pages) <= positions[:, None] // PAGE  # [S, P]: the pages stored at each query
 
-    def quest(scale: float) -> torch.Tensor:  # [S, Hkv, P], as QuestSelector scores with its aggregate
+    def quest(scale: float, aggregate: str) -> torch.Tensor:  # [S, Hkv, P], as QuestSelector scores
         dots = split_rows(q, scale) @ features[:, None, :, :2 * d].transpose(-1, -2)  # [Hkv, G, S, P]
-        if QuestSelector.aggregate == "max":
+        if aggregate == "max":
             return dots.amax(1).transpose(0, 1)
         dots = dots.mul_(d ** -0.5).masked_fill_(~visible, float("-inf"))
         return dots.softmax(-1).sum(1).transpose(0, 1)
 
-    return (features, mass.transpose(0, 1), quest(QuestSelector.bound_scale),
-            {scale: quest(scale) for scale in bound_scales})
+    return (features, mass.transpose(0, 1), quest(QuestSelector.bound_scale, QuestSelector.aggregate),
+            {variant: quest(*variant) for variant in variants})
 
 
 @torch.no_grad()
 def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None, bound_scales: Sequence[float] = ()) -> list[Chunk]:
+            advance: Callable[[], None] = lambda: None, variants: Sequence[QuestVariant] = ()) -> list[Chunk]:
     """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
     positions each (uniform over the chunk's second half and beyond the first eighth); Quest's scores
-    also at ``bound_scales`` (``Chunk.quest_at``)."""
+    also with ``variants`` (``Chunk.quest_at``)."""
     global _recording
     gen = random.Random(seed)
     previous = model.config._attn_implementation
@@ -117,14 +121,14 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
         for start in range(0, ids.numel() - chunk + 1, chunk):
             window = ids[start:start + chunk][None]
             at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-            _recording = _Recorder(at, layers, bound_scales)
+            _recording = _Recorder(at, layers, variants)
             hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
             out = [_recording.out[layer] for layer in layers]
             records.append(Chunk(
                 features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
                 current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
                 quest=torch.stack([o[2] for o in out], 1).half(),
-                quest_at={s: torch.stack([o[3][s] for o in out], 1).half() for s in bound_scales}))
+                quest_at={v: torch.stack([o[3][v] for o in out], 1).half() for v in variants}))
             advance()
     finally:
         _recording = None
