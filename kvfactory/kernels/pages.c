@@ -4,8 +4,9 @@
  * the best row's, or as the rows' softmax over the pages summed. Quest's score is the last (rows:
  * each query head's query split here into two halves weighing the page's key maxima and minima,
  * see split_rows); OVAL's logit is the best (one routing vector; features: maxima, minima and
- * means); OVAL's graph step keeps every row (rows: scores; features: adjacency). Each page's features are read once, in their stored dtype (float16 halves
- * the bytes a step reads), where torch's batched product packs the whole feature matrix first.
+ * means); OVAL's graph step keeps every row (rows: scores; features: adjacency). Each page's
+ * features are read once, in their stored dtype (float16 halves the bytes a step reads), where
+ * torch's batched product packs the whole feature matrix first.
  * Built by kvfactory/kernels/__init__.py, called by kvfactory/selectors/pages.py.
  */
 #include <math.h>
