@@ -126,8 +126,10 @@ class BlockPool:
         if ids.size == 0:
             return
         np.add.at(self.refcount, ids, -1)
-        ordered = np.sort(ids)  # unique by hand: np.unique may import numpy.ma, which a finalizer run
-        touched = ordered[np.append(True, ordered[1:] != ordered[:-1])]  # during that import recurses on
+        # the distinct ids, by sorting: np.unique may import numpy.ma, and a block table's finalizer
+        # run by the garbage collector during that import would recurse into it
+        ordered = np.sort(ids)
+        touched = ordered[np.append(True, ordered[1:] != ordered[:-1])]
         if (self.refcount[touched] < 0).any():
             raise RuntimeError(f"layer {self.layer_idx}: block freed more often than referenced")
         self.free.extend(touched[self.refcount[touched] == 0].tolist())
