@@ -228,7 +228,8 @@ def calibrate(
                   f"{{\"quantization\": {{\"codec\": \"fp8\", \"scales\": \"{path}\"}}}}")
 
 
-oval_app = typer.Typer(help="OVAL page routing: train a router for a model.", no_args_is_help=True)
+oval_app = typer.Typer(help="Page routing: train an OVAL router, calibrate per-layer read budgets.",
+                       no_args_is_help=True)
 app.add_typer(oval_app, name="oval")
 
 
@@ -273,3 +274,56 @@ def oval_train(
     console.print(f"wrote {out}: router for layers {report['layers'][0]}..{report['layers'][-1]} of {model}")
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+@oval_app.command("calibrate")
+def oval_calibrate(
+    text: Annotated[list[Path], typer.Option(help="UTF-8 text to calibrate on (repeat; not evaluation text)")
+                    ],
+    out: Annotated[Path, typer.Option(help="the profile to write (JSON)")] = Path("layer_budgets.json"),
+    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
+    = models.EMBEDDED,
+    dense_layers: Annotated[int, typer.Option(min=0, help="first layers read whole (not routed)")] = 2,
+    context: Annotated[int, typer.Option(min=256, help="tokens per window (the context decoded at)")] = 6144,
+    windows: Annotated[int, typer.Option(min=1, help="windows of --context tokens")] = 4,
+    positions: Annotated[int, typer.Option(min=1, help="query positions sampled per window")] = 48,
+    budget: Annotated[float, typer.Option(min=0.02, max=1.0, help="read budget to print the split of")]
+    = 0.125,
+    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 2,
+) -> None:
+    """Measure how much attention mass each layer's best pages hold at each read budget, and write
+    the profile that `"layer_budgets"` splits a read budget between layers by."""
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvfactory.selectors.oval import calibrate, train
+
+    texts = []
+    for path in text:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise typer.BadParameter(f"{path}: cannot read it as UTF-8 text ({exc})") from exc
+    torch.set_num_threads(threads)
+    console = Console()
+    with console.status(f"loading {model}"):
+        loaded, tokenizer = models.load_model(model)
+    layers = train.new_router(loaded, dense_layers, model).shape.layers
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("teacher: full attention on the calibration text", total=windows)
+        try:
+            profile = calibrate.calibrate(loaded, tokenizer, texts, model, layers, context, windows,
+                                          positions, [path.name for path in text],
+                                          lambda: progress.advance(task))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    profile.save(out)
+    split = profile.allocate(budget, layers)
+    uniform, fitted = profile.mean_recall(dict.fromkeys(layers, budget)), profile.mean_recall(split)
+    console.print(f"wrote {out}: {profile.source['windows']} windows of {context} tokens, layers "
+                  f"{layers[0]}..{layers[-1]}. At read budget {budget:g}: recall {uniform:.3f} with one "
+                  f"budget, {fitted:.3f} split as "
+                  + " ".join(f"{layer}:{b:.3f}" for layer, b in split.items()))
+    console.print(f"Use it as {{\"name\": \"quest\", \"read_budget\": {budget:g}, "
+                  f"\"layer_budgets\": \"{out}\"}}")

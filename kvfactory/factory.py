@@ -33,6 +33,9 @@ class KVCacheFactory:
             pool = make_shared(storage.options, len(self.windows))
         self.pool = pool
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
+        selector = self.config.selector
+        self.layer_selectors = {} if selector is None else selector.per_layer(model_config, [
+            i for i, window in enumerate(self.windows) if window is None and i >= selector.dense_layers])
 
     @classmethod
     def from_yaml(cls, path: str | Path, model_config: Any, pool: Any = None) -> KVCacheFactory:
@@ -57,8 +60,8 @@ class KVCacheFactory:
             if selective is not None and window is None:  # sliding layers are bounded by their window
                 store = SelectiveStore(store, selective.build_policy(), selective, len(self.windows))
             if selector is not None and window is None:  # sliding layers read their window whole
-                store = SparseStore(store, selector.build_selector(), selector, routing, context,
-                                    len(self.windows))
+                spec = self.layer_selectors.get(layer_idx, selector)
+                store = SparseStore(store, spec.build_selector(), spec, routing, context, len(self.windows))
             store.bind(layer_idx)
             if self.pool is not None:
                 store.attach(self.pool)

@@ -67,13 +67,15 @@ def test_quest_keeps_a_6144_token_passkey_that_its_full_bound_loses(smollm2) -> 
     """The protocol's passkey prompt at depth 0.5, sample 3 (key 68159): with the paper's Quest (the
     full bound, ``bound_scale`` 1, and the best query head's score) layer 18 loses the key's pages
     at a read budget of 1/8 and the answer comes out as 68156; the shipped ranking (ranges halved,
-    query heads' softmax summed) keeps them, answers right and reads more of the attention mass."""
+    query heads' softmax summed) keeps them, answers right and reads more of the attention mass.
+    Both read 1/8 in every layer (``layer_budgets`` uniform): this compares rankings only."""
     model, tokenizer = smollm2
     record = passkey_prompts(tokenizer, 6144, [0.5], keys_per_depth=4)[3]
     ids = tokenizer(record.prompt, return_tensors="pt").input_ids
     answers, recall = {}, {}
     for ranking, options in {"paper": {"bound_scale": 1.0, "aggregate": "max"}, "shipped": {}}.items():
-        entry = {"name": "quest", "read_budget": 0.125, "shadow_every": 1} | options
+        entry = {"name": "quest", "read_budget": 0.125, "shadow_every": 1,
+                 "layer_budgets": "uniform"} | options
         cache = KVCacheFactory(model.config, {"type": "composite", "strategies": [
             {"name": "paged", "page_size": 16}, entry]}).create_cache()
         with torch.no_grad():

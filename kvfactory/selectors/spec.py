@@ -14,6 +14,11 @@ hyperparameters under their names.
 - ``dynamic_pages``: pages of 1..``max_page`` tokens cut at prefill where attention entropy jumps
   (``entropy_jump`` standard deviations; ``layout.py``) instead of the storage's fixed pages; the
   budget is then counted in tokens (``read_budget`` only), and storage must be plain paged.
+- ``layer_budgets``: how the read budget is split between the routed layers (``layer_budgets.py``):
+  ``"auto"`` (default) by the profile shipped for the embedded model when the model has its shape,
+  else evenly; ``"uniform"`` evenly; or the path of a profile written by ``kvfactory oval calibrate``
+  for this model. The mean over the layers stays ``read_budget``; with ``top_k`` every layer reads
+  ``top_k``.
 - ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
   reads; maxima rounded up and minima down) or ``"float32"``.
 """
@@ -21,14 +26,16 @@ hyperparameters under their names.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.options import describe, options_of, type_ok
-from kvfactory.selectors import SELECTORS, Selector
+from kvfactory.selectors import SELECTORS, Selector, layer_budgets
 
 DEFAULT_READ_BUDGET = 0.125
 BASES_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -49,6 +56,7 @@ class SelectorSpec:
     max_page: int = 32
     entropy_jump: float = 2.0
     bases_dtype: str = "float16"
+    layer_budgets: str = "auto"
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +75,11 @@ class SelectorSpec:
             raise ConfigError("entropy_jump", self.entropy_jump, "a number >= 0 (standard deviations)")
         if self.bases_dtype not in BASES_DTYPES:
             raise ConfigError("bases_dtype", self.bases_dtype, " or ".join(BASES_DTYPES))
+        if self.layer_budgets not in ("auto", "uniform") and not Path(self.layer_budgets).is_file():
+            raise ConfigError("layer_budgets", self.layer_budgets,
+                              "'auto', 'uniform' or a profile from `kvfactory oval calibrate`")
+        if self.top_k is not None and self.layer_budgets not in ("auto", "uniform"):
+            raise ConfigError("layer_budgets", self.layer_budgets, "a profile with read_budget, not top_k")
         if self.dynamic_pages and self.top_k is not None:
             raise ConfigError("top_k", self.top_k, "read_budget with dynamic_pages (pages differ in size)")
         self.build_selector()
@@ -96,6 +109,16 @@ class SelectorSpec:
 
     def build_selector(self) -> Selector:
         return SELECTORS[self.selector](**self.options)
+
+    def per_layer(self, model_config: Any, layers: Sequence[int]) -> dict[int, SelectorSpec]:
+        """The spec each of the routed ``layers`` decodes with: its share of the read budget under
+        ``layer_budgets`` (the same spec for all when the split is even)."""
+        profile = None if self.top_k is not None else layer_budgets.resolve(self.layer_budgets, model_config)
+        if profile is None or not layers:
+            return dict.fromkeys(layers, self)
+        split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers)
+        return {layer: replace(self, read_budget=budget, layer_budgets="uniform")
+                for layer, budget in split.items()}
 
     def tokens_to_read(self, tokens: int) -> int:
         """Tokens one decode step over dynamic pages reads out of ``tokens`` stored."""
