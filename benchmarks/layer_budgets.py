@@ -1,0 +1,69 @@
+"""Per-layer read budgets against one budget for every layer, on text the split was not fitted on.
+
+The shipped profile (``kvfactory/selectors/smollm2_layer_budgets.json``, from ``kvfactory oval
+calibrate`` on the first 4 x 6144 tokens of *Pride and Prejudice*) splits a read budget between
+SmolLM2's routed layers (``layer_budgets: "auto"``). This runs the teacher pass of ``kvfactory oval
+train`` over one 6144-token window of *Frankenstein*, a later window of *Pride and Prejudice* and
+the start of WikiText-2 test, measures each layer's recall of Quest's best pages at every budget
+``u/64`` (``calibrate.recall_curves``) and prints JSON: the mean recall at each ``--budgets`` with
+one budget per layer and with the shipped split, for Quest and for the oracle (the pages with the
+most mass), whose split is the best any page ranking could reach with these budgets.
+
+    python benchmarks/layer_budgets.py [--context 6144] [--positions 48] [--budgets 0.25,0.125,0.0625]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvfactory.models import load_model
+from kvfactory.selectors.layer_budgets import LayerProfile, embedded_profile_path
+from kvfactory.selectors.oval import calibrate
+from kvfactory.selectors.oval import train as oval_train
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+TEXTS = {"pg84_frankenstein.txt": 30000, "pg1342_pride_and_prejudice.txt": 60000,
+         "wikitext2_test.txt": 0}  # text: first token of the window
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=6144)
+    parser.add_argument("--positions", type=int, default=48)
+    parser.add_argument("--budgets", default="0.25,0.125,0.0625")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    model, tokenizer = load_model()
+    shipped = LayerProfile.load(embedded_profile_path())
+    layers = list(shipped.layers)
+    results = {}
+    for name, first in TEXTS.items():
+        ids = oval_train.tokens_of(tokenizer, [(DATA / name).read_text(encoding="utf-8")])
+        chunks = oval_train.collect(model, ids[first:first + args.context], layers, args.positions,
+                                    args.context, seed=1)
+        measured = {}
+        for ranking, ranked in (("quest", chunks), ("oracle", [dataclasses.replace(c, quest=c.mass)
+                                                                for c in chunks])):
+            curves = calibrate.recall_curves(ranked)
+            measured[ranking] = dataclasses.replace(shipped, recall=tuple(map(tuple, curves.tolist())))
+        results[name] = {}
+        for budget in map(float, args.budgets.split(",")):
+            split = shipped.allocate(budget, layers)
+            results[name][budget] = {
+                f"{ranking}_{how}": round(profile.mean_recall(budgets), 4)
+                for ranking, profile in measured.items()
+                for how, budgets in (("uniform", dict.fromkeys(layers, budget)), ("split", split))}
+    print(json.dumps({"benchmark": "layer_budgets", "context": args.context, "positions": args.positions,
+                      "profile": shipped.source, "seconds": round(time.perf_counter() - started, 1),
+                      "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
