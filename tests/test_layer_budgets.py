@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -36,14 +37,17 @@ def rising_curves(layers: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("budget", [1 / 16, 0.125, 0.3])
-def test_the_split_is_the_best_one_with_the_same_mean_budget(seed: int, budget: float) -> None:
+@pytest.mark.parametrize("floor", [0.0, 0.75])
+def test_the_split_is_the_best_one_with_the_same_mean_budget(seed: int, budget: float, floor: float) -> None:
     curves = rising_curves(3, seed)
     profile = profile_of(curves, (2, 3, 4))
-    split = profile.allocate(budget, [2, 3, 4])
+    split = profile.allocate(budget, [2, 3, 4], floor)
     units = round(budget * STEPS * 3)
     assert sum(split.values()) * STEPS == pytest.approx(units)  # as many pages in all as one budget
+    assert min(split.values()) >= floor * budget - 1e-12
+    lowest = max(1, math.ceil(floor * budget * STEPS - 1e-9))
     best = max(sum(curves[i, u - 1] for i, u in enumerate(us))
-               for us in itertools.product(range(1, STEPS + 1), repeat=2 + 1) if sum(us) == units)
+               for us in itertools.product(range(lowest, STEPS + 1), repeat=3) if sum(us) == units)
     assert profile.mean_recall(split) * 3 == pytest.approx(float(best))
     assert profile.mean_recall(split) >= profile.mean_recall(dict.fromkeys(split, budget)) - 1e-12
 
@@ -51,8 +55,10 @@ def test_the_split_is_the_best_one_with_the_same_mean_budget(seed: int, budget: 
 def test_a_layer_that_saturates_gives_its_pages_to_one_that_does_not() -> None:
     quick = torch.ones(STEPS, dtype=torch.float64)  # all its mass in its first 1/64
     slow = torch.arange(1, STEPS + 1, dtype=torch.float64) / STEPS  # recall equal to the budget
-    split = profile_of(torch.stack([quick, slow]), (0, 1)).allocate(0.25, [0, 1])
-    assert split == {0: 1 / STEPS, 1: 0.5 - 1 / STEPS}
+    profile = profile_of(torch.stack([quick, slow]), (0, 1))
+    assert profile.allocate(0.25, [0, 1], floor=0.0) == {0: 1 / STEPS, 1: 0.5 - 1 / STEPS}
+    assert profile.allocate(0.25, [0, 1], floor=0.5) == {0: 0.125, 1: 0.375}  # no less than half
+    assert profile.allocate(0.25, [0, 1], floor=1.0) == {0: 0.25, 1: 0.25}
 
 
 def test_the_split_covers_only_the_layers_asked_and_small_budgets_stay_even() -> None:
@@ -104,6 +110,8 @@ def test_the_shipped_split_reads_one_eighth_in_all_and_more_where_attention_spre
     assert shipped.mean_recall(split) > shipped.mean_recall(dict.fromkeys(split, 0.125)) + 0.01
     spread = min(shipped.layers, key=lambda layer: shipped.recall[shipped.layers.index(layer)][7])
     assert split[spread] > 0.125  # the layer whose pages hold least at 1/8 reads more
+    assert min(split.values()) == 0.75 * 0.125  # and none reads less than 3/4 of the budget
+    assert shipped.allocate(0.125, list(shipped.layers), floor=0.0)[18] < 0.75 * 0.125
 
 
 def test_a_config_names_a_profile_file_with_a_read_budget(tmp_path) -> None:
@@ -111,6 +119,8 @@ def test_a_config_names_a_profile_file_with_a_read_budget(tmp_path) -> None:
         SelectorSpec.parse("quest", {"layer_budgets": str(tmp_path / "missing.json")})
     path = tmp_path / "profile.json"
     profile_of(rising_curves(2, 0), (0, 1)).save(path)
+    with pytest.raises(ConfigError, match=r"layer_floor.*\[0, 1\]"):
+        SelectorSpec.parse("quest", {"layer_floor": 1.5})
     with pytest.raises(ConfigError, match="with read_budget, not top_k"):
         SelectorSpec.parse("quest", {"layer_budgets": str(path), "top_k": 4})
     spec = SelectorSpec.parse("quest", {"layer_budgets": str(path), "read_budget": 0.25, "dense_layers": 0})
@@ -131,7 +141,8 @@ def test_a_cache_reads_each_layers_share_of_the_budget(tmp_path) -> None:
     for setting in ("uniform", str(path)):
         config = {"type": "composite", "strategies": [
             {"name": "paged", "page_size": PAGE},
-            {"name": "quest", "read_budget": 0.25, "dense_layers": 0, "layer_budgets": setting}]}
+            {"name": "quest", "read_budget": 0.25, "dense_layers": 0, "layer_budgets": setting,
+             "layer_floor": 0.0}]}
         with attn_implementation(model, "kvfactory"), torch.no_grad():
             cache = KVCacheFactory(model.config, config).create_cache()
             out = model.generate(**left_padded_batch([60, 45], seed=4), past_key_values=cache,

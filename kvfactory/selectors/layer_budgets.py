@@ -6,14 +6,18 @@ routed layer, the attention-mass recall page selection reaches there at read bud
 (u = 1..64), measured once by a teacher pass on calibration text (``kvfactory oval calibrate``,
 ``oval/calibrate.py``). ``allocate`` splits a mean read budget between the layers so that the
 mean recall is highest (an exact knapsack over the 64 steps); a decode step reads as many pages
-in all as with one budget for every layer. PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV
-Cache Compression based on Pyramidal Information Funneling") sizes per-layer caches by a fixed
-pyramid; this sizes per-layer reads, fitted to the model.
+in all as with one budget for every layer. Every layer keeps at least ``floor`` of the mean
+budget: running text, which the profile is fitted on, leaves some middle layers almost nothing,
+and those can be the layers that find a passkey or needle far back (SmolLM2's layer 18 is one).
+PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+Information Funneling") sizes per-layer caches by a fixed pyramid; this sizes per-layer reads,
+fitted to the model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ import torch
 from kvfactory.errors import ConfigError
 
 STEPS = 64  # budgets measured: 1/64, 2/64, ..., 1
+DEFAULT_FLOOR = 0.75  # the least share of the mean budget a layer reads
 EMBEDDED_PROFILE = "smollm2_layer_budgets.json"
 SHAPE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
               "num_key_value_heads", "vocab_size")
@@ -65,15 +70,18 @@ class LayerProfile:
         return sum(self.recall[self.layers.index(layer)][min(STEPS, max(1, round(b * STEPS))) - 1]
                    for layer, b in budgets.items()) / len(budgets)
 
-    def allocate(self, budget: float, layers: Sequence[int]) -> dict[int, float]:
-        """Read budgets of ``layers`` (all in the profile) whose mean is ``budget`` (to 1/64 per layer
-        in all) and whose summed recall is highest. Budgets under 1/64 are kept for every layer."""
+    def allocate(self, budget: float, layers: Sequence[int], floor: float = DEFAULT_FLOOR
+                 ) -> dict[int, float]:
+        """Read budgets of ``layers`` (all in the profile), each at least ``floor * budget``, whose mean
+        is ``budget`` (to 1/64 per layer in all) and whose summed recall is highest. Where no such split
+        exists (budgets under 1/64, a floor of 1) every layer reads ``budget``."""
         missing = sorted(set(layers) - set(self.layers))
         if missing:
             raise ConfigError("layer_budgets", self.model, f"a profile covering the routed layers "
                               f"(it has {self.layers[0]}..{self.layers[-1]}, not {missing})")
         units = round(budget * STEPS * len(layers))
-        if units < len(layers):
+        lowest = max(1, math.ceil(floor * budget * STEPS - 1e-9))
+        if lowest * len(layers) > units or floor >= 1:
             return dict.fromkeys(layers, budget)
         curves = torch.tensor([self.recall[self.layers.index(layer)] for layer in layers],
                               dtype=torch.float64)
@@ -82,7 +90,7 @@ class LayerProfile:
         picks = torch.zeros((len(layers), units + 1), dtype=torch.long)
         for i in range(len(layers)):  # best[t]: the highest summed recall of the layers so far at t units
             grown = torch.full_like(best, float("-inf"))
-            for u in range(1, min(STEPS, units) + 1):
+            for u in range(lowest, min(STEPS, units) + 1):
                 candidate = torch.full_like(best, float("-inf"))
                 candidate[u:] = best[:-u] + curves[i, u - 1]
                 better = candidate > grown

@@ -17,8 +17,8 @@ hyperparameters under their names.
 - ``layer_budgets``: how the read budget is split between the routed layers (``layer_budgets.py``):
   ``"auto"`` (default) by the profile shipped for the embedded model when the model has its shape,
   else evenly; ``"uniform"`` evenly; or the path of a profile written by ``kvfactory oval calibrate``
-  for this model. The mean over the layers stays ``read_budget``; with ``top_k`` every layer reads
-  ``top_k``.
+  for this model. The mean over the layers stays ``read_budget``, no layer reads less than
+  ``layer_floor`` (0.75) of it; with ``top_k`` every layer reads ``top_k``.
 - ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
   reads; maxima rounded up and minima down) or ``"float32"``.
 """
@@ -35,7 +35,8 @@ import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.options import describe, options_of, type_ok
-from kvfactory.selectors import SELECTORS, Selector, layer_budgets
+from kvfactory.selectors import SELECTORS, Selector
+from kvfactory.selectors.layer_budgets import DEFAULT_FLOOR, resolve
 
 DEFAULT_READ_BUDGET = 0.125
 BASES_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -57,6 +58,7 @@ class SelectorSpec:
     entropy_jump: float = 2.0
     bases_dtype: str = "float16"
     layer_budgets: str = "auto"
+    layer_floor: float = DEFAULT_FLOOR
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -78,6 +80,8 @@ class SelectorSpec:
         if self.layer_budgets not in ("auto", "uniform") and not Path(self.layer_budgets).is_file():
             raise ConfigError("layer_budgets", self.layer_budgets,
                               "'auto', 'uniform' or a profile from `kvfactory oval calibrate`")
+        if not 0.0 <= self.layer_floor <= 1.0:
+            raise ConfigError("layer_floor", self.layer_floor, "a share of read_budget in [0, 1]")
         if self.top_k is not None and self.layer_budgets not in ("auto", "uniform"):
             raise ConfigError("layer_budgets", self.layer_budgets, "a profile with read_budget, not top_k")
         if self.dynamic_pages and self.top_k is not None:
@@ -113,10 +117,10 @@ class SelectorSpec:
     def per_layer(self, model_config: Any, layers: Sequence[int]) -> dict[int, SelectorSpec]:
         """The spec each of the routed ``layers`` decodes with: its share of the read budget under
         ``layer_budgets`` (the same spec for all when the split is even)."""
-        profile = None if self.top_k is not None else layer_budgets.resolve(self.layer_budgets, model_config)
+        profile = None if self.top_k is not None else resolve(self.layer_budgets, model_config)
         if profile is None or not layers:
             return dict.fromkeys(layers, self)
-        split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers)
+        split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers, self.layer_floor)
         return {layer: replace(self, read_budget=budget, layer_budgets="uniform")
                 for layer, budget in split.items()}
 
