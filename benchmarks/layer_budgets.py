@@ -6,10 +6,12 @@ SmolLM2's routed layers (``layer_budgets: "auto"``). This runs the teacher pass 
 train`` over one 6144-token window of *Frankenstein*, a later window of *Pride and Prejudice* and
 the start of WikiText-2 test, measures each layer's recall of Quest's best pages at every budget
 ``u/64`` (``calibrate.recall_curves``) and prints JSON: the mean recall at each ``--budgets`` with
-one budget per layer and with the shipped split, for Quest and for the oracle (the pages with the
-most mass), whose split is the best any page ranking could reach with these budgets.
+one budget per layer (``uniform``) and with the shipped split at each ``--floors`` (``split_F``:
+no layer under F of the budget; 0.75 ships), for Quest and for the oracle (the pages with the
+most mass), which bounds what any page ranking could reach with these budgets.
 
     python benchmarks/layer_budgets.py [--context 6144] [--positions 48] [--budgets 0.25,0.125,0.0625]
+        [--floors 0.75,0.5,0]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=6144)
     parser.add_argument("--positions", type=int, default=48)
     parser.add_argument("--budgets", default="0.25,0.125,0.0625")
+    parser.add_argument("--floors", default="0.75,0.5,0")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -55,11 +58,12 @@ def main() -> None:
             measured[ranking] = dataclasses.replace(shipped, recall=tuple(map(tuple, curves.tolist())))
         results[name] = {}
         for budget in map(float, args.budgets.split(",")):
-            split = shipped.allocate(budget, layers)
-            results[name][budget] = {
-                f"{ranking}_{how}": round(profile.mean_recall(budgets), 4)
-                for ranking, profile in measured.items()
-                for how, budgets in (("uniform", dict.fromkeys(layers, budget)), ("split", split))}
+            splits = {"uniform": dict.fromkeys(layers, budget)} | {
+                f"split_{floor:g}": shipped.allocate(budget, layers, floor)
+                for floor in map(float, args.floors.split(","))}
+            results[name][budget] = {f"{ranking}_{how}": round(profile.mean_recall(budgets), 4)
+                                     for ranking, profile in measured.items()
+                                     for how, budgets in splits.items()}
     print(json.dumps({"benchmark": "layer_budgets", "context": args.context, "positions": args.positions,
                       "profile": shipped.source, "seconds": round(time.perf_counter() - started, 1),
                       "results": results}, indent=2))
