@@ -205,11 +205,7 @@ def calibrate(
 
     from kvfactory.codecs import calibration
 
-    try:
-        body = text.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise typer.BadParameter(f"{text}: cannot read it as UTF-8 text ({exc})",
-                                 param_hint="--text") from exc
+    body = read_text(text, "--text")
     torch.set_num_threads(threads)
     console = Console()
     with console.status(f"loading {model}"):
@@ -226,6 +222,15 @@ def calibrate(
     console.print(f"wrote {path}: |K| and |V| maxima of {layers} layers x {heads} KV heads over "
                   f"{ids.shape[1]} tokens of {text.name}. Use it as "
                   f"{{\"quantization\": {{\"codec\": \"fp8\", \"scales\": \"{path}\"}}}}")
+
+
+def read_text(path: Path, param_hint: str | None = None) -> str:
+    """A UTF-8 text file given on the command line; a usage error naming it if it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"{path}: cannot read it as UTF-8 text ({exc})",
+                                 param_hint=param_hint) from exc
 
 
 oval_app = typer.Typer(help="Page routing: train an OVAL router, calibrate per-layer read budgets.",
@@ -259,12 +264,7 @@ def oval_train(
 
     from kvfactory.selectors.oval import train as oval_training
 
-    texts = []
-    for path in [*text, *val_text]:
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise typer.BadParameter(f"{path}: cannot read it as UTF-8 text ({exc})") from exc
+    texts = [read_text(path) for path in [*text, *val_text]]
     torch.set_num_threads(threads)
     console = Console()
     with console.status(f"loading {model}"):
@@ -298,12 +298,7 @@ def oval_calibrate(
 
     from kvfactory.selectors.oval import calibrate, train
 
-    texts = []
-    for path in text:
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise typer.BadParameter(f"{path}: cannot read it as UTF-8 text ({exc})") from exc
+    texts = [read_text(path) for path in text]
     torch.set_num_threads(threads)
     console = Console()
     with console.status(f"loading {model}"):
