@@ -18,6 +18,11 @@ from kvfactory import run as run_job
 app = typer.Typer(help="KV-cache management for Hugging Face transformers.", no_args_is_help=True,
                   add_completion=False)
 
+# options several commands share
+ModelOption = Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
+DenseLayersOption = Annotated[int, typer.Option(min=0, help="first layers read whole (not routed)")]
+ThreadsOption = Annotated[int, typer.Option(min=1, help="torch CPU threads")]
+
 
 def load_config(model: str) -> Any:
     """The transformers config of ``model`` ("smollm2", a config.json or a model folder), no weights."""
@@ -101,7 +106,7 @@ def run(
         callback=_configs, help=f"repeatable: a preset ({', '.join(run_job.PRESETS)}) or a JSON cache "
                                 f"config; default: all presets. DynamicCache always runs as the baseline")]
     = None,
-    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+    threads: ThreadsOption = 1,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
 ) -> None:
     """Generate from one long real prompt with DynamicCache and kvfactory caches side by side."""
@@ -133,8 +138,7 @@ def eval_(
     tasks: Annotated[str, typer.Option(help="comma-separated: ppl,passkey,needle,multiturn")]
     = "ppl,passkey,needle,multiturn",
     context: Annotated[str, typer.Option(help="comma-separated context lengths in tokens")] = "2048,6144",
-    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
-    = models.EMBEDDED,
+    model: ModelOption = models.EMBEDDED,
     out: Annotated[Path, typer.Option(help="output folder for results.json, report.md and PNG plots")]
     = Path("results"),
     depths: Annotated[str | None, typer.Option(help="comma-separated needle/passkey depths in [0, 1]")]
@@ -143,7 +147,7 @@ def eval_(
         min=1, help="passkey keys and needle haystacks per depth, and conversations")] = None,
     ppl_tokens: Annotated[int | None, typer.Option(min=1, help="teacher-forced tokens scored for PPL")]
     = None,
-    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+    threads: ThreadsOption = 1,
     peer_results: Annotated[list[Path] | None, typer.Option(
         help="repeatable: a peer's JSON-lines results on this run's prompts.jsonl (benchmarks/peers/run.sh), "
              "merged into the report")] = None,
@@ -194,10 +198,9 @@ def report_(
 def calibrate(
     text: Annotated[Path, typer.Option(help="a UTF-8 text file to calibrate on (not your evaluation text)")],
     out: Annotated[Path, typer.Option(help="the safetensors file to write")] = Path("kv_scales.safetensors"),
-    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
-    = models.EMBEDDED,
+    model: ModelOption = models.EMBEDDED,
     tokens: Annotated[int, typer.Option(min=16, help="tokens of the text to run through the model")] = 2048,
-    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 1,
+    threads: ThreadsOption = 1,
 ) -> None:
     """Collect per-layer, per-head K/V magnitudes on text: static scales for fp8 and int8 configs
     (quantization: {codec: fp8, scales: FILE})."""
@@ -244,16 +247,15 @@ def oval_train(
     val_text: Annotated[list[Path], typer.Option(help="held-out UTF-8 text for the hit-rate curves")],
     out: Annotated[Path, typer.Option(help="the router file to write (safetensors)")]
     = Path("router.safetensors"),
-    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
-    = models.EMBEDDED,
-    dense_layers: Annotated[int, typer.Option(min=0, help="first layers read whole (not routed)")] = 2,
+    model: ModelOption = models.EMBEDDED,
+    dense_layers: DenseLayersOption = 2,
     chunks: Annotated[int, typer.Option(min=1, help="training chunks of --chunk tokens")] = 48,
     val_chunks: Annotated[int, typer.Option(min=1, help="held-out chunks")] = 12,
     chunk: Annotated[int, typer.Option(min=256, help="tokens per chunk")] = 2048,
     positions: Annotated[int, typer.Option(min=1, help="query positions sampled per chunk")] = 32,
     epochs: Annotated[int, typer.Option(min=1)] = 40,
     budget: Annotated[float, typer.Option(min=0.01, max=1.0, help="read budget of the top-k target")] = 0.125,
-    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 2,
+    threads: ThreadsOption = 2,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report here")] = None,
 ) -> None:
     """Distil full attention into an OVAL router (the LM stays frozen) and print hit-rate curves of
@@ -281,15 +283,14 @@ def oval_calibrate(
     text: Annotated[list[Path], typer.Option(help="UTF-8 text to calibrate on (repeat; not evaluation text)")
                     ],
     out: Annotated[Path, typer.Option(help="the profile to write (JSON)")] = Path("layer_budgets.json"),
-    model: Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
-    = models.EMBEDDED,
-    dense_layers: Annotated[int, typer.Option(min=0, help="first layers read whole (not routed)")] = 2,
+    model: ModelOption = models.EMBEDDED,
+    dense_layers: DenseLayersOption = 2,
     context: Annotated[int, typer.Option(min=256, help="tokens per window (the context decoded at)")] = 6144,
     windows: Annotated[int, typer.Option(min=1, help="windows of --context tokens")] = 4,
     positions: Annotated[int, typer.Option(min=1, help="query positions sampled per window")] = 48,
     budget: Annotated[float, typer.Option(min=0.02, max=1.0, help="read budget to print the split of")]
     = 0.125,
-    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 2,
+    threads: ThreadsOption = 2,
 ) -> None:
     """Measure how much attention mass each layer's best pages hold at each read budget, and write
     the profile that `"layer_budgets"` splits a read budget between layers by."""
