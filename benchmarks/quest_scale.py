@@ -12,8 +12,13 @@ recall and hit rate per book, budget, aggregate and s, plus the oracle (the page
 mass, per layer and KV head) and ``oracle_pooled`` (the oracle free to move the budget between
 layers and KV heads), which bound what any page selector can read.
 
+``--bound-tokens`` also ranks with key bounds kept per 8 or 4 tokens instead of per page (keys
+``quest_{aggregate}_{s}_b{tokens}``): tighter bounds, but a step then reads ``bases_fraction`` of
+the full K/V in bounds (float16 bounds of float32 K/V), against 1/32 per 16 tokens, so compare
+them with 16-token bounds at the budget that reads the same bytes in all.
+
     python benchmarks/quest_scale.py [--context 6144] [--positions 48] [--scales 0,0.25,0.4,0.5,0.6,0.75,1]
-        [--aggregates softmax,max] [--budgets 0.25,0.125,0.0625]
+        [--aggregates softmax,max] [--budgets 0.25,0.125,0.0625] [--bound-tokens 16]
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ def main() -> None:
     parser.add_argument("--scales", default="0,0.25,0.4,0.5,0.6,0.75,1")
     parser.add_argument("--aggregates", default="softmax,max")
     parser.add_argument("--budgets", default="0.25,0.125,0.0625")
+    parser.add_argument("--bound-tokens", default="16")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
-    variants = [(float(s), a) for a in args.aggregates.split(",") for s in args.scales.split(",")]
+    tokens = [int(t) for t in args.bound_tokens.split(",")]
+    variants = [oval_train.QuestVariant(float(s), a, t) for t in tokens for a in args.aggregates.split(",")
+                for s in args.scales.split(",")]
     model, tokenizer = load_model()
     router = load_router(str(router_path("embedded")))
     results = {}
@@ -55,13 +63,15 @@ def main() -> None:
         results[book] = {}
         for budget in map(float, args.budgets.split(",")):
             row, oracles = {}, {}
-            for scale, aggregate in variants:  # the ablations (for the pooled oracle) once per budget
-                ranked = [dataclasses.replace(c, quest=c.quest_at[scale, aggregate]) for c in chunks]
+            for variant in variants:  # the ablations (for the pooled oracle) once per budget
+                ranked = [dataclasses.replace(c, quest=c.quest_at[variant]) for c in chunks]
                 report = oval_train.evaluate(router, ranked, budget, ablations=not oracles)
-                row[f"quest_{aggregate}_{scale:g}"] = report["quest"]
+                finer = "" if variant.bound_tokens == oval_train.PAGE else f"_b{variant.bound_tokens}"
+                row[f"quest_{variant.aggregate}_{variant.scale:g}{finer}"] = report["quest"]
                 oracles = oracles or {name: report[name] for name in ("oracle", "oracle_pooled")}
             results[book][budget] = row | oracles
     print(json.dumps({"benchmark": "quest_scale", "context": args.context, "positions": args.positions,
+                      "bases_fraction": {t: 1 / (2 * t) for t in tokens},
                       "seconds": round(time.perf_counter() - started, 1), "results": results}, indent=2))
 
 

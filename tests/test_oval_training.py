@@ -45,6 +45,25 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
     torch.testing.assert_close(features[..., 16:], key[0].view(2, 4, 16, 8).mean(2))
 
 
+def test_with_a_bound_per_token_quests_softmax_shares_are_the_attention_itself() -> None:
+    """Bounds kept per 1 token are the keys, so the summed softmax shares are the query heads'
+    attention per page (at page ends, where no later token shares the query's page)."""
+    gen = torch.Generator().manual_seed(1)
+    query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
+    positions = torch.tensor([15, 47, 63])
+    variant = oval_train.QuestVariant
+    variants = [variant(0.5, "softmax", 1), variant(0.5, "softmax", 8), variant(0.5, "softmax"),
+                variant(1.0, "max", 4), variant(1.0, "max")]
+    _, mass, quest, other = oval_train.page_record(query, key, positions, 8 ** -0.5, variants=variants)
+    assert torch.allclose(other[variants[0]], 2 * mass, atol=1e-5)  # two query heads per KV head
+    assert torch.equal(other[variants[2]], quest)  # 16 tokens: the page, as the selector ships
+    assert other[variants[1]].shape == quest.shape and not torch.allclose(other[variants[1]], quest)
+    finer, page = other[variants[3]], other[variants[4]]  # Quest's upper bound, over 4 tokens and 16
+    assert bool((finer <= page + 1e-5).all()) and bool((finer < page - 1e-3).any())
+    with pytest.raises(ValueError, match="bound_tokens 3 does not divide"):
+        oval_train.page_record(query, key, positions, 8 ** -0.5, variants=[variant(0.5, "softmax", 3)])
+
+
 def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
     model = tiny_model("llama", max_position_embeddings=1024)
     ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])

@@ -21,7 +21,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -35,7 +35,14 @@ PAGE = 16
 TEACHER = "kvfactory_oval_teacher"
 
 
-QuestVariant = tuple[float, str]  # a QuestSelector's (bound_scale, aggregate)
+class QuestVariant(NamedTuple):
+    """A Quest ranking the teacher records: a ``QuestSelector``'s ``bound_scale`` and ``aggregate``,
+    with page bounds kept per ``bound_tokens`` tokens (a divisor of the page; finer bounds are
+    summed over the page as the softmax aggregate's shares, or their best score taken)."""
+
+    scale: float
+    aggregate: str
+    bound_tokens: int = PAGE
 
 
 @dataclass
@@ -95,12 +102,17 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
     visible = torch.arange(pages) <= positions[:, None] // PAGE  # [S, P]: the pages stored at each query
 
-    def quest(scale: float, aggregate: str) -> torch.Tensor:  # [S, Hkv, P], as QuestSelector scores
-        dots = split_rows(q, scale) @ features[:, None, :, :2 * d].transpose(-1, -2)  # [Hkv, G, S, P]
+    def quest(scale: float, aggregate: str, tokens: int = PAGE) -> torch.Tensor:  # [S, Hkv, P]
+        if PAGE % tokens:
+            raise ValueError(f"bound_tokens {tokens} does not divide the page of {PAGE} tokens")
+        parts = keys.view(hkv, pages * PAGE // tokens, tokens, d)
+        bounds = torch.cat([parts.amax(2), parts.amin(2)], -1)  # [Hkv, P * n, 2D]
+        dots = split_rows(q, scale) @ bounds[:, None].transpose(-1, -2)  # [Hkv, G, S, P * n]
         if aggregate == "max":
-            return dots.amax(1).transpose(0, 1)
-        dots = dots.mul_(d ** -0.5).masked_fill_(~visible, float("-inf"))
-        return dots.softmax(-1).sum(1).transpose(0, 1)
+            return dots.view(hkv, groups, -1, pages, PAGE // tokens).amax(-1).amax(1).transpose(0, 1)
+        seen = visible.repeat_interleave(PAGE // tokens, -1)
+        dots = dots.mul_(d ** -0.5).masked_fill_(~seen, float("-inf"))
+        return dots.softmax(-1).view(hkv, groups, -1, pages, PAGE // tokens).sum((-1, 1)).transpose(0, 1)
 
     return (features, mass.transpose(0, 1), quest(QuestSelector.bound_scale, QuestSelector.aggregate),
             {variant: quest(*variant) for variant in variants})
