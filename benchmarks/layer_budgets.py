@@ -1,4 +1,4 @@
-"""Per-layer read budgets against one budget for every layer, on text the split was not fitted on.
+"""Per-layer read budgets and bound scales against one of each for every layer, on held-out text.
 
 The shipped profile (``kvfactory/selectors/smollm2_layer_budgets.json``, from ``kvfactory oval
 calibrate`` on the first 4 x 6144 tokens of *Pride and Prejudice*) splits a read budget between
@@ -7,8 +7,9 @@ train`` over one 6144-token window of *Frankenstein*, a later window of *Pride a
 the start of WikiText-2 test, measures each layer's recall of Quest's best pages at every budget
 ``u/64`` (``calibrate.recall_curves``) and prints JSON: the mean recall at each ``--budgets`` with
 one budget per layer (``uniform``) and with the shipped split at each ``--floors`` (``split_F``:
-no layer under F of the budget; 0.75 ships), for Quest and for the oracle (the pages with the
-most mass), which bounds what any page ranking could reach with these budgets.
+no layer under F of the budget; 0.75 ships), for Quest with one bound scale (``quest``, 0.5),
+Quest with the profile's scale for each layer (``quest_profiled``, what ships) and the oracle
+(the pages with the most mass), which bounds what any page ranking could reach with these budgets.
 
     python benchmarks/layer_budgets.py [--context 6144] [--positions 48] [--budgets 0.25,0.125,0.0625]
         [--floors 0.75,0.5,0]
@@ -50,12 +51,13 @@ def main() -> None:
     for name, first in TEXTS.items():
         ids = oval_train.tokens_of(tokenizer, [(DATA / name).read_text(encoding="utf-8")])
         chunks = oval_train.collect(model, ids[first:first + args.context], layers, args.positions,
-                                    args.context, seed=1)
-        measured = {}
-        for ranking, ranked in (("quest", chunks), ("oracle", [dataclasses.replace(c, quest=c.mass)
-                                                                for c in chunks])):
-            curves = calibrate.recall_curves(ranked)
-            measured[ranking] = dataclasses.replace(shipped, recall=tuple(map(tuple, curves.tolist())))
+                                    args.context, seed=1,
+                                    variants=calibrate.scale_variants(shipped.bound_scales))
+        curves = {"quest": calibrate.recall_curves(chunks),
+                  "quest_profiled": calibrate.recall_curves(chunks, shipped.bound_scales),
+                  "oracle": calibrate.recall_curves([dataclasses.replace(c, quest=c.mass) for c in chunks])}
+        measured = {ranking: dataclasses.replace(shipped, recall=tuple(map(tuple, curve.tolist())))
+                    for ranking, curve in curves.items()}
         results[name] = {}
         for budget in map(float, args.budgets.split(",")):
             splits = {"uniform": dict.fromkeys(layers, budget)} | {

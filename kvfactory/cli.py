@@ -292,8 +292,9 @@ def oval_calibrate(
     = 0.125,
     threads: ThreadsOption = 2,
 ) -> None:
-    """Measure how much attention mass each layer's best pages hold at each read budget, and write
-    the profile that `"layer_budgets"` splits a read budget between layers by."""
+    """Measure how much attention mass each layer's best pages hold at each read budget and which
+    Quest bound scale ranks them best, and write the profile that `"layer_budgets"` splits a read
+    budget between layers by."""
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -321,5 +322,7 @@ def oval_calibrate(
                   f"{layers[0]}..{layers[-1]}. At read budget {budget:g}: recall {uniform:.3f} with one "
                   f"budget, {fitted:.3f} split as "
                   + " ".join(f"{layer}:{b:.3f}" for layer, b in split.items()))
+    console.print("Quest's bound scale per layer: "
+                  + " ".join(f"{layer}:{profile.bound_scale(layer):g}" for layer in layers))
     console.print(f"Use it as {{\"name\": \"quest\", \"read_budget\": {budget:g}, "
                   f"\"layer_budgets\": \"{out}\"}}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -70,16 +71,20 @@ def test_the_split_covers_only_the_layers_asked_and_small_budgets_stay_even() ->
 
 
 def test_a_profile_round_trips_and_broken_files_are_refused(tmp_path) -> None:
-    profile = profile_of(rising_curves(2, 0), (0, 1))
     path = tmp_path / "profile.json"
-    profile.save(path)
-    assert LayerProfile.load(path) == profile and [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+    for scales in (None, (0.2, 0.8)):
+        profile = dataclasses.replace(profile_of(rising_curves(2, 0), (0, 1)), bound_scales=scales)
+        profile.save(path)
+        assert LayerProfile.load(path) == profile and [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+    assert profile.bound_scale(1) == 0.8
     text = path.read_text()
     data = json.loads(text)
     broken = {"truncated": text[:len(text) // 2],
               "other steps": json.dumps(data | {"steps": 32}),
               "short row": json.dumps(data | {"recall": [data["recall"][0][:10], data["recall"][1]]}),
-              "no layers": json.dumps({k: v for k, v in data.items() if k != "layers"})}
+              "no layers": json.dumps({k: v for k, v in data.items() if k != "layers"}),
+              "one scale short": json.dumps(data | {"bound_scales": [0.2]}),
+              "scale over 1": json.dumps(data | {"bound_scales": [0.2, 1.5]})}
     for content in broken.values():
         path.write_text(content)
         with pytest.raises(ConfigError, match="layer_budgets.*kvfactory oval calibrate"):
@@ -112,6 +117,9 @@ def test_the_shipped_split_reads_one_eighth_in_all_and_more_where_attention_spre
     assert split[spread] > 0.125  # the layer whose pages hold least at 1/8 reads more
     assert min(split.values()) == 0.75 * 0.125  # and none reads less than 3/4 of the budget
     assert shipped.allocate(0.125, list(shipped.layers), floor=0.0)[18] < 0.75 * 0.125
+    # Quest's full bound ranks the early layers' pages best, the pages' centres the later layers'
+    assert min(shipped.bound_scale(layer) for layer in range(3, 10)) > 0.5
+    assert max(shipped.bound_scale(layer) for layer in range(11, 30)) < 0.5
 
 
 def test_a_config_names_a_profile_file_with_a_read_budget(tmp_path) -> None:
@@ -129,6 +137,24 @@ def test_a_config_names_a_profile_file_with_a_read_budget(tmp_path) -> None:
     assert all(s.layer_budgets == "uniform" and s.selector == "quest" for s in layers.values())
     top_k = SelectorSpec.parse("quest", {"top_k": 3}).per_layer(tiny_config("llama"), [0, 1])
     assert all(s.top_k == 3 for s in top_k.values())
+
+
+def test_quest_layers_rank_with_the_profiles_bound_scale_unless_the_config_sets_one(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    dataclasses.replace(profile_of(rising_curves(2, 0), (0, 1)), bound_scales=(0.2, 0.8)).save(path)
+
+    def scales(name: str, **options) -> list[float | None]:
+        spec = SelectorSpec.parse(name, {"layer_budgets": str(path), "dense_layers": 0} | options)
+        return [getattr(s.build_selector(), "bound_scale", None)
+                for s in spec.per_layer(tiny_config("llama"), [0, 1]).values()]
+
+    assert scales("quest") == [0.2, 0.8]
+    assert scales("quest", aggregate="softmax") == [0.2, 0.8]
+    assert scales("quest", bound_scale=1.0) == [1.0, 1.0]  # the config's own scale wins
+    assert scales("quest", aggregate="max") == [0.5, 0.5]  # the profile's scales were fitted to softmax
+    assert scales("recent") == [None, None]
+    assert SelectorSpec.parse("quest", {"layer_budgets": "uniform"}).per_layer(
+        tiny_config("llama"), [0, 1])[0].build_selector().bound_scale == 0.5
 
 
 def test_a_cache_reads_each_layers_share_of_the_budget(tmp_path) -> None:
@@ -167,6 +193,22 @@ def test_the_curves_are_the_teachers_quest_recall_at_each_budget() -> None:
     assert curves[:, -1].tolist() == pytest.approx([1.0, 1.0], abs=1e-2)  # every page: all the mass
 
 
+def test_calibration_keeps_each_layers_best_bound_scale_and_its_curve() -> None:
+    model = tiny_model("llama", max_position_embeddings=1024)
+    ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
+    layers = oval_train.new_router(model, 0, "tiny").shape.layers
+    chunks = oval_train.collect(model, ids, layers, 8, 256, seed=0,
+                                variants=calibrate.scale_variants(calibrate.SCALES))
+    assert calibrate.recall_curves(chunks, [0.5] * len(layers)).tolist() == \
+        calibrate.recall_curves(chunks).tolist()  # 0.5 with softmax: the shipped Quest
+    scales, curves = calibrate.best_scales(chunks)
+    assert torch.equal(curves, calibrate.recall_curves(chunks, scales))
+    lo, hi = calibrate.CHOSEN_BY
+    for scale in calibrate.SCALES:
+        other = calibrate.recall_curves(chunks, [scale] * len(layers))
+        assert bool((curves[:, lo - 1:hi].mean(-1) >= other[:, lo - 1:hi].mean(-1)).all())
+
+
 @pytest.mark.slow
 def test_the_calibrate_command_writes_a_profile_the_config_accepts(tmp_path, smollm2) -> None:
     from conftest import DATA_DIR
@@ -186,9 +228,10 @@ def test_the_calibrate_command_writes_a_profile_the_config_accepts(tmp_path, smo
 
 
 @pytest.mark.slow
-def test_the_shipped_split_reads_more_attention_on_a_book_it_was_not_fitted_on(smollm2) -> None:
+def test_the_shipped_profile_reads_more_attention_on_a_book_it_was_not_fitted_on(smollm2) -> None:
     """Fitted on *Pride and Prejudice*; on a 6144-token window of *Frankenstein* the shipped split
-    holds more of Quest's attention mass at 1/8 than one budget for every layer."""
+    holds more of Quest's attention mass at 1/8 than one budget for every layer, and the profile's
+    bound scales more than one scale for every layer."""
     from conftest import DATA_DIR
 
     book = DATA_DIR / "pg84_frankenstein.txt"
@@ -197,7 +240,10 @@ def test_the_shipped_split_reads_more_attention_on_a_book_it_was_not_fitted_on(s
     model, tokenizer = smollm2
     shipped = LayerProfile.load(embedded_profile_path())
     ids = oval_train.tokens_of(tokenizer, [book.read_text(encoding="utf-8")])[30000:30000 + 6144]
-    chunks = oval_train.collect(model, ids, shipped.layers, 16, 6144, seed=1)
-    held_out = profile_of(calibrate.recall_curves(chunks), shipped.layers, model.config)
+    chunks = oval_train.collect(model, ids, shipped.layers, 16, 6144, seed=1,
+                                variants=calibrate.scale_variants(shipped.bound_scales))
+    one_scale = profile_of(calibrate.recall_curves(chunks), shipped.layers, model.config)
+    profiled = profile_of(calibrate.recall_curves(chunks, shipped.bound_scales), shipped.layers, model.config)
     split = shipped.allocate(0.125, list(shipped.layers))
-    assert held_out.mean_recall(split) > held_out.mean_recall(dict.fromkeys(split, 0.125)) + 0.005
+    assert one_scale.mean_recall(split) > one_scale.mean_recall(dict.fromkeys(split, 0.125)) + 0.005
+    assert profiled.mean_recall(split) > one_scale.mean_recall(split) + 0.002

@@ -12,11 +12,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from kvfactory.selectors.pages import PageBases
+
+if TYPE_CHECKING:
+    from kvfactory.selectors.layer_budgets import LayerProfile
 
 
 @dataclass
@@ -45,6 +48,12 @@ class Selector(ABC):
     reads_all: ClassVar[bool] = False  # True: decode reads every page whatever the budget
     reads_bases: ClassVar[bool] = True  # scoring reads the page bases (counted in the bytes read)
     uses_mean: ClassVar[bool] = False  # the page bases keep each page's mean key
+
+    @classmethod
+    def profiled_options(cls, options: dict[str, Any], profile: LayerProfile, layer: int) -> dict[str, Any]:
+        """The hyperparameters ``layer`` runs with, given the config's ``options`` and the layer
+        profile the read budget is split by (``layer_budgets.py``): the config's, unless overridden."""
+        return options
 
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""

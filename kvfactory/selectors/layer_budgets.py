@@ -12,6 +12,10 @@ and those can be the layers that find a passkey or needle far back (SmolLM2's la
 PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
 Information Funneling") sizes per-layer caches by a fixed pyramid; this sizes per-layer reads,
 fitted to the model.
+
+The profile also keeps the Quest ``bound_scale`` each layer ranks its pages best with (its recall
+curve is measured at that scale): layers 3..10 of SmolLM2 do best near Quest's full bound, the
+later layers near the pages' centres (``QuestSelector.profiled_options`` applies them).
 """
 
 from __future__ import annotations
@@ -56,11 +60,20 @@ class LayerProfile:
     layers: tuple[int, ...]
     recall: tuple[tuple[float, ...], ...]
     source: dict[str, Any]  # how it was measured (text, context, positions)
+    bound_scales: tuple[float, ...] | None = None  # Quest's bound_scale per layer (None: the selector's)
 
     def __post_init__(self) -> None:
         if len(self.recall) != len(self.layers) or any(len(row) != STEPS for row in self.recall):
             raise ValueError(f"a profile needs {STEPS} recall values for each of its {len(self.layers)} "
                              f"layers, got {[len(row) for row in self.recall]}")
+        if self.bound_scales is not None and (len(self.bound_scales) != len(self.layers) or
+                                              not all(0.0 <= s <= 1.0 for s in self.bound_scales)):
+            raise ValueError(f"a profile needs a bound scale in [0, 1] for each of its {len(self.layers)} "
+                             f"layers, got {list(self.bound_scales)}")
+
+    def bound_scale(self, layer: int) -> float | None:
+        """The Quest bound scale ``layer`` was measured with (None: the selector's default)."""
+        return None if self.bound_scales is None else self.bound_scales[self.layers.index(layer)]
 
     def matches(self, model_config: Any) -> bool:
         return model_shape(model_config) == self.shape
@@ -106,8 +119,9 @@ class LayerProfile:
         """JSON, written to a temporary name and renamed, so a reader never sees half a file."""
         path = Path(path)
         scratch = path.with_name(path.name + ".tmp")
+        scales = {} if self.bound_scales is None else {"bound_scales": list(self.bound_scales)}
         head = json.dumps({"model": self.model, "shape": self.shape, "source": self.source,
-                           "layers": list(self.layers), "steps": STEPS}, indent=1)
+                           "layers": list(self.layers)} | scales | {"steps": STEPS}, indent=1)
         rows = ",\n".join(f"  {json.dumps(list(row))}" for row in self.recall)  # one line per layer
         scratch.write_text(f'{head[:-2]},\n "recall": [\n{rows}\n ]\n}}\n')
         os.replace(scratch, path)
@@ -119,7 +133,9 @@ class LayerProfile:
             if data.get("steps") != STEPS:
                 raise ValueError(f"steps {data.get('steps')}, not {STEPS}")
             return cls(str(data["model"]), dict(data["shape"]), tuple(int(x) for x in data["layers"]),
-                       tuple(tuple(float(v) for v in row) for row in data["recall"]), dict(data["source"]))
+                       tuple(tuple(float(v) for v in row) for row in data["recall"]), dict(data["source"]),
+                       None if data.get("bound_scales") is None
+                       else tuple(float(v) for v in data["bound_scales"]))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError("layer_budgets", str(path), f"a profile written by `kvfactory oval calibrate` "
                               f"({type(exc).__name__}: {exc})") from None

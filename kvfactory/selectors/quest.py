@@ -16,17 +16,25 @@ Two departures, both measured on held-out books (SmolLM2, 6144 tokens, read budg
   sums each head's softmax over the pages' scores (at attention's temperature ``1/sqrt(D)``): the
   attention share each head would give the page, so one head's clear favourite outranks a page
   that several heads rate as mediocre, and a head with flat scores spreads its vote thin.
+
+Where the read budget is split by a layer profile (``layer_budgets.py``) that holds a bound scale
+per layer, each layer ranks with its own, unless the config sets ``bound_scale`` or another
+aggregate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.pages import PageBases, best_dot, softmax_mass
+
+if TYPE_CHECKING:
+    from kvfactory.selectors.layer_budgets import LayerProfile
 
 AGGREGATES = ("softmax", "max")
 
@@ -43,6 +51,15 @@ class QuestSelector(Selector):
             raise ConfigError("bound_scale", self.bound_scale, "a number in [0, 1] (1: Quest's bound)")
         if self.aggregate not in AGGREGATES:
             raise ConfigError("aggregate", self.aggregate, f"one of {', '.join(AGGREGATES)}")
+
+    @classmethod
+    def profiled_options(cls, options: dict[str, Any], profile: LayerProfile, layer: int) -> dict[str, Any]:
+        """The profile's bound scale for ``layer`` (measured with the softmax aggregate), unless the
+        config sets a scale or another aggregate."""
+        scale = profile.bound_scale(layer)
+        if scale is None or "bound_scale" in options or options.get("aggregate", cls.aggregate) != "softmax":
+            return options
+        return options | {"bound_scale": scale}
 
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         bounds = bases.bounds  # [B, Hkv, pages, 2D]

@@ -18,7 +18,8 @@ hyperparameters under their names.
   ``"auto"`` (default) by the profile shipped for the embedded model when the model has its shape,
   else evenly; ``"uniform"`` evenly; or the path of a profile written by ``kvfactory oval calibrate``
   for this model. The mean over the layers stays ``read_budget``, no layer reads less than
-  ``layer_floor`` (0.75) of it; with ``top_k`` every layer reads ``top_k``.
+  ``layer_floor`` (0.75) of it; with ``top_k`` every layer reads ``top_k``. A profile may also set
+  per-layer selector options (Quest's ``bound_scale``) the config leaves unset.
 - ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
   reads; maxima rounded up and minima down) or ``"float32"``.
 """
@@ -116,12 +117,15 @@ class SelectorSpec:
 
     def per_layer(self, model_config: Any, layers: Sequence[int]) -> dict[int, SelectorSpec]:
         """The spec each of the routed ``layers`` decodes with: its share of the read budget under
-        ``layer_budgets`` (the same spec for all when the split is even)."""
+        ``layer_budgets`` and the selector's options for it (``Selector.profiled_options``); the
+        same spec for all when the split is even."""
         profile = None if self.top_k is not None else resolve(self.layer_budgets, model_config)
         if profile is None or not layers:
             return dict.fromkeys(layers, self)
         split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers, self.layer_floor)
-        return {layer: replace(self, read_budget=budget, layer_budgets="uniform")
+        selector = SELECTORS[self.selector]
+        return {layer: replace(self, read_budget=budget, layer_budgets="uniform",
+                               options=selector.profiled_options(self.options, profile, layer))
                 for layer, budget in split.items()}
 
     def tokens_to_read(self, tokens: int) -> int:
