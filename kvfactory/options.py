@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any
+from typing import Any, TypeVar
 
 from kvfactory.errors import ConfigError
 
@@ -37,6 +37,31 @@ def describe(hint: Any) -> str:
     if typing.get_origin(hint) is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     return str(hint).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+Spec = TypeVar("Spec")
+
+
+def parse_spec(spec: type[Spec], strategy: str, options: dict[str, Any], own: dict[str, Any],
+               hyper: dict[str, Any], where: str, kind: str, strategy_key: str) -> Spec:
+    """``spec(strategy, **own options, options=the strategy's hyperparameters)`` from a config entry's
+    ``options``. Each must be one of ``own`` (the spec's fields and their type hints; None: the spec
+    checks it) or of ``hyper`` (the strategy's), and of its type; else a ``ConfigError`` naming the
+    entry's key (prefixed with ``where``), as does a spec or strategy that refuses a value."""
+    for key, value in options.items():
+        if key not in own and key not in hyper:
+            raise ConfigError(f"{where}{key}", value, f"options of {kind} '{strategy}': "
+                                                      f"{sorted(set(own) | set(hyper))}")
+        hint = own[key] if key in own else hyper[key]
+        if hint is not None and not type_ok(value, hint):
+            raise ConfigError(f"{where}{key}", value, describe(hint))
+    try:
+        return spec(strategy, **{k: v for k, v in options.items() if k in own},
+                    options={k: v for k, v in options.items() if k in hyper})
+    except (ConfigError, TypeError) as exc:
+        if isinstance(exc, TypeError):
+            raise ConfigError(f"{where}{strategy_key}", strategy, str(exc)) from None
+        raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
 
 
 def check_registration(kind: str, name: Any, cls: Any, base: type) -> None:

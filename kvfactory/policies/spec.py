@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfactory.errors import ConfigError
-from kvfactory.options import describe, options_of, type_ok
+from kvfactory.options import options_of, parse_spec
 from kvfactory.policies import POLICIES, Policy
 
 SELECTIVE = "selective"  # the composite entry's name
@@ -60,23 +60,10 @@ class SelectiveSpec:
         name = options.pop("policy", None)
         if name not in POLICIES:
             raise ConfigError(f"{where}policy", name, f"one of {sorted(POLICIES)}")
-        own = {"compression_ratio", "budget", "slack"}
-        hyper = options_of(POLICIES[name])
-        for key, value in options.items():
-            if key not in own and key not in hyper:
-                raise ConfigError(f"{where}{key}", value, f"options of selective '{name}': "
-                                                          f"{sorted(own | set(hyper))}")
-            if key in hyper and not type_ok(value, hyper[key]):
-                raise ConfigError(f"{where}{key}", value, describe(hyper[key]))
         if isinstance(options.get("budget"), list):
             options["budget"] = tuple(options["budget"])
-        try:
-            return cls(name, **{k: v for k, v in options.items() if k in own},
-                       options={k: v for k, v in options.items() if k in hyper})
-        except (ConfigError, TypeError) as exc:
-            if isinstance(exc, TypeError):
-                raise ConfigError(f"{where}policy", name, str(exc)) from None
-            raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
+        return parse_spec(cls, name, options, dict.fromkeys(("compression_ratio", "budget", "slack")),
+                          options_of(POLICIES[name]), where, "selective", "policy")
 
     def build_policy(self) -> Policy:
         return POLICIES[self.policy](**self.options)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvfactory.errors import ConfigError
-from kvfactory.options import describe, options_of, type_ok
+from kvfactory.options import options_of, parse_spec
 from kvfactory.selectors import SELECTORS, Selector
 from kvfactory.selectors.layer_budgets import DEFAULT_FLOOR, resolve
 
@@ -92,21 +92,7 @@ class SelectorSpec:
     @classmethod
     def parse(cls, name: str, options: dict[str, Any], where: str = "") -> SelectorSpec:
         own = {k: hint for k, hint in options_of(cls).items() if k not in ("selector", "options")}
-        hyper = options_of(SELECTORS[name])
-        for key, value in options.items():
-            if key not in own and key not in hyper:
-                raise ConfigError(f"{where}{key}", value, f"options of selector '{name}': "
-                                                          f"{sorted(set(own) | set(hyper))}")
-            hint = own.get(key, hyper.get(key))
-            if not type_ok(value, hint):
-                raise ConfigError(f"{where}{key}", value, describe(hint))
-        try:
-            return cls(name, **{k: v for k, v in options.items() if k in own},
-                       options={k: v for k, v in options.items() if k in hyper})
-        except (ConfigError, TypeError) as exc:
-            if isinstance(exc, TypeError):
-                raise ConfigError(f"{where}name", name, str(exc)) from None
-            raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
+        return parse_spec(cls, name, options, own, options_of(SELECTORS[name]), where, "selector", "name")
 
     @property
     def bases_torch_dtype(self) -> torch.dtype:
