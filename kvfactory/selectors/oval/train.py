@@ -106,7 +106,7 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
         if PAGE % tokens:
             raise ValueError(f"bound_tokens {tokens} does not divide the page of {PAGE} tokens")
         parts = keys.view(hkv, pages * PAGE // tokens, tokens, d)
-        bounds = torch.cat([parts.amax(2), parts.amin(2)], -1)  # [Hkv, P * n, 2D]
+        bounds = features[..., :2 * d] if tokens == PAGE else torch.cat([parts.amax(2), parts.amin(2)], -1)
         dots = split_rows(q, scale) @ bounds[:, None].transpose(-1, -2)  # [Hkv, G, S, P * n]
         if aggregate == "max":
             return dots.view(hkv, groups, -1, pages, PAGE // tokens).amax(-1).amax(1).transpose(0, 1)
