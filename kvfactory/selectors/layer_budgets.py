@@ -94,8 +94,12 @@ class LayerProfile:
                              f"got {error:.3g}")
 
     def key_rotation(self, layer: int) -> torch.Tensor | None:
-        """``[Hkv, D, D]``: the basis Quest keeps ``layer``'s page bounds in (None: the key channels)."""
-        return None if self.key_rotations is None else self.key_rotations[self.layers.index(layer)]
+        """``[Hkv, D, D]``: the basis Quest keeps ``layer``'s page bounds in (None: the key channels,
+        where the profile has no rotations or the identity for the layer)."""
+        if self.key_rotations is None:
+            return None
+        rotation = self.key_rotations[self.layers.index(layer)]
+        return None if torch.equal(rotation, torch.eye(rotation.shape[-1]).expand_as(rotation)) else rotation
 
     def bound_scale(self, layer: int) -> float | None:
         """The Quest bound scale ``layer`` was measured with (None: the selector's default)."""

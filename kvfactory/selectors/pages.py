@@ -202,7 +202,9 @@ class PageBases:
                              f"{vectors.shape[-1]}")
         if self.rotation.device != vectors.device or self.rotation.dtype != vectors.dtype:
             self.rotation = self.rotation.to(vectors.device, vectors.dtype)
-        return vectors @ self.rotation
+        b, h, n, d = vectors.shape  # one matmul per KV head over all rows: a decode step's few vectors
+        turned = torch.bmm(vectors.transpose(0, 1).reshape(h, b * n, d), self.rotation)
+        return turned.view(h, b, n, d).transpose(0, 1)
 
     def append(self, keys: torch.Tensor) -> None:
         """Add ``keys [B, Hkv, n, D]`` after the ``length`` tokens already covered."""
