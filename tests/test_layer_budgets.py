@@ -296,7 +296,7 @@ def test_calibration_keeps_each_layers_best_ranking_and_its_curve() -> None:
         assert bool((curves[:, lo - 1:hi].mean(-1) >= other[:, lo - 1:hi].mean(-1)).all())
 
 
-def test_a_calibrated_profile_holds_the_query_axes_where_they_rank_best(tmp_path) -> None:
+def test_a_calibrated_profile_holds_the_query_axes_where_they_rank_best(tmp_path, monkeypatch) -> None:
     model = tiny_model("llama", max_position_embeddings=1024)
     ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
     layers = oval_train.new_router(model, 0, "tiny").shape.layers
@@ -309,6 +309,9 @@ def test_a_calibrated_profile_holds_the_query_axes_where_they_rank_best(tmp_path
         else:
             assert profile.key_rotation(layer) is None
             assert torch.equal(profile.key_rotations[i], torch.eye(16).expand(2, 16, 16))
+    for gain, rotated in ((-1.0, list(layers)), (1.0, [])):  # rotate where it gains at least ROTATION_GAIN
+        monkeypatch.setattr(calibrate, "ROTATION_GAIN", gain)
+        assert calibrate.calibrate(model, ids, "tiny", layers, 256, 2, 8).source["rotated_layers"] == rotated
     profile.save(tmp_path / "p.json")
     assert calibrate.profiled_variants(LayerProfile.load(tmp_path / "p.json")) == [
         oval_train.QuestVariant(scale, "softmax", rotated=True) for scale in profile.bound_scales]
