@@ -7,13 +7,12 @@ train`` over one 6144-token window of *Frankenstein*, a later window of *Pride a
 the start of WikiText-2 test, measures each layer's recall of Quest's best pages at every budget
 ``u/64`` (``calibrate.recall_curves``) and prints JSON: the mean recall at each ``--budgets`` with
 one budget per layer (``uniform``) and with the shipped split at each ``--floors`` (``split_F``:
-no layer under F of the budget; 0.75 ships), for Quest with one bound scale in the key channels
-(``quest``, 0.5), Quest with the profile's scale and key rotation for each layer
-(``quest_profiled``, what ships) and the oracle (the pages with the most mass), which bounds what
-any page ranking could reach with these budgets. ``--profile`` measures another profile instead.
+no layer under F of the budget; 0.75 ships), for Quest with one bound scale (``quest``, 0.5),
+Quest with the profile's scale for each layer (``quest_profiled``, what ships) and the oracle
+(the pages with the most mass), which bounds what any page ranking could reach with these budgets.
 
     python benchmarks/layer_budgets.py [--context 6144] [--positions 48] [--budgets 0.25,0.125,0.0625]
-        [--floors 0.75,0.5,0] [--profile layer_budgets.json]
+        [--floors 0.75,0.5,0]
 """
 
 from __future__ import annotations
@@ -42,22 +41,20 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=48)
     parser.add_argument("--budgets", default="0.25,0.125,0.0625")
     parser.add_argument("--floors", default="0.75,0.5,0")
-    parser.add_argument("--profile", default=str(embedded_profile_path()))
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
     model, tokenizer = load_model()
-    shipped = LayerProfile.load(args.profile)
-    profiled = calibrate.profiled_variants(shipped)
+    shipped = LayerProfile.load(embedded_profile_path())
     layers = list(shipped.layers)
     results = {}
     for name, first in TEXTS.items():
         ids = oval_train.tokens_of(tokenizer, [(DATA / name).read_text(encoding="utf-8")])
         chunks = oval_train.collect(model, ids[first:first + args.context], layers, args.positions,
                                     args.context, seed=1,
-                                    variants=profiled, rotations=shipped.key_rotations)
+                                    variants=calibrate.scale_variants(shipped.bound_scales))
         curves = {"quest": calibrate.recall_curves(chunks),
-                  "quest_profiled": calibrate.recall_curves(chunks, profiled),
+                  "quest_profiled": calibrate.recall_curves(chunks, shipped.bound_scales),
                   "oracle": calibrate.recall_curves([dataclasses.replace(c, quest=c.mass) for c in chunks])}
         measured = {ranking: dataclasses.replace(shipped, recall=tuple(map(tuple, curve.tolist())))
                     for ranking, curve in curves.items()}

@@ -293,12 +293,11 @@ def oval_calibrate(
     threads: ThreadsOption = 2,
 ) -> None:
     """Measure how much attention mass each layer's best pages hold at each read budget and which
-    Quest bound scale and key basis rank them best, and write the profile that `"layer_budgets"`
-    splits a read budget between layers by."""
+    Quest bound scale ranks them best, and write the profile that `"layer_budgets"` splits a read
+    budget between layers by."""
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvfactory.selectors.layer_budgets import rotations_path
     from kvfactory.selectors.oval import calibrate, train
 
     texts = [read_text(path) for path in text]
@@ -309,11 +308,10 @@ def oval_calibrate(
     layers = train.new_router(loaded, dense_layers, model).shape.layers
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        task = progress.add_task("teacher: query axes, then full attention on the calibration text",
-                                 total=2 * windows)
+        task = progress.add_task("teacher: full attention on the calibration text", total=windows)
         try:
-            profile = calibrate.calibrate(loaded, train.tokens_of(tokenizer, texts), model, layers, context,
-                                          windows, positions, [path.name for path in text],
+            profile = calibrate.calibrate(loaded, tokenizer, texts, model, layers, context, windows,
+                                          positions, [path.name for path in text],
                                           lambda: progress.advance(task))
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
@@ -326,7 +324,5 @@ def oval_calibrate(
                   + " ".join(f"{layer}:{b:.3f}" for layer, b in split.items()))
     console.print("Quest's bound scale per layer: "
                   + " ".join(f"{layer}:{profile.bound_scale(layer):g}" for layer in layers))
-    console.print(f"Quest's bounds kept along the query axes in layers {profile.source['rotated_layers']} "
-                  f"(the rest in the key channels); the rotations are in {rotations_path(out)}")
     console.print(f"Use it as {{\"name\": \"quest\", \"read_budget\": {budget:g}, "
                   f"\"layer_budgets\": \"{out}\"}}")

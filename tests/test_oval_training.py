@@ -64,52 +64,6 @@ def test_with_a_bound_per_token_quests_softmax_shares_are_the_attention_itself()
         oval_train.page_record(query, key, positions, 8 ** -0.5, variants=[variant(0.5, "softmax", 3)])
 
 
-def test_rotated_variants_rank_the_rotated_keys_and_queries() -> None:
-    """A rotated Quest variant is Quest over ``keys @ R`` and ``queries @ R`` (R per KV head); with the
-    identity it is the unrotated Quest; without a rotation it is refused."""
-    gen = torch.Generator().manual_seed(2)
-    query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
-    positions = torch.tensor([20, 47, 63])
-    rotation = torch.linalg.qr(torch.randn(2, 8, 8, generator=gen)).Q
-    turned = oval_train.QuestVariant(0.5, "softmax", rotated=True)
-    identity = torch.eye(8).expand(2, 8, 8)
-    _, _, quest, same = oval_train.page_record(query, key, positions, 0.5, [turned], identity)
-    torch.testing.assert_close(same[turned], quest)
-    _, _, _, other = oval_train.page_record(query, key, positions, 0.5, [turned], rotation)
-    _, _, expected, _ = oval_train.page_record(query @ rotation.repeat_interleave(2, 0), key @ rotation,
-                                               positions, 0.5)
-    torch.testing.assert_close(other[turned], expected)
-    assert not torch.allclose(other[turned], quest, atol=1e-3)
-    with pytest.raises(ValueError, match="needs the layer's key rotation"):
-        oval_train.page_record(query, key, positions, 0.5, [turned])
-
-
-def test_query_axes_are_orthonormal_and_sorted_by_the_queries_energy() -> None:
-    model = tiny_model("llama", max_position_embeddings=1024)
-    ids = torch.cat([random_prompt(256, seed=s)[0] for s in range(2)])
-    layers = oval_train.new_router(model, 0, "tiny").shape.layers
-    captured = []  # every routed layer's queries, layer by layer, window by window
-
-    def keep(query, key, positions, scaling, variants=(), rotation=None):
-        captured.append(query[0].reshape(key.shape[1], -1, 16))
-        return record(query, key, positions, scaling, variants, rotation)
-
-    axes = oval_train.query_axes(model, ids, layers, 256)
-    assert axes.shape == (len(layers), 2, 16, 16)
-    torch.testing.assert_close(axes.mT @ axes, torch.eye(16).expand_as(axes), atol=1e-5, rtol=0)
-    record = oval_train.page_record
-    oval_train.page_record = keep
-    try:
-        oval_train.collect(model, ids, layers, 4, 256, seed=0)
-    finally:
-        oval_train.page_record = record
-    for i in range(len(layers)):
-        queries = torch.cat(captured[i::len(layers)], 1)  # [Hkv, rows, D]: layer i's, both windows
-        energy = (queries @ axes[i]).pow(2).sum(1)  # [Hkv, D] along each axis
-        assert bool((energy.diff(dim=-1) <= 1e-3 * energy[:, :1]).all())  # falling
-        assert bool((energy[:, 0] >= queries.pow(2).sum(1).amax(-1) - 1e-3 * energy[:, 0]).all())
-
-
 def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
     model = tiny_model("llama", max_position_embeddings=1024)
     ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])

@@ -14,10 +14,8 @@ from kvfactory import ConfigError, KVCacheFactory, watch_hidden_states
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.selectors import SELECTORS, PageBases
 from kvfactory.selectors.base import RoutingContext
-from kvfactory.selectors.layout import PageLayout
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.oval.router import Router
-from kvfactory.selectors.pages import DynamicPageBases
 from kvfactory.selectors.quest import QuestSelector
 from kvfactory.selectors.sparse import SparseRead, SparseStore
 from kvfactory.selectors.spec import SelectorSpec
@@ -198,51 +196,6 @@ def test_quest_scores_the_centre_plus_a_share_of_each_channels_half_width(scale:
     quest = QuestSelector(bound_scale=scale, aggregate=aggregate)
     scores = quest.page_scores(queries, bases, RoutingContext())
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_bases_in_a_key_rotation_hold_the_rotated_keys_and_quest_rotates_its_queries(dynamic: bool) -> None:
-    gen = torch.Generator().manual_seed(5)
-    rotation = torch.linalg.qr(torch.randn(3, 8, 8, generator=gen)).Q  # one per KV head
-    keys = torch.randn(2, 3, 40, 8, generator=gen) * torch.linspace(0.2, 3.0, 8)
-    if dynamic:
-        layout = PageLayout(PAGE, 8, 2.0)
-        layout.cut(torch.rand(40, generator=gen) * 4)
-        bases, plain = DynamicPageBases(layout, dtype=torch.float32, rotation=rotation), None
-    else:
-        bases = PageBases(PAGE, dtype=torch.float32, rotation=rotation)
-        plain = PageBases(PAGE, dtype=torch.float32)
-    for part in keys.split([17, 1, 1, 21], 2):
-        bases.append(part)
-    turned = keys @ rotation
-    index = torch.arange(40) // PAGE if not dynamic else layout.page_of(0, 40)
-    pages = int(index[-1]) + 1
-    spread = index[:, None].expand(2, 3, 40, 8)
-    expected_max = torch.full((2, 3, pages, 8), float("-inf")).scatter_reduce_(2, spread, turned, "amax")
-    expected_min = torch.full((2, 3, pages, 8), float("inf")).scatter_reduce_(2, spread, turned, "amin")
-    torch.testing.assert_close(bases.kmax, expected_max, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(bases.kmin, expected_min, atol=1e-6, rtol=1e-6)
-    queries = torch.randn(2, 3, 4, 8, generator=gen)
-    quest = QuestSelector(bound_scale=1.0, aggregate="max", _rotation=rotation)
-    bound = quest.page_scores(queries, bases, RoutingContext())
-    exact = torch.full((2, 3, 4, pages), float("-inf")).scatter_reduce_(
-        3, index.expand(2, 3, 4, 40), queries @ keys.mT, "amax")
-    assert bool((bound >= exact.amax(2) - 1e-4).all())  # still an upper bound of every key's score
-    if plain is not None:
-        plain.append(keys)
-        in_channels = QuestSelector(1.0, "max").page_scores(queries, plain, RoutingContext())
-        assert not torch.allclose(bound, in_channels)
-        torch.testing.assert_close(  # the same as Quest over keys and queries turned by hand
-            QuestSelector(0.5).page_scores(queries, bases, RoutingContext()),
-            QuestSelector(0.5).page_scores(queries @ rotation, bases_of(turned), RoutingContext()))
-    with pytest.raises(ValueError, match="key rotation is for 3 KV heads of 8 channels; got 2 of 8"):
-        bases.append(keys[:, :2, :1])
-
-
-def bases_of(keys: torch.Tensor) -> PageBases:
-    bases = PageBases(PAGE, dtype=torch.float32)
-    bases.append(keys)
-    return bases
 
 
 def test_quest_softmax_aggregate_reads_each_heads_favourite_before_a_higher_raw_score() -> None:

@@ -55,11 +55,6 @@ class Selector(ABC):
         profile the read budget is split by (``layer_budgets.py``): the config's, unless overridden."""
         return options
 
-    def key_rotation(self) -> torch.Tensor | None:
-        """``[Hkv, D, D]``: the orthonormal basis this layer's page bases keep the keys in
-        (``PageBases.rotation``); None: the keys' own channels."""
-        return None
-
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
 

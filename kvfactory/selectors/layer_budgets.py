@@ -15,10 +15,7 @@ fitted to the model.
 
 The profile also keeps the Quest ``bound_scale`` each layer ranks its pages best with (its recall
 curve is measured at that scale): layers 3..10 of SmolLM2 do best near Quest's full bound, the
-later layers near the pages' centres (``QuestSelector.profiled_options`` applies them). It may keep
-a key rotation per layer and KV head as well: an orthonormal basis, the principal axes of the
-layer's queries, in which Quest's per-channel bounds are tighter where the queries point
-(``oval/calibrate.py``); it lives in a safetensors file beside the profile's JSON.
+later layers near the pages' centres (``QuestSelector.profiled_options`` applies them).
 """
 
 from __future__ import annotations
@@ -27,22 +24,18 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from kvfactory.errors import ConfigError
 
 STEPS = 64  # budgets measured: 1/64, 2/64, ..., 1
 DEFAULT_FLOOR = 0.75  # the least share of the mean budget a layer reads
 EMBEDDED_PROFILE = "smollm2_layer_budgets.json"
-ROTATIONS = "key_rotations"  # the profile's key and the tensor's name in its safetensors file
-ORTHONORMAL = 1e-3  # the largest |R^T R - I| a key rotation may have
 SHAPE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
               "num_key_value_heads", "vocab_size")
 
@@ -68,7 +61,6 @@ class LayerProfile:
     recall: tuple[tuple[float, ...], ...]
     source: dict[str, Any]  # how it was measured (text, context, positions)
     bound_scales: tuple[float, ...] | None = None  # Quest's bound_scale per layer (None: the selector's)
-    key_rotations: torch.Tensor | None = field(default=None, compare=False, repr=False)  # [L, Hkv, D, D]
 
     def __post_init__(self) -> None:
         if len(self.recall) != len(self.layers) or any(len(row) != STEPS for row in self.recall):
@@ -78,28 +70,6 @@ class LayerProfile:
                                               not all(0.0 <= s <= 1.0 for s in self.bound_scales)):
             raise ValueError(f"a profile needs a bound scale in [0, 1] for each of its {len(self.layers)} "
                              f"layers, got {list(self.bound_scales)}")
-        if self.key_rotations is not None:
-            self._check_rotations(self.key_rotations)
-
-    def _check_rotations(self, rotations: torch.Tensor) -> None:
-        heads = self.shape.get("num_key_value_heads") or rotations.shape[1]
-        if rotations.dim() != 4 or rotations.shape[:2] != (len(self.layers), heads) \
-                or rotations.shape[2] != rotations.shape[3]:
-            raise ValueError(f"key rotations must be [{len(self.layers)} layers, {heads} KV heads, D, D], "
-                             f"got {list(rotations.shape)}")
-        r = rotations.double()
-        error = float((r.transpose(-1, -2) @ r - torch.eye(r.shape[-1], dtype=r.dtype)).abs().amax())
-        if not error <= ORTHONORMAL:
-            raise ValueError(f"key rotations must be orthonormal (|R^T R - I| <= {ORTHONORMAL}), "
-                             f"got {error:.3g}")
-
-    def key_rotation(self, layer: int) -> torch.Tensor | None:
-        """``[Hkv, D, D]``: the basis Quest keeps ``layer``'s page bounds in (None: the key channels,
-        where the profile has no rotations or the identity for the layer)."""
-        if self.key_rotations is None:
-            return None
-        rotation = self.key_rotations[self.layers.index(layer)]
-        return None if torch.equal(rotation, torch.eye(rotation.shape[-1]).expand_as(rotation)) else rotation
 
     def bound_scale(self, layer: int) -> float | None:
         """The Quest bound scale ``layer`` was measured with (None: the selector's default)."""
@@ -146,19 +116,12 @@ class LayerProfile:
         return dict(sorted(chosen.items()))
 
     def save(self, path: str | Path) -> None:
-        """JSON (and the key rotations beside it, ``rotations_path``), each written to a temporary name
-        and renamed, the rotations first, so a reader never sees half a profile."""
+        """JSON, written to a temporary name and renamed, so a reader never sees half a file."""
         path = Path(path)
-        extra = {} if self.bound_scales is None else {"bound_scales": list(self.bound_scales)}
-        if self.key_rotations is not None:
-            beside = rotations_path(path)
-            scratch = beside.with_name(beside.name + ".tmp")
-            save_file({ROTATIONS: self.key_rotations.float().contiguous()}, str(scratch))
-            os.replace(scratch, beside)
-            extra[ROTATIONS] = beside.name
         scratch = path.with_name(path.name + ".tmp")
+        scales = {} if self.bound_scales is None else {"bound_scales": list(self.bound_scales)}
         head = json.dumps({"model": self.model, "shape": self.shape, "source": self.source,
-                           "layers": list(self.layers)} | extra | {"steps": STEPS}, indent=1)
+                           "layers": list(self.layers)} | scales | {"steps": STEPS}, indent=1)
         rows = ",\n".join(f"  {json.dumps(list(row))}" for row in self.recall)  # one line per layer
         scratch.write_text(f'{head[:-2]},\n "recall": [\n{rows}\n ]\n}}\n')
         os.replace(scratch, path)
@@ -169,23 +132,13 @@ class LayerProfile:
             data = json.loads(Path(path).read_text())
             if data.get("steps") != STEPS:
                 raise ValueError(f"steps {data.get('steps')}, not {STEPS}")
-            rotations = data.get(ROTATIONS)
-            if rotations is not None:
-                rotations = load_file(str(Path(path).parent / rotations))[ROTATIONS]
             return cls(str(data["model"]), dict(data["shape"]), tuple(int(x) for x in data["layers"]),
                        tuple(tuple(float(v) for v in row) for row in data["recall"]), dict(data["source"]),
                        None if data.get("bound_scales") is None
-                       else tuple(float(v) for v in data["bound_scales"]),
-                       rotations)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as exc:
+                       else tuple(float(v) for v in data["bound_scales"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError("layer_budgets", str(path), f"a profile written by `kvfactory oval calibrate` "
                               f"({type(exc).__name__}: {exc})") from None
-
-
-def rotations_path(profile: str | Path) -> Path:
-    """Where a profile's key rotations are kept: beside its JSON, ``NAME.key_rotations.safetensors``."""
-    profile = Path(profile)
-    return profile.with_name(f"{profile.stem}.{ROTATIONS}.safetensors")
 
 
 def resolve(setting: str, model_config: Any) -> LayerProfile | None:

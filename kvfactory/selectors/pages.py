@@ -8,11 +8,6 @@ and, for selectors that embed pages (OVAL), the mean key; side by side in one
 tokens are appended, one vectorised reduction per append. ``DynamicPageBases`` keeps the same
 features for pages of varying size (``layout.py``).
 
-Optionally the bases are kept in another orthonormal basis of the key space (``rotation``, per KV
-head): the bounds are then those of the rotated keys, and a selector rotates its queries alike
-(``in_basis``), so ``q · k`` is unchanged while the box around a page's keys is aligned with the
-directions queries point in (``QuestSelector``'s per-layer key basis).
-
 Every decode step reads each sparse layer's bases whole, so they are stored in float16 by default
 (half the bytes of float32 keys): maxima rounded up and minima rounded down, so Quest's bound stays
 a bound, means to nearest. On the CPU the scores and the top pages come from C kernels
@@ -111,13 +106,11 @@ INF = float("inf")
 
 class PageBases:
     """Per-page key statistics of one layer's stored tokens: ``[kmax | kmin]`` (+ ``| kmean``), stored
-    in ``dtype`` (None: the keys' own), of the keys as given or rotated by ``rotation [Hkv, D, D]``
-    (orthonormal columns: the statistics are those of ``keys @ rotation``)."""
+    in ``dtype`` (None: the keys' own)."""
 
-    def __init__(self, page_size: int, with_mean: bool = False, dtype: torch.dtype | None = torch.float16,
-                 rotation: torch.Tensor | None = None) -> None:
+    def __init__(self, page_size: int, with_mean: bool = False, dtype: torch.dtype | None = torch.float16
+                 ) -> None:
         self.page_size, self.with_mean, self.dtype = page_size, with_mean, dtype
-        self.rotation = rotation
         self.length = 0
         self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # see ``set_embedding``
         self._embedded: torch.Tensor | None = None  # [B, Hkv, capacity, E]
@@ -192,26 +185,11 @@ class PageBases:
             self._embedded = grown
         self._embedded[:, :, first:last] = embedded
 
-    def in_basis(self, vectors: torch.Tensor) -> torch.Tensor:
-        """``vectors [B, Hkv, n, D]`` (keys or queries) in the basis the bases are kept in."""
-        if self.rotation is None:
-            return vectors
-        if self.rotation.shape[0] != vectors.shape[1] or self.rotation.shape[-1] != vectors.shape[-1]:
-            raise ValueError(f"the page bases' key rotation is for {self.rotation.shape[0]} KV heads of "
-                             f"{self.rotation.shape[-1]} channels; got {vectors.shape[1]} of "
-                             f"{vectors.shape[-1]}")
-        if self.rotation.device != vectors.device or self.rotation.dtype != vectors.dtype:
-            self.rotation = self.rotation.to(vectors.device, vectors.dtype)
-        b, h, n, d = vectors.shape  # one matmul per KV head over all rows: a decode step's few vectors
-        turned = torch.bmm(vectors.transpose(0, 1).reshape(h, b * n, d), self.rotation)
-        return turned.view(h, b, n, d).transpose(0, 1)
-
     def append(self, keys: torch.Tensor) -> None:
         """Add ``keys [B, Hkv, n, D]`` after the ``length`` tokens already covered."""
         b, h, n, d = keys.shape
         if n == 0:
             return
-        keys = self.in_basis(keys)
         ps, first = self.page_size, self.length // self.page_size
         last = (self.length + n - 1) // ps + 1
         self._reserve(last, keys)
@@ -297,9 +275,9 @@ class DynamicPageBases(PageBases):
     scatter over each token's page; ``append`` places tokens the layout has not yet cut as decoded
     ones (``PageLayout.cover``)."""
 
-    def __init__(self, layout: PageLayout, with_mean: bool = False, dtype: torch.dtype | None = torch.float16,
-                 rotation: torch.Tensor | None = None) -> None:
-        super().__init__(layout.page_size, with_mean, dtype, rotation)
+    def __init__(self, layout: PageLayout, with_mean: bool = False, dtype: torch.dtype | None = torch.float16
+                 ) -> None:
+        super().__init__(layout.page_size, with_mean, dtype)
         self.layout = layout
         self._pages = 0
 
@@ -311,7 +289,6 @@ class DynamicPageBases(PageBases):
         b, h, n, d = keys.shape
         if n == 0:
             return
-        keys = self.in_basis(keys)
         end = self.length + n
         self.layout.cover(end)
         page = self.layout.page_of(self.length, end).to(keys.device)

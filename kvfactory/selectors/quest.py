@@ -19,14 +19,12 @@ Two departures, both measured on held-out books (SmolLM2, 6144 tokens, read budg
 
 Where the read budget is split by a layer profile (``layer_budgets.py``) that holds a bound scale
 per layer, each layer ranks with its own, unless the config sets ``bound_scale`` or another
-aggregate. Where the profile also holds a key rotation per layer (``rotate_keys``, default on), the
-bounds are kept in that basis (``PageBases.rotation``) and the queries rotated alike: the principal
-axes of the layer's queries, so a query's score rests on few, tight channels.
+aggregate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,8 +45,6 @@ class QuestSelector(Selector):
 
     bound_scale: float = 0.5  # 1: Quest's upper bound; below 1: ranges shrunk about their centres
     aggregate: str = "softmax"  # how a KV head's query heads combine: summed softmax, or the best score
-    rotate_keys: bool = True  # keep the bounds in the layer profile's key rotation, where it has one
-    _rotation: torch.Tensor | None = field(default=None, repr=False, compare=False)  # from the profile
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.bound_scale <= 1.0:
@@ -59,21 +55,14 @@ class QuestSelector(Selector):
     @classmethod
     def profiled_options(cls, options: dict[str, Any], profile: LayerProfile, layer: int) -> dict[str, Any]:
         """The profile's bound scale for ``layer`` (measured with the softmax aggregate), unless the
-        config sets a scale or another aggregate; its key rotation unless ``rotate_keys`` is off."""
-        rotation = profile.key_rotation(layer)
-        if rotation is not None and options.get("rotate_keys", cls.rotate_keys):
-            options = options | {"_rotation": rotation}
+        config sets a scale or another aggregate."""
         scale = profile.bound_scale(layer)
         if scale is None or "bound_scale" in options or options.get("aggregate", cls.aggregate) != "softmax":
             return options
         return options | {"bound_scale": scale}
 
-    def key_rotation(self) -> torch.Tensor | None:
-        return self._rotation
-
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
         bounds = bases.bounds  # [B, Hkv, pages, 2D]
-        queries = bases.in_basis(queries)
         if self.aggregate == "max":
             return best_dot(queries, bounds, split=self.bound_scale)
         return softmax_mass(queries, bounds, queries.shape[-1] ** -0.5, split=self.bound_scale)

@@ -49,11 +49,9 @@ class SparseStore(WrappedStore):
         if spec.dynamic_pages:
             self.layout = context.shared.setdefault(
                 "pages.layout", PageLayout(self.page_size, spec.max_page, spec.entropy_jump))
-            self.bases = DynamicPageBases(self.layout, selector.uses_mean, spec.bases_torch_dtype,
-                                          selector.key_rotation())
+            self.bases = DynamicPageBases(self.layout, selector.uses_mean, spec.bases_torch_dtype)
         else:
-            self.bases = PageBases(self.page_size, selector.uses_mean, spec.bases_torch_dtype,
-                                   selector.key_rotation())
+            self.bases = PageBases(self.page_size, selector.uses_mean, spec.bases_torch_dtype)
         self.steps = 0  # decode steps seen by this layer
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V (decode steps)
         self._heads = 0  # KV heads stored

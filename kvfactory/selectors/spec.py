@@ -19,7 +19,7 @@ hyperparameters under their names.
   else evenly; ``"uniform"`` evenly; or the path of a profile written by ``kvfactory oval calibrate``
   for this model. The mean over the layers stays ``read_budget``, no layer reads less than
   ``layer_floor`` (0.75) of it; with ``top_k`` every layer reads ``top_k``. A profile may also set
-  per-layer selector options the config leaves unset (Quest's ``bound_scale`` and key rotation).
+  per-layer selector options (Quest's ``bound_scale``) the config leaves unset.
 - ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
   reads; maxima rounded up and minima down) or ``"float32"``.
 """

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,13 +38,11 @@ TEACHER = "kvfactory_oval_teacher"
 class QuestVariant(NamedTuple):
     """A Quest ranking the teacher records: a ``QuestSelector``'s ``bound_scale`` and ``aggregate``,
     with page bounds kept per ``bound_tokens`` tokens (a divisor of the page; finer bounds are
-    summed over the page as the softmax aggregate's shares, or their best score taken), of the keys
-    as they are or, ``rotated``, in the layer's key rotation (``collect(rotations=...)``)."""
+    summed over the page as the softmax aggregate's shares, or their best score taken)."""
 
     scale: float
     aggregate: str
     bound_tokens: int = PAGE
-    rotated: bool = False
 
 
 @dataclass
@@ -61,22 +58,10 @@ class Chunk:
 
 
 class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int], variants: Sequence[QuestVariant] = (),
-                 rotations: torch.Tensor | None = None, moments: bool = False) -> None:
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int], variants: Sequence[QuestVariant]
+                 ) -> None:
         self.positions, self.layers, self.variants = positions, set(layers), variants
-        self.rotations = {} if rotations is None else dict(zip(layers, rotations, strict=True))
         self.out: dict[int, PageRecord] = {}
-        self.moments: dict[int, torch.Tensor] | None = {} if moments else None  # layer: [Hkv, D, D]
-
-    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
-        if self.moments is None:
-            self.out[layer] = page_record(query, key, self.positions, scaling, self.variants,
-                                          self.rotations.get(layer))
-            return
-        _, hq, _, d = query.shape
-        rows = query[0].float().reshape(key.shape[1], -1, d)  # a KV head's query heads, every position
-        moment = rows.transpose(1, 2) @ rows
-        self.moments[layer] = moment + self.moments.get(layer, 0)
 
 
 _recording: _Recorder | None = None
@@ -88,7 +73,8 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
-        _recording.record(layer, query, key, kwargs.get("scaling"))
+        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"),
+                                            _recording.variants)
     return out
 
 
@@ -99,10 +85,9 @@ PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[QuestVariant, 
 
 
 def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None,
-                variants: Sequence[QuestVariant] = (), rotation: torch.Tensor | None = None) -> PageRecord:
+                variants: Sequence[QuestVariant] = ()) -> PageRecord:
     """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's score
-    ``[S, Hkv, P]`` of the queries at ``positions``, and Quest's score with each of ``variants``
-    (the rotated ones in ``rotation [Hkv, D, D]``)."""
+    ``[S, Hkv, P]`` of the queries at ``positions``, and Quest's score with each of ``variants``."""
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     groups, pages = hq // hkv, t // PAGE
@@ -117,18 +102,12 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
     visible = torch.arange(pages) <= positions[:, None] // PAGE  # [S, P]: the pages stored at each query
 
-    def quest(scale: float, aggregate: str, tokens: int = PAGE, rotated: bool = False) -> torch.Tensor:
-        """``[S, Hkv, P]``"""
+    def quest(scale: float, aggregate: str, tokens: int = PAGE) -> torch.Tensor:  # [S, Hkv, P]
         if PAGE % tokens:
             raise ValueError(f"bound_tokens {tokens} does not divide the page of {PAGE} tokens")
-        if rotated and rotation is None:
-            raise ValueError("a rotated Quest variant needs the layer's key rotation")
-        basis = rotation.float() if rotated else None
-        queries = q if basis is None else q @ basis[:, None]
-        parts = (keys if basis is None else keys @ basis).view(hkv, pages * PAGE // tokens, tokens, d)
-        bounds = features[..., :2 * d] if tokens == PAGE and basis is None \
-            else torch.cat([parts.amax(2), parts.amin(2)], -1)
-        dots = split_rows(queries, scale) @ bounds[:, None].transpose(-1, -2)  # [Hkv, G, S, P * n]
+        parts = keys.view(hkv, pages * PAGE // tokens, tokens, d)
+        bounds = features[..., :2 * d] if tokens == PAGE else torch.cat([parts.amax(2), parts.amin(2)], -1)
+        dots = split_rows(q, scale) @ bounds[:, None].transpose(-1, -2)  # [Hkv, G, S, P * n]
         if aggregate == "max":
             return dots.view(hkv, groups, -1, pages, PAGE // tokens).amax(-1).amax(1).transpose(0, 1)
         seen = visible.repeat_interleave(PAGE // tokens, -1)
@@ -141,60 +120,32 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
 @torch.no_grad()
 def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None, variants: Sequence[QuestVariant] = (),
-            rotations: torch.Tensor | None = None) -> list[Chunk]:
+            advance: Callable[[], None] = lambda: None, variants: Sequence[QuestVariant] = ()) -> list[Chunk]:
     """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
     positions each (uniform over the chunk's second half and beyond the first eighth); Quest's scores
-    also with ``variants`` (``Chunk.quest_at``), the rotated ones in ``rotations [L, Hkv, D, D]``."""
-    gen = random.Random(seed)
-    records = []
-    for window in _windows(ids, chunk):
-        at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-        with _teacher(model, _Recorder(at, layers, variants, rotations)) as recording:
-            hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
-        out = [recording.out[layer] for layer in layers]
-        records.append(Chunk(
-            features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
-            current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
-            quest=torch.stack([o[2] for o in out], 1).half(),
-            quest_at={v: torch.stack([o[3][v] for o in out], 1).half() for v in variants}))
-        advance()
-    return records
-
-
-@torch.no_grad()
-def query_axes(model: Any, ids: torch.Tensor, layers: Sequence[int], chunk: int,
-               advance: Callable[[], None] = lambda: None) -> torch.Tensor:
-    """``[L, Hkv, D, D]``: the principal axes of each layer's queries (after RoPE) over the
-    ``chunk``-token windows of ``ids``, per KV head (its query heads pooled): eigenvectors of the
-    queries' second moment, by falling eigenvalue. An orthonormal basis in which queries are sparse."""
-    recording = _Recorder(torch.zeros(0, dtype=torch.long), layers, moments=True)
-    for window in _windows(ids, chunk):
-        with _teacher(model, recording):
-            model.get_decoder()(input_ids=window)
-        advance()
-    if not recording.moments:
-        raise ValueError(f"no window of {chunk} tokens in {ids.numel()} tokens")
-    moments = torch.stack([recording.moments[layer] for layer in layers]).double()
-    return torch.linalg.eigh(moments).eigenvectors.flip(-1).float()
-
-
-def _windows(ids: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    return [ids[start:start + chunk][None] for start in range(0, ids.numel() - chunk + 1, chunk)]
-
-
-@contextmanager
-def _teacher(model: Any, recording: _Recorder) -> Iterator[_Recorder]:
-    """``model`` attends with the teacher's hook, which hands each routed layer to ``recording``."""
+    also with ``variants`` (``Chunk.quest_at``)."""
     global _recording
+    gen = random.Random(seed)
     previous = model.config._attn_implementation
     model.set_attn_implementation(TEACHER)
-    _recording = recording
+    records = []
     try:
-        yield recording
+        for start in range(0, ids.numel() - chunk + 1, chunk):
+            window = ids[start:start + chunk][None]
+            at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
+            _recording = _Recorder(at, layers, variants)
+            hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
+            out = [_recording.out[layer] for layer in layers]
+            records.append(Chunk(
+                features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
+                current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
+                quest=torch.stack([o[2] for o in out], 1).half(),
+                quest_at={v: torch.stack([o[3][v] for o in out], 1).half() for v in variants}))
+            advance()
     finally:
         _recording = None
         model.set_attn_implementation(previous)
+    return records
 
 
 def candidates(current: torch.Tensor, pages: int) -> torch.Tensor:
