@@ -83,6 +83,9 @@ def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: s
     ({"name": "quest", "dynamic_pages": True, "top_k": 4}, "strategies[1].top_k"),
     ({"name": "quest", "dynamic_pages": True, "max_page": 0}, "strategies[1].max_page"),
     ({"name": "quest", "entropy_jump": -1.0}, "strategies[1].entropy_jump"),
+    ({"name": "quest", "prompt_pages": 1.5}, "strategies[1].prompt_pages"),
+    ({"name": "quest", "prompt_window": 0}, "strategies[1].prompt_window"),
+    ({"name": "quest", "dynamic_pages": True, "prompt_pages": 0.25}, "strategies[1].prompt_pages"),
 ])
 def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     config = {"type": "composite", "strategies": [{"name": "paged"}, entry]}
@@ -291,6 +294,43 @@ def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
     for head_pages in read.pages[0].tolist():
         assert {0, 1, 17, 18, 19} <= set(head_pages) and head_pages[-1] == 19  # the last page last
         assert len(head_pages) == 5  # read_budget 0.25 of 20 pages
+
+
+def test_prompt_pages_default_to_the_selectors_own_share() -> None:
+    assert SelectorSpec.parse("quest", {}).prompt_share == QuestSelector.prompt_pages == 0.5
+    assert SelectorSpec.parse("quest", {"prompt_pages": 0}).prompt_share == 0.0
+    assert SelectorSpec.parse("quest", {"dynamic_pages": True}).prompt_share == 0.0  # fixed pages only
+    assert SelectorSpec.parse("recent", {}).prompt_share == 0.0  # the control baselines stay pure
+    assert SelectorSpec.parse("recent", {"prompt_pages": 0.25}).prompt_share == 0.25
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_prompt_pages_keep_what_the_prompts_last_queries_attended_to(share: float) -> None:
+    gen = torch.Generator().manual_seed(7)
+    keys = torch.randn(1, 2, 80, 8, generator=gen)
+    query = torch.randn(1, 2, 80, 8, generator=gen)
+    query[:, :, -8:] = query[:, :, -1:] + 0.1 * torch.randn(1, 2, 8, 8, generator=gen)  # one question
+    keys[:, :, 20:24] = query[:, :, -1:] * 3  # page 5: what the prompt's last queries look up
+    store = store_with("recent", keys, keys, prompt_pages=share, prompt_window=8)
+    store.attention_mask(None, query)
+    store.observe(query, 8 ** -0.5)  # the prefill's attention call
+    if not share:
+        assert store._salient is None
+    else:
+        scores = (query[:, :, -8:] @ keys.mT * 8 ** -0.5).masked_fill(
+            torch.arange(80) > torch.arange(72, 80)[:, None], float("-inf"))
+        expected = scores.softmax(-1).mean(2).view(1, 2, 20, PAGE).sum(-1)
+        torch.testing.assert_close(store._salient, expected)
+        assert expected[..., 5].min() > 0.5
+    store.append(keys[:, :, :1], keys[:, :, :1])  # a decode step: pages 0..20, 6 read
+    read = store.deferred_read()
+    read.narrow(torch.randn(1, 2, 1, 8, generator=gen), None)
+    assert all((5 in pages) == bool(share) for pages in read.pages[0].tolist())
+    assert read.pages.shape[-1] == 6  # the budget is unchanged: recent gives up its oldest page
+    store.select_rows(torch.tensor([0, 0]))
+    assert store._salient is None or store._salient.shape[0] == 2
+    store.truncate(40)
+    assert store._salient is None  # positions changed: what the prompt pointed at is forgotten
 
 
 def test_recent_reads_the_sink_and_the_newest_pages() -> None:

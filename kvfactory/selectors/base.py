@@ -48,6 +48,7 @@ class Selector(ABC):
     reads_all: ClassVar[bool] = False  # True: decode reads every page whatever the budget
     reads_bases: ClassVar[bool] = True  # scoring reads the page bases (counted in the bytes read)
     uses_mean: ClassVar[bool] = False  # the page bases keep each page's mean key
+    prompt_pages: ClassVar[float] = 0.0  # ``SelectorSpec.prompt_pages`` where the config leaves it unset
 
     @classmethod
     def profiled_options(cls, options: dict[str, Any], profile: LayerProfile, layer: int) -> dict[str, Any]:

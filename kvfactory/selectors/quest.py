@@ -25,7 +25,7 @@ aggregate.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -41,7 +41,11 @@ AGGREGATES = ("softmax", "max")
 
 @dataclass
 class QuestSelector(Selector):
-    """Training-free: needs only the page key bounds."""
+    """Training-free: needs only the page key bounds. Keeps half of each step's chosen pages for the
+    prompt's last queries' favourites by default (``SelectorSpec.prompt_pages``): the bounds of a
+    page holding one needle token among 15 others rank it poorly, the question's attention does not."""
+
+    prompt_pages: ClassVar[float] = 0.5
 
     bound_scale: float = 0.5  # 1: Quest's upper bound; below 1: ranges shrunk about their centres
     aggregate: str = "softmax"  # how a KV head's query heads combine: summed softmax, or the best score

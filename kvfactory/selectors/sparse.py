@@ -59,6 +59,7 @@ class SparseStore(WrappedStore):
         self._read: PageRead | None = None  # this step's selection, for the shadow measurement
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
         self._always: tuple[tuple, torch.Tensor] | None = None  # the sink pages of the last step
+        self._salient: torch.Tensor | None = None  # [B, Hkv, pages]: the prompt's last queries' mass
         metrics.register(self)
 
     def bind(self, layer_idx: int) -> None:
@@ -86,7 +87,7 @@ class SparseStore(WrappedStore):
         self.bases.clear()
         if self.layout is not None:
             self.layout.clear()
-        self._new, self._last_read = None, None
+        self._new, self._last_read, self._salient = None, None, None
 
     def _rebuild(self) -> None:
         if self.layout is not None:  # dynamic pages: rebuilt from the layout at the next decode step
@@ -94,7 +95,7 @@ class SparseStore(WrappedStore):
             self.bases.clear()
         else:
             self.bases.rebuild(self.inner.gather()[0] if self.inner.size() and self.routed else None)
-        self._last_read = None
+        self._last_read = self._salient = None
 
     def sync_bases(self) -> None:
         """Dynamic pages: bring the bases up to the stored tokens (the step's own, or all after a prefill)."""
@@ -128,6 +129,8 @@ class SparseStore(WrappedStore):
         self.inner.select_rows(rows)
         self.bases.select_rows(rows)
         self._last_read = None
+        if self._salient is not None:
+            self._salient = self._salient[rows.to(self._salient.device)]
 
     def memory_report(self) -> MemoryReport:
         """The pages plus the page bases (held for the selector)."""
@@ -199,6 +202,9 @@ class SparseStore(WrappedStore):
         if read is None and self.layout is not None and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed and self.layer_idx == self.spec.dense_layers:
             self._cut_pages(query, scaling)  # a prefill: the first sparse layer sizes the pages
+        if read is None and self.spec.prompt_share and query.shape[2] > attention.MAX_CHUNKED_QUERY \
+                and self.routed:
+            self._salient = self._prompt_mass(query, scaling)
         every = self.spec.shadow_every
         if read is None or read.read is None or not every or self.steps % every:
             return
@@ -212,6 +218,31 @@ class SparseStore(WrappedStore):
             mass = probs.new_zeros((b, hkv, self.bases.pages))
             mass.index_add_(2, self.page_index(length, probs.device), probs)
             self.metrics.record_shadow(read.read, mass)
+
+    @torch.no_grad()
+    def _prompt_mass(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``[B, Hkv, pages]``: the attention mass the prefill's last ``prompt_window`` queries put on
+        each page (mean over them and the KV head's query heads)."""
+        b, _, q, d = query.shape
+        window = min(self.spec.prompt_window, q)
+        keys = self.inner.gather()[0]
+        hkv, length = keys.shape[1], keys.shape[2]
+        scores = query[:, :, -window:].reshape(b, hkv, -1, d) @ keys.transpose(-1, -2) * scaling
+        attention.mask_scores(scores, None if self._mask is None else self._mask[..., -window:, :], window,
+                              length)
+        probs = scores.float().softmax(-1).mean(2)
+        mass = probs.new_zeros((b, hkv, -(-length // self.page_size)))
+        return mass.index_add_(2, self.page_index(length, probs.device), probs)
+
+    def with_prompt_pages(self, scores: torch.Tensor, lo: int, hi: int, count: int) -> torch.Tensor:
+        """``scores [B, Hkv, pages]`` raised to the top for the ``count`` pages in ``[lo, hi)`` the
+        prompt's last queries attended to most (``SelectorSpec.prompt_pages``), per KV head."""
+        salient = None if self._salient is None else self._salient[..., lo:min(hi, self._salient.shape[2])]
+        count = 0 if salient is None else min(count, salient.shape[2])
+        if count <= 0:
+            return scores
+        top = salient.topk(count, -1).indices.to(scores.device) + lo
+        return scores.scatter(-1, top, torch.finfo(scores.dtype).max)
 
     @torch.no_grad()
     def _cut_pages(self, query: torch.Tensor, scaling: float) -> None:
@@ -283,6 +314,8 @@ class SparseRead(PageRead):
         if chosen <= 0:
             return sink, hi
         scores = store.selector.page_scores(queries, store.bases, store.context)
+        if spec.prompt_share:
+            scores = store.with_prompt_pages(scores, lo, hi, round(spec.prompt_share * chosen))
         best = top_pages(scores, lo, hi, chosen)
         return torch.cat([sink, best], -1), hi
 
