@@ -208,31 +208,27 @@ class SparseStore(WrappedStore):
         every = self.spec.shadow_every
         if read is None or read.read is None or not every or self.steps % every:
             return
-        b, hq, q, d = query.shape
-        keys = self.inner.gather()[0]
-        hkv, length = keys.shape[1], keys.shape[2]
-        with torch.no_grad():
-            scores = query.reshape(b, hkv, -1, d) @ keys.transpose(-1, -2) * scaling
-            attention.mask_scores(scores, self._mask, q, length)
-            probs = scores.float().softmax(-1).mean(2)  # [B, Hkv, length]: mean over the group's queries
-            mass = probs.new_zeros((b, hkv, self.bases.pages))
-            mass.index_add_(2, self.page_index(length, probs.device), probs)
-            self.metrics.record_shadow(read.read, mass)
+        self.metrics.record_shadow(read.read, self._page_mass(query, self._mask, scaling))
 
     @torch.no_grad()
-    def _prompt_mass(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """``[B, Hkv, pages]``: the attention mass the prefill's last ``prompt_window`` queries put on
-        each page (mean over them and the KV head's query heads)."""
+    def _page_mass(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """``[B, Hkv, pages]``: the full attention mass ``query [B, Hq, q, D]`` (the last ``q`` of the
+        stored tokens, ``mask`` SDPA's) puts on each stored page, mean over its rows and the KV
+        head's query heads."""
         b, _, q, d = query.shape
-        window = min(self.spec.prompt_window, q)
         keys = self.inner.gather()[0]
         hkv, length = keys.shape[1], keys.shape[2]
-        scores = query[:, :, -window:].reshape(b, hkv, -1, d) @ keys.transpose(-1, -2) * scaling
-        attention.mask_scores(scores, None if self._mask is None else self._mask[..., -window:, :], window,
-                              length)
-        probs = scores.float().softmax(-1).mean(2)
-        mass = probs.new_zeros((b, hkv, -(-length // self.page_size)))
+        scores = query.reshape(b, hkv, -1, d) @ keys.transpose(-1, -2) * scaling
+        attention.mask_scores(scores, mask, q, length)
+        probs = scores.float().softmax(-1).mean(2)  # [B, Hkv, length]
+        mass = probs.new_zeros((b, hkv, self.bases.pages))
         return mass.index_add_(2, self.page_index(length, probs.device), probs)
+
+    def _prompt_mass(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The page mass of the prefill's last ``prompt_window`` queries."""
+        window = min(self.spec.prompt_window, query.shape[2])
+        mask = None if self._mask is None else self._mask[..., -window:, :]
+        return self._page_mass(query[:, :, -window:], mask, scaling)
 
     def with_prompt_pages(self, scores: torch.Tensor, lo: int, hi: int, count: int) -> torch.Tensor:
         """``scores [B, Hkv, pages]`` raised to the top for the ``count`` pages in ``[lo, hi)`` the
