@@ -168,7 +168,7 @@ def test_a_cache_reads_each_layers_share_of_the_budget(tmp_path) -> None:
         config = {"type": "composite", "strategies": [
             {"name": "paged", "page_size": PAGE},
             {"name": "quest", "read_budget": 0.25, "dense_layers": 0, "layer_budgets": setting,
-             "layer_floor": 0.0, "prompt_pages": 0}]}  # pages counted over steps: Quest's own choice
+             "layer_floor": 0.0, "prompt_weight": 0}]}  # pages counted over steps: Quest's own choice
         with attn_implementation(model, "kvfactory"), torch.no_grad():
             cache = KVCacheFactory(model.config, config).create_cache()
             out = model.generate(**left_padded_batch([60, 45], seed=4), past_key_values=cache,

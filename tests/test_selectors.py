@@ -83,9 +83,11 @@ def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: s
     ({"name": "quest", "dynamic_pages": True, "top_k": 4}, "strategies[1].top_k"),
     ({"name": "quest", "dynamic_pages": True, "max_page": 0}, "strategies[1].max_page"),
     ({"name": "quest", "entropy_jump": -1.0}, "strategies[1].entropy_jump"),
-    ({"name": "quest", "prompt_pages": 1.5}, "strategies[1].prompt_pages"),
+    ({"name": "quest", "prompt_weight": -0.5}, "strategies[1].prompt_weight"),
+    ({"name": "quest", "prompt_weight": float("inf")}, "strategies[1].prompt_weight"),
+    ({"name": "quest", "prompt_pages": 0.5}, "strategies[1].prompt_pages"),
     ({"name": "quest", "prompt_window": 0}, "strategies[1].prompt_window"),
-    ({"name": "quest", "dynamic_pages": True, "prompt_pages": 0.25}, "strategies[1].prompt_pages"),
+    ({"name": "quest", "dynamic_pages": True, "prompt_weight": 0.25}, "strategies[1].prompt_weight"),
 ])
 def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     config = {"type": "composite", "strategies": [{"name": "paged"}, entry]}
@@ -283,11 +285,13 @@ def test_quantized_pages_read_what_the_whole_layer_holds(codec: str, new: int) -
     assert (mask is None) == (new == 1)
 
 
+@pytest.mark.parametrize("weight", [0.0, 1.0])  # 1: the selector's page_shares rank
 @pytest.mark.parametrize("selector", SPARSE)
-def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
+def test_sink_local_and_new_token_pages_are_always_read(selector: str, weight: float) -> None:
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 2, 80, 8, generator=gen)
-    store = store_with(selector, keys[:, :, :70], keys[:, :, :70], sink_pages=2, local_pages=1)
+    store = store_with(selector, keys[:, :, :70], keys[:, :, :70], sink_pages=2, local_pages=1,
+                       prompt_weight=weight)
     store.append(keys[:, :, 70:], keys[:, :, 70:])  # 10 new tokens: pages 17..19 of 20
     read = store.deferred_read()
     read.narrow(torch.randn(1, 2, 10, 8, generator=gen), None)
@@ -296,25 +300,44 @@ def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
         assert len(head_pages) == 5  # read_budget 0.25 of 20 pages
 
 
-def test_prompt_pages_default_to_the_selectors_own_share() -> None:
-    assert SelectorSpec.parse("quest", {}).prompt_share == QuestSelector.prompt_pages == 0.5
-    assert SelectorSpec.parse("quest", {"prompt_pages": 0}).prompt_share == 0.0
-    assert SelectorSpec.parse("quest", {"dynamic_pages": True}).prompt_share == 0.0  # fixed pages only
-    assert SelectorSpec.parse("recent", {}).prompt_share == 0.0  # the control baselines stay pure
-    assert SelectorSpec.parse("recent", {"prompt_pages": 0.25}).prompt_share == 0.25
+def test_prompt_weight_defaults_to_the_selectors_own() -> None:
+    assert SelectorSpec.parse("quest", {}).prompt_mix == QuestSelector.prompt_weight == 0.5
+    assert SelectorSpec.parse("quest", {"prompt_weight": 0}).prompt_mix == 0.0
+    assert SelectorSpec.parse("quest", {"dynamic_pages": True}).prompt_mix == 0.0  # fixed pages only
+    assert SelectorSpec.parse("recent", {}).prompt_mix == 0.0  # the control baselines stay pure
+    assert SelectorSpec.parse("recent", {"prompt_weight": 2}).prompt_mix == 2.0
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_prompt_pages_keep_what_the_prompts_last_queries_attended_to(share: float) -> None:
+@pytest.mark.parametrize("aggregate", ["softmax", "max"])
+def test_quests_page_shares_are_the_attention_its_ranking_predicts(aggregate: str) -> None:
+    """The shares weighed against the prompt's: the query heads' summed softmax shares normalised,
+    or the best head's bound as a logit at attention's temperature; either way Quest's own order."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(1, 2, 64, 8, generator=gen)
+    store = store_with("quest", keys, keys, aggregate=aggregate, bound_scale=1.0)
+    queries = torch.randn(1, 2, 3, 8, generator=gen)
+    scores = store.selector.page_scores(queries, store.bases, store.context)
+    shares = store.selector.page_shares(scores, 8)
+    torch.testing.assert_close(shares.sum(-1), torch.ones(1, 2))
+    assert torch.equal(shares.argsort(-1), scores.argsort(-1))
+    bounds = store.bases.bounds.float()
+    if aggregate == "max":
+        q = queries[:, :, :, None]  # Quest's bound: each channel's larger product, summed
+        best = (q * bounds[:, :, None, :, :8]).maximum(q * bounds[:, :, None, :, 8:]).sum(-1).amax(2)
+        torch.testing.assert_close(shares, (best * 8 ** -0.5).softmax(-1), rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_prompt_weight_keeps_what_the_prompts_last_queries_attended_to(weight: float) -> None:
     gen = torch.Generator().manual_seed(7)
     keys = torch.randn(1, 2, 80, 8, generator=gen)
     query = torch.randn(1, 2, 80, 8, generator=gen)
     query[:, :, -8:] = query[:, :, -1:] + 0.1 * torch.randn(1, 2, 8, 8, generator=gen)  # one question
     keys[:, :, 20:24] = query[:, :, -1:] * 3  # page 5: what the prompt's last queries look up
-    store = store_with("recent", keys, keys, prompt_pages=share, prompt_window=8)
+    store = store_with("recent", keys, keys, prompt_weight=weight, prompt_window=8)
     store.attention_mask(None, query)
     store.observe(query, 8 ** -0.5)  # the prefill's attention call
-    if not share:
+    if not weight:
         assert store._salient is None
     else:
         scores = (query[:, :, -8:] @ keys.mT * 8 ** -0.5).masked_fill(
@@ -322,10 +345,13 @@ def test_prompt_pages_keep_what_the_prompts_last_queries_attended_to(share: floa
         expected = scores.softmax(-1).mean(2).view(1, 2, 20, PAGE).sum(-1)
         torch.testing.assert_close(store._salient, expected)
         assert expected[..., 5].min() > 0.5
+        ranked = torch.randn(1, 2, 20, generator=gen)  # the selector's scores, as logits
+        torch.testing.assert_close(store.with_prompt_mass(ranked, 8, 1, 19), ranked[..., 1:19].softmax(-1)
+                                   + weight * expected[..., 1:19] / expected[..., 1:19].sum(-1, keepdim=True))
     store.append(keys[:, :, :1], keys[:, :, :1])  # a decode step: pages 0..20, 6 read
     read = store.deferred_read()
     read.narrow(torch.randn(1, 2, 1, 8, generator=gen), None)
-    assert all((5 in pages) == bool(share) for pages in read.pages[0].tolist())
+    assert all((5 in pages) == bool(weight) for pages in read.pages[0].tolist())
     assert read.pages.shape[-1] == 6  # the budget is unchanged: recent gives up its oldest page
     store.select_rows(torch.tensor([0, 0]))
     assert store._salient is None or store._salient.shape[0] == 2

@@ -69,14 +69,14 @@ def test_quest_keeps_a_6144_token_passkey_that_its_full_bound_loses(smollm2) -> 
     at a read budget of 1/8 and the answer comes out as 68156; the shipped ranking (ranges halved,
     query heads' softmax summed) keeps them, answers right and reads more of the attention mass.
     Both read 1/8 in every layer (``layer_budgets`` uniform) and only the pages they rank
-    (``prompt_pages`` 0): this compares rankings only."""
+    (``prompt_weight`` 0): this compares rankings only."""
     model, tokenizer = smollm2
     record = passkey_prompts(tokenizer, 6144, [0.5], keys_per_depth=4)[3]
     ids = tokenizer(record.prompt, return_tensors="pt").input_ids
     answers, recall = {}, {}
     for ranking, options in {"paper": {"bound_scale": 1.0, "aggregate": "max"}, "shipped": {}}.items():
         entry = {"name": "quest", "read_budget": 0.125, "shadow_every": 1,
-                 "layer_budgets": "uniform", "prompt_pages": 0} | options
+                 "layer_budgets": "uniform", "prompt_weight": 0} | options
         cache = KVCacheFactory(model.config, {"type": "composite", "strategies": [
             {"name": "paged", "page_size": 16}, entry]}).create_cache()
         with torch.no_grad():
@@ -88,11 +88,11 @@ def test_quest_keeps_a_6144_token_passkey_that_its_full_bound_loses(smollm2) -> 
     assert recall["shipped"] > recall["paper"], recall
 
 
-def test_prompt_pages_keep_the_needle_that_quests_bounds_lose(smollm2) -> None:
+def test_the_prompts_attention_keeps_the_needle_that_quests_bounds_lose(smollm2) -> None:
     """The protocol's needle prompt at depth 0.5, sample 2 (6144 tokens, WikiText haystack), which
     DynamicCache answers: ranked by its key bounds alone, the needle's page is 57th to 129th for
     layer 18's retrieval head (36 pages read) and the answer goes wrong from its third token; with
-    half of each step's pages kept for the prompt's last queries' favourites (Quest's default) the
+    the prompt's last queries' attention weighed in (``prompt_weight``, Quest's default 0.5) the
     question's own attention keeps the needle read and the answer is right."""
     from conftest import DATA_DIR
 
@@ -105,9 +105,10 @@ def test_prompt_pages_keep_the_needle_that_quests_bounds_lose(smollm2) -> None:
     model, tokenizer = smollm2
     record = needle_prompts(tokenizer, Corpus(text.read_text(encoding="utf-8"), str(text)), 6144, [0.5], 5)[2]
     answers = {}
-    for share in (0.0, None):
-        entry = {"name": "quest", "read_budget": 0.125} | ({} if share is None else {"prompt_pages": share})
+    for weight in (0.0, None):
+        entry = {"name": "quest", "read_budget": 0.125} | ({} if weight is None else
+                                                          {"prompt_weight": weight})
         config = {"type": "composite", "strategies": [{"name": "paged", "page_size": 16}, entry]}
-        answers[share] = run_needle(model, tokenizer, KVCacheFactory(model.config, config).create_cache,
+        answers[weight] = run_needle(model, tokenizer, KVCacheFactory(model.config, config).create_cache,
                                     [record])[0]
     assert answers[None].correct and not answers[0.0].correct, answers

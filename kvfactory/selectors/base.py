@@ -48,7 +48,7 @@ class Selector(ABC):
     reads_all: ClassVar[bool] = False  # True: decode reads every page whatever the budget
     reads_bases: ClassVar[bool] = True  # scoring reads the page bases (counted in the bytes read)
     uses_mean: ClassVar[bool] = False  # the page bases keep each page's mean key
-    prompt_pages: ClassVar[float] = 0.0  # ``SelectorSpec.prompt_pages`` where the config leaves it unset
+    prompt_weight: ClassVar[float] = 0.0  # ``SelectorSpec.prompt_weight`` where the config leaves it unset
 
     @classmethod
     def profiled_options(cls, options: dict[str, Any], profile: LayerProfile, layer: int) -> dict[str, Any]:
@@ -67,6 +67,12 @@ class Selector(ABC):
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
         """Called with the indices of the pages this layer read in this step (``[B, Hkv, k]`` per head
         with fixed pages; a flat list of every page any head read with dynamic ones)."""
+
+    def page_shares(self, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """``scores [..., P]`` from ``page_scores`` (for queries of ``head_dim`` channels) as shares of
+        the step's attention over those pages, summing to 1, to weigh against the prompt's
+        (``SelectorSpec.prompt_weight``). By default the scores are logits."""
+        return scores.float().softmax(-1)
 
     @abstractmethod
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:

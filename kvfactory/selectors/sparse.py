@@ -202,7 +202,7 @@ class SparseStore(WrappedStore):
         if read is None and self.layout is not None and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed and self.layer_idx == self.spec.dense_layers:
             self._cut_pages(query, scaling)  # a prefill: the first sparse layer sizes the pages
-        if read is None and self.spec.prompt_share and query.shape[2] > attention.MAX_CHUNKED_QUERY \
+        if read is None and self.spec.prompt_mix and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed:
             self._salient = self._prompt_mass(query, scaling)
         every = self.spec.shadow_every
@@ -230,15 +230,18 @@ class SparseStore(WrappedStore):
         mask = None if self._mask is None else self._mask[..., -window:, :]
         return self._page_mass(query[:, :, -window:], mask, scaling)
 
-    def with_prompt_pages(self, scores: torch.Tensor, lo: int, hi: int, count: int) -> torch.Tensor:
-        """``scores [B, Hkv, pages]`` raised to the top for the ``count`` pages in ``[lo, hi)`` the
-        prompt's last queries attended to most (``SelectorSpec.prompt_pages``), per KV head."""
-        salient = None if self._salient is None else self._salient[..., lo:min(hi, self._salient.shape[2])]
-        count = 0 if salient is None else min(count, salient.shape[2])
-        if count <= 0:
-            return scores
-        top = salient.topk(count, -1).indices.to(scores.device) + lo
-        return scores.scatter(-1, top, torch.finfo(scores.dtype).max)
+    def with_prompt_mass(self, scores: torch.Tensor, head_dim: int, lo: int, hi: int) -> torch.Tensor:
+        """The selector's ``scores [B, Hkv, pages]`` for the pages ``[lo, hi)`` as its shares plus
+        ``SelectorSpec.prompt_weight`` times the prompt's last queries' shares (pages stored since
+        the prefill have none), per KV head: ``[B, Hkv, hi - lo]``."""
+        shares = self.selector.page_shares(scores[..., lo:hi], head_dim)
+        if self._salient is None:
+            return shares
+        salient = self._salient[..., lo:hi].to(shares.device)
+        total = salient.sum(-1, keepdim=True).clamp_min(torch.finfo(salient.dtype).tiny)
+        weight = self.spec.prompt_mix
+        shares[..., :salient.shape[2]] += salient.mul(weight).div_(total)
+        return shares
 
     @torch.no_grad()
     def _cut_pages(self, query: torch.Tensor, scaling: float) -> None:
@@ -310,9 +313,11 @@ class SparseRead(PageRead):
         if chosen <= 0:
             return sink, hi
         scores = store.selector.page_scores(queries, store.bases, store.context)
-        if spec.prompt_share:
-            scores = store.with_prompt_pages(scores, lo, hi, round(spec.prompt_share * chosen))
-        best = top_pages(scores, lo, hi, chosen)
+        if spec.prompt_mix:
+            mixed = store.with_prompt_mass(scores, queries.shape[-1], lo, hi).contiguous()
+            best = top_pages(mixed, 0, hi - lo, chosen) + lo
+        else:
+            best = top_pages(scores, lo, hi, chosen)
         return torch.cat([sink, best], -1), hi
 
     def narrow(self, query: torch.Tensor, attention_mask: torch.Tensor | None

@@ -20,12 +20,13 @@ hyperparameters under their names.
   for this model. The mean over the layers stays ``read_budget``, no layer reads less than
   ``layer_floor`` (0.75) of it; with ``top_k`` every layer reads ``top_k``. A profile may also set
   per-layer selector options (Quest's ``bound_scale``) the config leaves unset.
-- ``prompt_pages``: the share of each step's chosen pages (besides the always-read ones) kept for
-  the pages the prompt's last ``prompt_window`` queries attended to most at prefill, per KV head:
-  what a question at the end of the prompt looks up stays read while the answer is decoded
-  (SnapKV's observation window, Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before
-  Generation", used here to steer reads rather than to evict). Unset: the selector's default
-  (Quest 0.5, the others 0); fixed pages only.
+- ``prompt_weight``: how much the attention the prompt's last ``prompt_window`` queries put on each
+  page at prefill counts in each step's ranking, per KV head: a page ranks by the selector's share
+  (``Selector.page_shares``) plus ``prompt_weight`` times the prompt's share, so what a question at
+  the end of the prompt looks up stays read while the answer is decoded (SnapKV's observation
+  window, Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", used
+  here to steer reads rather than to evict). Unset: the selector's default (Quest 0.5, the others
+  0); fixed pages only.
 - ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
   reads; maxima rounded up and minima down) or ``"float32"``.
 """
@@ -66,7 +67,7 @@ class SelectorSpec:
     bases_dtype: str = "float16"
     layer_budgets: str = "auto"
     layer_floor: float = DEFAULT_FLOOR
-    prompt_pages: float | None = None
+    prompt_weight: float | None = None
     prompt_window: int = 32
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -93,12 +94,13 @@ class SelectorSpec:
             raise ConfigError("layer_floor", self.layer_floor, "a share of read_budget in [0, 1]")
         if self.top_k is not None and self.layer_budgets not in ("auto", "uniform"):
             raise ConfigError("layer_budgets", self.layer_budgets, "a profile with read_budget, not top_k")
-        if self.prompt_pages is not None and not 0.0 <= self.prompt_pages <= 1.0:
-            raise ConfigError("prompt_pages", self.prompt_pages, "a share of the chosen pages in [0, 1]")
+        weight = self.prompt_weight
+        if weight is not None and not (math.isfinite(weight) and weight >= 0):
+            raise ConfigError("prompt_weight", self.prompt_weight, "a number >= 0 (0: the selector alone)")
         if self.prompt_window < 1:
             raise ConfigError("prompt_window", self.prompt_window, "an integer >= 1 (prompt queries)")
-        if self.dynamic_pages and self.prompt_pages:
-            raise ConfigError("prompt_pages", self.prompt_pages, "0 with dynamic_pages (fixed pages only)")
+        if self.dynamic_pages and self.prompt_weight:
+            raise ConfigError("prompt_weight", self.prompt_weight, "0 with dynamic_pages (fixed pages only)")
         if self.dynamic_pages and self.top_k is not None:
             raise ConfigError("top_k", self.top_k, "read_budget with dynamic_pages (pages differ in size)")
         self.build_selector()
@@ -109,12 +111,12 @@ class SelectorSpec:
         return parse_spec(cls, name, options, own, options_of(SELECTORS[name]), where, "selector", "name")
 
     @property
-    def prompt_share(self) -> float:
-        """The share of chosen pages kept for the prompt's favourites (``prompt_pages``, or the
+    def prompt_mix(self) -> float:
+        """The weight of the prompt's page mass in each step's ranking (``prompt_weight``, or the
         selector's default; 0 over dynamic pages)."""
         if self.dynamic_pages:
             return 0.0
-        return SELECTORS[self.selector].prompt_pages if self.prompt_pages is None else self.prompt_pages
+        return SELECTORS[self.selector].prompt_weight if self.prompt_weight is None else self.prompt_weight
 
     @property
     def bases_torch_dtype(self) -> torch.dtype:
