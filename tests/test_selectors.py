@@ -285,13 +285,11 @@ def test_quantized_pages_read_what_the_whole_layer_holds(codec: str, new: int) -
     assert (mask is None) == (new == 1)
 
 
-@pytest.mark.parametrize("weight", [0.0, 1.0])  # 1: the selector's page_shares rank
 @pytest.mark.parametrize("selector", SPARSE)
-def test_sink_local_and_new_token_pages_are_always_read(selector: str, weight: float) -> None:
+def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 2, 80, 8, generator=gen)
-    store = store_with(selector, keys[:, :, :70], keys[:, :, :70], sink_pages=2, local_pages=1,
-                       prompt_weight=weight)
+    store = store_with(selector, keys[:, :, :70], keys[:, :, :70], sink_pages=2, local_pages=1)
     store.append(keys[:, :, 70:], keys[:, :, 70:])  # 10 new tokens: pages 17..19 of 20
     read = store.deferred_read()
     read.narrow(torch.randn(1, 2, 10, 8, generator=gen), None)
@@ -301,7 +299,7 @@ def test_sink_local_and_new_token_pages_are_always_read(selector: str, weight: f
 
 
 def test_prompt_weight_defaults_to_the_selectors_own() -> None:
-    assert SelectorSpec.parse("quest", {}).prompt_mix == QuestSelector.prompt_weight == 0.5
+    assert SelectorSpec.parse("quest", {}).prompt_mix == QuestSelector.prompt_weight == 2.0
     assert SelectorSpec.parse("quest", {"prompt_weight": 0}).prompt_mix == 0.0
     assert SelectorSpec.parse("quest", {"dynamic_pages": True}).prompt_mix == 0.0  # fixed pages only
     assert SelectorSpec.parse("recent", {}).prompt_mix == 0.0  # the control baselines stay pure
@@ -309,7 +307,7 @@ def test_prompt_weight_defaults_to_the_selectors_own() -> None:
 
 
 @pytest.mark.parametrize("aggregate", ["softmax", "max"])
-def test_quests_page_shares_are_the_attention_its_ranking_predicts(aggregate: str) -> None:
+def test_quest_ranks_its_attention_shares_plus_the_prompts(aggregate: str) -> None:
     """The shares weighed against the prompt's: the query heads' summed softmax shares normalised,
     or the best head's bound as a logit at attention's temperature; either way Quest's own order."""
     gen = torch.Generator().manual_seed(5)
@@ -317,14 +315,17 @@ def test_quests_page_shares_are_the_attention_its_ranking_predicts(aggregate: st
     store = store_with("quest", keys, keys, aggregate=aggregate, bound_scale=1.0)
     queries = torch.randn(1, 2, 3, 8, generator=gen)
     scores = store.selector.page_scores(queries, store.bases, store.context)
-    shares = store.selector.page_shares(scores, 8)
-    torch.testing.assert_close(shares.sum(-1), torch.ones(1, 2))
-    assert torch.equal(shares.argsort(-1), scores.argsort(-1))
-    bounds = store.bases.bounds.float()
+    assert torch.equal(store.selector.with_prompt(scores, torch.zeros_like(scores), 8).argsort(-1),
+                       scores.argsort(-1))  # no prompt: Quest's own order
+    shares = scores / scores.sum(-1, keepdim=True)
     if aggregate == "max":
-        q = queries[:, :, :, None]  # Quest's bound: each channel's larger product, summed
+        q, bounds = queries[:, :, :, None], store.bases.bounds.float()  # the bound: each channel's larger
         best = (q * bounds[:, :, None, :, :8]).maximum(q * bounds[:, :, None, :, 8:]).sum(-1).amax(2)
-        torch.testing.assert_close(shares, (best * 8 ** -0.5).softmax(-1), rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(scores, best, rtol=1e-3, atol=1e-4)
+        shares = (best * 8 ** -0.5).softmax(-1)
+    prompt = torch.rand(scores.shape, generator=gen) * 0.2
+    ranked = store.selector.with_prompt(scores, prompt, 8)
+    assert torch.equal(ranked.argsort(-1), (shares + prompt).argsort(-1))
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.5])

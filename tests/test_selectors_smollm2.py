@@ -92,7 +92,7 @@ def test_the_prompts_attention_keeps_the_needle_that_quests_bounds_lose(smollm2)
     """The protocol's needle prompt at depth 0.5, sample 2 (6144 tokens, WikiText haystack), which
     DynamicCache answers: ranked by its key bounds alone, the needle's page is 57th to 129th for
     layer 18's retrieval head (36 pages read) and the answer goes wrong from its third token; with
-    the prompt's last queries' attention weighed in (``prompt_weight``, Quest's default 0.5) the
+    the prompt's last queries' attention weighed in (``prompt_weight``, Quest's default 2) the
     question's own attention keeps the needle read and the answer is right."""
     from conftest import DATA_DIR
 

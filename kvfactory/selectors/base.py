@@ -68,11 +68,12 @@ class Selector(ABC):
         """Called with the indices of the pages this layer read in this step (``[B, Hkv, k]`` per head
         with fixed pages; a flat list of every page any head read with dynamic ones)."""
 
-    def page_shares(self, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """``scores [..., P]`` from ``page_scores`` (for queries of ``head_dim`` channels) as shares of
-        the step's attention over those pages, summing to 1, to weigh against the prompt's
-        (``SelectorSpec.prompt_weight``). By default the scores are logits."""
-        return scores.float().softmax(-1)
+    def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """``scores [..., P]`` from ``page_scores`` (queries of ``head_dim`` channels) ranked with
+        ``prompt [..., P]``, the prompt's weighted shares of those pages (``SelectorSpec.prompt_weight``):
+        in the order of the selector's own shares of the step's attention over the pages (summing
+        to 1) plus ``prompt``. By default the scores are logits."""
+        return scores.float().softmax(-1).add_(prompt)
 
     @abstractmethod
     def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:

@@ -41,11 +41,11 @@ AGGREGATES = ("softmax", "max")
 
 @dataclass
 class QuestSelector(Selector):
-    """Training-free: needs only the page key bounds. Ranks by its share plus half the prompt's last
+    """Training-free: needs only the page key bounds. Ranks by its share plus twice the prompt's last
     queries' share by default (``SelectorSpec.prompt_weight``): the bounds of a page holding one
     needle token among 15 others rank it poorly, the question's attention does not."""
 
-    prompt_weight: ClassVar[float] = 0.5
+    prompt_weight: ClassVar[float] = 2.0
 
     bound_scale: float = 0.5  # 1: Quest's upper bound; below 1: ranges shrunk about their centres
     aggregate: str = "softmax"  # how a KV head's query heads combine: summed softmax, or the best score
@@ -71,9 +71,10 @@ class QuestSelector(Selector):
             return best_dot(queries, bounds, split=self.bound_scale)
         return softmax_mass(queries, bounds, queries.shape[-1] ** -0.5, split=self.bound_scale)
 
-    def page_shares(self, scores: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """The best head's bounds as logits at attention's temperature, or the heads' summed
-        softmax shares normalised."""
+    def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The best head's bounds taken as logits at attention's temperature; or the heads' summed
+        softmax shares, whose sum ``S`` normalises them: ranked as ``scores + S · prompt``, the order
+        of ``scores / S + prompt`` without a division."""
         if self.aggregate == "max":
-            return (scores * head_dim ** -0.5).softmax(-1)
-        return scores / scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+            return (scores * head_dim ** -0.5).softmax(-1).add_(prompt)
+        return torch.addcmul(scores, prompt, scores.sum(-1, keepdim=True))

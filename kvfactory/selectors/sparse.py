@@ -60,6 +60,8 @@ class SparseStore(WrappedStore):
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
         self._always: tuple[tuple, torch.Tensor] | None = None  # the sink pages of the last step
         self._salient: torch.Tensor | None = None  # [B, Hkv, pages]: the prompt's last queries' mass
+        self.prompt_weight = spec.prompt_mix
+        self._prompt_term: tuple[torch.Tensor, int, int, torch.Tensor] | None = None  # of _salient, lo, hi
         metrics.register(self)
 
     def bind(self, layer_idx: int) -> None:
@@ -202,7 +204,7 @@ class SparseStore(WrappedStore):
         if read is None and self.layout is not None and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed and self.layer_idx == self.spec.dense_layers:
             self._cut_pages(query, scaling)  # a prefill: the first sparse layer sizes the pages
-        if read is None and self.spec.prompt_mix and query.shape[2] > attention.MAX_CHUNKED_QUERY \
+        if read is None and self.prompt_weight and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed:
             self._salient = self._prompt_mass(query, scaling)
         every = self.spec.shadow_every
@@ -231,17 +233,20 @@ class SparseStore(WrappedStore):
         return self._page_mass(query[:, :, -window:], mask, scaling)
 
     def with_prompt_mass(self, scores: torch.Tensor, head_dim: int, lo: int, hi: int) -> torch.Tensor:
-        """The selector's ``scores [B, Hkv, pages]`` for the pages ``[lo, hi)`` as its shares plus
-        ``SelectorSpec.prompt_weight`` times the prompt's last queries' shares (pages stored since
-        the prefill have none), per KV head: ``[B, Hkv, hi - lo]``."""
-        shares = self.selector.page_shares(scores[..., lo:hi], head_dim)
+        """The pages ``[lo, hi)`` of the selector's ``scores [B, Hkv, pages]`` ranked by its shares
+        plus ``SelectorSpec.prompt_weight`` times the prompt's last queries' shares (pages stored
+        since the prefill have none), per KV head (``Selector.with_prompt``): ``[B, Hkv, hi - lo]``."""
+        scores = scores[..., lo:hi]
         if self._salient is None:
-            return shares
-        salient = self._salient[..., lo:hi].to(shares.device)
-        total = salient.sum(-1, keepdim=True).clamp_min(torch.finfo(salient.dtype).tiny)
-        weight = self.spec.prompt_mix
-        shares[..., :salient.shape[2]] += salient.mul(weight).div_(total)
-        return shares
+            return scores
+        cached = self._prompt_term  # the same until the pages [lo, hi) or the prompt change
+        if cached is None or cached[0] is not self._salient or cached[1:3] != (lo, hi):
+            salient = self._salient[..., lo:hi].to(scores.device)
+            total = salient.sum(-1, keepdim=True).clamp_min(torch.finfo(salient.dtype).tiny)
+            term = scores.new_zeros(scores.shape, dtype=torch.float32)
+            term[..., :salient.shape[2]] = salient.mul(self.prompt_weight).div_(total)
+            cached = self._prompt_term = self._salient, lo, hi, term
+        return self.selector.with_prompt(scores, cached[3], head_dim)
 
     @torch.no_grad()
     def _cut_pages(self, query: torch.Tensor, scaling: float) -> None:
@@ -313,7 +318,7 @@ class SparseRead(PageRead):
         if chosen <= 0:
             return sink, hi
         scores = store.selector.page_scores(queries, store.bases, store.context)
-        if spec.prompt_mix:
+        if store.prompt_weight:
             mixed = store.with_prompt_mass(scores, queries.shape[-1], lo, hi).contiguous()
             best = top_pages(mixed, 0, hi - lo, chosen) + lo
         else:

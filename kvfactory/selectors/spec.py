@@ -22,7 +22,7 @@ hyperparameters under their names.
   per-layer selector options (Quest's ``bound_scale``) the config leaves unset.
 - ``prompt_weight``: how much the attention the prompt's last ``prompt_window`` queries put on each
   page at prefill counts in each step's ranking, per KV head: a page ranks by the selector's share
-  (``Selector.page_shares``) plus ``prompt_weight`` times the prompt's share, so what a question at
+  (``Selector.with_prompt``) plus ``prompt_weight`` times the prompt's share, so what a question at
   the end of the prompt looks up stays read while the answer is decoded (SnapKV's observation
   window, Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", used
   here to steer reads rather than to evict). Unset: the selector's default (Quest 0.5, the others
