@@ -25,7 +25,7 @@ hyperparameters under their names.
   (``Selector.with_prompt``) plus ``prompt_weight`` times the prompt's share, so what a question at
   the end of the prompt looks up stays read while the answer is decoded (SnapKV's observation
   window, Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", used
-  here to steer reads rather than to evict). Unset: the selector's default (Quest 0.5, the others
+  here to steer reads rather than to evict). Unset: the selector's default (Quest 2, the others
   0); fixed pages only.
 - ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
   reads; maxima rounded up and minima down) or ``"float32"``.
