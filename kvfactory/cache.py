@@ -13,6 +13,9 @@ Tested against transformers 5.24 (see ``pyproject.toml`` for the pinned range).
 
 from __future__ import annotations
 
+import logging
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import PreTrainedModel
 
 from kvfactory import attention
 from kvfactory.errors import ConfigError, SequenceStateError
@@ -27,6 +31,7 @@ from kvfactory.storage.base import LayerStore, MemoryReport
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ATTENTION = "kvfactory"  # the attn_implementation name of kvfactory_attention
+logger = logging.getLogger("kvfactory")
 
 
 def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -57,34 +62,129 @@ AttentionInterface.register(ATTENTION, kvfactory_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
+def needs_kvfactory_attention(config: Any) -> bool:
+    """Whether a cache config runs inside kvfactory's attention function: eviction policies score and
+    selectors read pages there (required), quantized layers decode from the packed codes there
+    (faster; elsewhere they are decoded whole first)."""
+    return config.selective is not None or config.selector is not None or config.quantization is not None
+
+
+def _requires_kvfactory_attention(config: Any) -> bool:
+    return config.selective is not None or config.selector is not None
+
+
+def _what_needs_it(config: Any) -> str:
+    if config.selective is not None:
+        return f"eviction policy '{config.selective.policy}' (it scores tokens inside attention)"
+    if config.selector is not None:
+        return f"selector '{config.selector.selector}' (it reads pages inside attention)"
+    return "quantized layers (they are read from the packed codes inside attention)"
+
+
+def _without_attention_dispatch(text_config: Any) -> str | None:
+    """The causal-LM class of ``text_config`` if it computes attention without transformers'
+    ``AttentionInterface``, else None (unknown classes, such as remote code, are assumed to use it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(text_config), None)
+    if model_class is None or getattr(model_class, "_supports_attention_backend", True):
+        return None
+    return model_class.__name__
+
+
+_switched: set[int] = set()  # ids of the configs switched (logged once each; configs are not hashable)
+
+
+def use_kvfactory_attention(model_config: Any, config: Any) -> None:
+    """Switch ``model_config``'s attention function to kvfactory's where ``config`` needs it, and log
+    it once: the user's ``model.config`` is the object the model's attention layers dispatch on, so
+    ``KVCacheFactory(model.config, ...)`` is all a user writes. kvfactory's attention is SDPA for
+    everything it does not read itself, so other caches of the same model are unaffected.
+
+    ``ConfigError`` where the architecture computes attention without transformers'
+    ``AttentionInterface`` and the config cannot work without it (policies, selectors); quantized
+    layers then keep the model's attention and are decoded whole for it."""
+    if model_config is None or not needs_kvfactory_attention(config):
+        return
+    text_config = model_config.get_text_config(decoder=True)
+    current = getattr(text_config, "_attn_implementation", None)
+    if current == ATTENTION:
+        return
+    model_class = _without_attention_dispatch(text_config)
+    if model_class is not None:
+        if _requires_kvfactory_attention(config):
+            raise ConfigError("model_config", model_class,
+                              f"a model whose attention goes through transformers' AttentionInterface for "
+                              f"{_what_needs_it(config)}; for this architecture drop that entry and keep "
+                              f"storage and quantization, e.g. {{'type': 'paged', 'quantization': 'int4'}}")
+        return
+    text_config._attn_implementation = ATTENTION
+    if id(text_config) not in _switched:
+        _switched.add(id(text_config))
+        logger.warning("switched the model's attn_implementation from %r to %r for %s; it is "
+                       "SDPA for every other cache", current, ATTENTION, _what_needs_it(config))
+
+
 def watch_hidden_states(model: torch.nn.Module) -> torch.nn.Module:
-    """Hand each forward's last hidden state (of the last position) to the cache it ran with, for
-    selectors that route from the decoder's state (OVAL): a forward hook on the model's decoder.
-    Idempotent; ``kvfactory.models.load_model`` calls it. Returns ``model``."""
+    """Hook ``model``'s decoder so that each forward hands its last hidden state (of the last position)
+    to the kvfactory cache it ran with, for selectors that route from the decoder's state (OVAL), and
+    checks that the cache read K/V the way the model's attention expects. Idempotent; kvfactory calls it
+    by itself on the first forward of a model after ``create_cache()`` (``_find_models``), so users
+    need not. Returns ``model``."""
     decoder = model.get_decoder()
     if not getattr(decoder, "_kvfactory_watched", False):
-        decoder.register_forward_hook(_hand_hidden_state, with_kwargs=True)
+        decoder.register_forward_hook(_after_decoder, with_kwargs=True)
         decoder._kvfactory_watched = True
     return model
 
 
-def _hand_hidden_state(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def _after_decoder(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    context = getattr(cache, "routing_context", None)
+    if not isinstance(cache, KVCache):
+        return
+    _first_forward.discard(cache)
+    cache.check_attention(getattr(module, "config", None))
+    context = cache.routing_context
     hidden = getattr(output, "last_hidden_state", None)
     if context is not None and hidden is not None:
         context.hidden = hidden[:, -1].detach()
 
 
+# Caches whose first forward has not run yet: while there are any, a global forward pre-hook watches
+# each transformers model that runs, so the cache receives the decoder's state from its first forward.
+_first_forward: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.Lock()
+_finder: Any = None
+
+
+def await_first_forward(cache: KVCache) -> None:
+    """Watch every transformers model that runs (``watch_hidden_states``) until ``cache``'s first
+    forward: the model it runs with is then hooked before its decoder returns."""
+    global _finder
+    with _lock:
+        _first_forward.add(cache)
+        if _finder is None:
+            _finder = torch.nn.modules.module.register_module_forward_pre_hook(_find_models)
+
+
+def _find_models(module: torch.nn.Module, args: tuple) -> None:
+    global _finder
+    if isinstance(module, PreTrainedModel):
+        watch_hidden_states(module)
+    with _lock:
+        if not _first_forward and _finder is not None:
+            _finder.remove()
+            _finder = None
+
+
 def check_kvfactory_attention(implementation: str | None, config: Any) -> None:
     """Selective policies and selectors work inside kvfactory's attention function: refuse a model set
     to another, which would silently keep or read everything."""
-    if implementation not in (None, ATTENTION):
-        what = "selective policies (they score" if config.selective is not None else \
-            f"selector '{config.selector.selector}' (it reads pages"
+    if implementation not in (None, ATTENTION) and _requires_kvfactory_attention(config):
         raise ConfigError("attn_implementation", implementation,
-                          f"'{ATTENTION}' for {what} inside kvfactory's attention): "
-                          f"load_model(attention='{ATTENTION}') or set_attn_implementation('{ATTENTION}')")
+                          f"'{ATTENTION}' for {_what_needs_it(config)}: the model was switched away from "
+                          f"it after the cache was created; create the cache again, or call "
+                          f"model.set_attn_implementation('{ATTENTION}')")
 
 
 def attention_layout(model_config: Any) -> list[int | None]:
@@ -250,6 +350,7 @@ class KVCache(Cache):
         self.routing_context = routing_context  # what its layers' selectors share (selectors.base)
         # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
         self._attention_config = None if model_config is None else model_config.get_text_config(decoder=True)
+        self._deferred = False  # the last forward handed K/V to kvfactory's attention in pieces
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,11 +358,24 @@ class KVCache(Cache):
         deferred = implementation == ATTENTION
         if layer_idx == 0:
             self._check_live()
-            config = self.config
-            if config is not None and (config.selective or config.selector) is not None and not deferred:
-                check_kvfactory_attention(implementation or "unset", config)
+            if self.config is not None and not deferred:
+                check_kvfactory_attention(implementation or "unset", self.config)
             self._reserve(key_states, value_states)
+            self._deferred = deferred
         return super().update(key_states, value_states, layer_idx, *args, deferred=deferred, **kwargs)
+
+    def check_attention(self, decoder_config: Any) -> None:
+        """After a forward of the decoder configured by ``decoder_config``: the cache handed K/V over in
+        pieces for kvfactory's attention only if that is the attention the decoder ran."""
+        text_config = decoder_config.get_text_config(decoder=True) if decoder_config is not None else None
+        implementation = getattr(text_config, "_attn_implementation", None)
+        if self._deferred and implementation not in (None, ATTENTION):
+            self._deferred = False
+            raise ConfigError("model_config", implementation,
+                              f"the config of the model this cache runs with: the cache was built from a "
+                              f"config set to attn_implementation='{ATTENTION}' but the model runs "
+                              f"{implementation!r}, so this forward's output is void; build the factory "
+                              f"from the model's own config, KVCacheFactory(model.config, ...)")
 
     def _check_live(self) -> None:
         if self.paused:

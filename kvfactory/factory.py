@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvfactory.cache import KVCache, KVLayer, attention_layout, check_kvfactory_attention
+from kvfactory.cache import (
+    KVCache,
+    KVLayer,
+    attention_layout,
+    await_first_forward,
+    needs_kvfactory_attention,
+    use_kvfactory_attention,
+)
 from kvfactory.config import CacheConfig, load_yaml, parse_config
 from kvfactory.policies.selective import SelectiveStore
 from kvfactory.selectors.base import RoutingContext
@@ -46,9 +53,7 @@ class KVCacheFactory:
         layers = []
         config = self.config
         quantization, selective, selector = config.quantization, config.selective, config.selector
-        if selective is not None or selector is not None:
-            check_kvfactory_attention(getattr(self.model_config.get_text_config(decoder=True),
-                                              "_attn_implementation", None), self.config)
+        use_kvfactory_attention(self.model_config, config)
         context = RoutingContext() if selector is not None else None
         routing = RoutingMetrics(context) if selector is not None else None
         for layer_idx, window in enumerate(self.windows):
@@ -66,5 +71,8 @@ class KVCacheFactory:
             if self.pool is not None:
                 store.attach(self.pool)
             layers.append(KVLayer(store, sliding_window=window))
-        return KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
-                       model_config=self.model_config, routing=routing, routing_context=context)
+        cache = KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
+                        model_config=self.model_config, routing=routing, routing_context=context)
+        if needs_kvfactory_attention(config):
+            await_first_forward(cache)
+        return cache

@@ -50,9 +50,11 @@ def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32,
                attention: str = "kvfactory") -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``: the embedded model by default, or a local path / hub id.
 
-    ``attention`` is the ``attn_implementation``: kvfactory's (``kvfactory.cache``) reads quantized
-    layers in chunks and is SDPA for everything else; an architecture that does not take a
-    registered attention function keeps SDPA, with a warning.
+    A convenience: a model from plain ``from_pretrained`` works as well, since ``create_cache()``
+    switches the attention and the first forward hooks the decoder. ``attention`` is the
+    ``attn_implementation``: kvfactory's (``kvfactory.cache``) reads quantized layers in chunks and
+    is SDPA for everything else; an architecture that does not take a registered attention function
+    keeps SDPA, with a warning.
     """
     model, tokenizer = _load(name, dtype)
     watch_hidden_states(model)  # OVAL routes from the decoder's last hidden state

@@ -110,12 +110,16 @@ def test_a_read_left_for_other_keys_is_an_error_or_stale() -> None:
 @pytest.mark.parametrize("model_id", TINY_IDS)
 @pytest.mark.parametrize("config", QUANTIZED, ids=["dense-int4", "paged-int2", "dense-int8", "paged-fp8"])
 def test_generation_with_kvfactory_attention_equals_sdpa(model_id: str, config: dict) -> None:
-    """Same cache config, two attention implementations: identical tokens, logits within 1e-5."""
+    """Same cache config, two attention implementations: identical tokens, logits within 1e-5. The
+    factory switches the model to kvfactory's attention; switched back to SDPA, the cache reads whole."""
     model = tiny_model(model_id)
     inputs = left_padded_batch([30, 22, 17])
-    ref = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=8)
-    with attn_implementation(model, "kvfactory"):
+    with attn_implementation(model, "sdpa"):
+        cache = KVCacheFactory(model.config, config).create_cache()
+        model.set_attn_implementation("sdpa")
+        ref = generate(model, inputs, cache, max_new_tokens=8)
         out = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=8)
+        assert model.config._attn_implementation == "kvfactory"
     assert_same_generation(ref, out)
 
 
@@ -163,8 +167,10 @@ def test_beam_search_and_lossless_configs_with_kvfactory_attention() -> None:
     model = tiny_model("qwen2")
     inputs = left_padded_batch([25, 19])
     config = QUANTIZED[0]
-    ref = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=5,
-                   num_beams=3, num_return_sequences=2)
+    with attn_implementation(model, "sdpa"):
+        cache = KVCacheFactory(model.config, config).create_cache()
+        model.set_attn_implementation("sdpa")  # the quantized layers are read whole
+        ref = generate(model, inputs, cache, max_new_tokens=5, num_beams=3, num_return_sequences=2)
     dynamic = generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=5)
     with attn_implementation(model, "kvfactory"):
         out = generate(model, inputs, KVCacheFactory(model.config, config).create_cache(), max_new_tokens=5,

@@ -74,14 +74,14 @@ def test_a_budget_list_needs_one_budget_per_layer() -> None:
             model(random_prompt(12), past_key_values=factory.create_cache())
 
 
-def test_selective_needs_kvfactory_attention_and_writes_nothing_without_it() -> None:
-    model = llama()  # SDPA
-    with pytest.raises(ConfigError, match="attn_implementation"):
-        KVCacheFactory(model.config, selective("h2o", budget=8)).create_cache()
-    with attn_implementation(model, "kvfactory"):
+def test_a_model_switched_away_from_kvfactory_attention_is_refused_before_any_write() -> None:
+    model = llama()  # SDPA: create_cache switches it to kvfactory's attention
+    with attn_implementation(model, "sdpa"):
         cache = KVCacheFactory(model.config, selective("h2o", budget=8)).create_cache()
-    with pytest.raises(ConfigError, match="attn_implementation"):
-        model(random_prompt(12), past_key_values=cache)
+        assert model.config._attn_implementation == "kvfactory"
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ConfigError, match="attn_implementation"):
+            model(random_prompt(12), past_key_values=cache)
     assert cache.get_seq_length() == 0 and cache.size(0) == 0
 
 

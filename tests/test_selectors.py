@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_same_generation, attn_implementation, generate, tiny_router
-from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
+from tiny_models import TINY_HIDDEN, left_padded_batch, random_prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvfactory import ConfigError, KVCacheFactory, watch_hidden_states
+from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.selectors import SELECTORS, PageBases
 from kvfactory.selectors.base import RoutingContext
@@ -27,20 +27,12 @@ NAMES = sorted(SELECTORS)
 SPARSE = sorted(name for name, cls in SELECTORS.items() if not cls.reads_all)
 PAGE = 4
 INT4 = {"name": "quantized", "codec": "int4", "group_size": 8, "residual": 8}
-TINY_HIDDEN = 64  # tiny_models' hidden size, 2 KV heads of 16 dims, 2 layers
 
 
 def own_options(selector: str, hidden: int = TINY_HIDDEN, kv_heads: int = 2, head_dim: int = 16,
                 layers: tuple[int, ...] = (0, 1)) -> dict:
     """What a selector needs besides the shared options: OVAL a router of the model's shape."""
     return {"router": tiny_router(hidden, kv_heads, head_dim, layers)} if selector == "oval" else {}
-
-
-@pytest.fixture(autouse=True)
-def watched_models() -> None:
-    """OVAL routes from the decoder's last hidden state: the hook kvfactory's load_model installs."""
-    for name in ("llama", "qwen2", "mistral-sw8", "gemma"):
-        watch_hidden_states(tiny_model(name))
 
 
 def sparse(selector: str, quantized: bool = False, **options) -> dict:
@@ -108,14 +100,13 @@ def test_selectors_refuse_what_they_cannot_read(strategies: list, match: str) ->
         KVCacheFactory(tiny_model("llama").config, {"type": "composite", "strategies": strategies})
 
 
-def test_selectors_need_kvfactory_attention_and_write_nothing_without_it() -> None:
-    model = tiny_model("llama")  # SDPA
-    with pytest.raises(ConfigError, match="attn_implementation"):
-        KVCacheFactory(model.config, sparse("quest")).create_cache()
-    with attn_implementation(model, "kvfactory"):
+def test_selectors_refuse_a_model_switched_away_from_kvfactory_attention_before_any_write() -> None:
+    model = tiny_model("llama")
+    with attn_implementation(model, "sdpa"):
         cache = KVCacheFactory(model.config, sparse("quest")).create_cache()
-    with pytest.raises(ConfigError, match="attn_implementation"):
-        model(random_prompt(12), past_key_values=cache)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(ConfigError, match="attn_implementation"):
+            model(random_prompt(12), past_key_values=cache)
     assert cache.get_seq_length() == 0 and cache.size(0) == 0
 
 
@@ -469,15 +460,11 @@ def test_memory_report_counts_the_page_bases() -> None:
     assert quest.memory_report()["allocated"] - plain.memory_report()["allocated"] == 2 * 5 * 2 * 2 * 16 * 2
 
 
-def test_oval_needs_the_decoders_hidden_state() -> None:
-    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()  # not watched
-    with attn_implementation(model, "kvfactory"):
-        cache = KVCacheFactory(model.config, sparse("oval", read_budget=0.25)).create_cache()
-        with pytest.raises(RuntimeError, match="watch_hidden_states"):
-            generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
-        watch_hidden_states(model)
-        cache = KVCacheFactory(model.config, sparse("oval", read_budget=0.25)).create_cache()
-        generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
+def test_oval_receives_the_decoders_hidden_state_from_a_plain_model() -> None:
+    """No watch_hidden_states, no attention switch: the cache's first forward hooks the model."""
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    cache = KVCacheFactory(model.config, sparse("oval", read_budget=0.25)).create_cache()
+    generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
     assert cache.routing_context.hidden.shape == (1, TINY_HIDDEN)
     assert cache.routing_metrics()["steps"] == 2
 

@@ -17,8 +17,9 @@ VOCAB = 256
 PAD, BOS, EOS = 0, 1, 2
 PROMPT_LEN = 20  # longer than Mistral's window below
 MISTRAL_WINDOW = 8
+TINY_HIDDEN = 64  # 2 KV heads of 16 dims where the architecture has GQA
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+_COMMON = dict(vocab_size=VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 

@@ -2,7 +2,7 @@
 
 ``OvalSelector`` scores each layer's pages with ``router.Router`` from the decoder's last hidden
 state of the previous step (``RoutingContext.hidden``, handed over by
-``kvfactory.cache.watch_hidden_states``, which ``kvfactory.models.load_model`` installs). The
+``kvfactory.cache.watch_hidden_states``, which kvfactory installs on the cache's first forward). The
 router for the embedded model ships in this package (``router = "embedded"``); ``kvfactory oval
 train`` (``train.py``) trains one for any model.
 """
@@ -87,7 +87,7 @@ class OvalSelector(Selector):
         router = self.loaded_router
         if context.hidden is None:
             raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
-                               "received: load the model with kvfactory.models.load_model or call "
+                               "received: its model ran outside transformers' decoder forward; call "
                                "kvfactory.watch_hidden_states(model) once")
         if context.hidden.shape[-1] != router.shape.hidden_size:
             raise ConfigError("router", self.router, f"a router for hidden size {context.hidden.shape[-1]} "
