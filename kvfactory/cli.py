@@ -101,20 +101,27 @@ def size(
 def run(
     context: Annotated[int, typer.Option(min=1, help="tokens of shipped WikiText-2 text before the question")]
     = 4096,
-    new_tokens: Annotated[int, typer.Option(min=2, help="tokens generated (greedy, EOS ignored)")] = 64,
+    new_tokens: Annotated[int, typer.Option(min=run_job.MIN_NEW_TOKENS, help=f"tokens generated (greedy, EOS "
+                                            f"ignored): the prefill's first, then {run_job.SEGMENTS} timed "
+                                            f"decode segments")]
+    = 64,
     configs: Annotated[list[str] | None, typer.Option(
         callback=_configs, help=f"repeatable: a preset ({', '.join(run_job.PRESETS)}) or a JSON cache "
-                                f"config; default: all presets. DynamicCache always runs as the baseline")]
+                                f"config; default: {', '.join(run_job.DEFAULT_CONFIGS)}. DynamicCache "
+                                f"always runs as the baseline")]
     = None,
+    every: Annotated[bool, typer.Option("--all", help=f"run every preset ({len(run_job.PRESETS)} configs "
+                                                      f"instead of {len(run_job.DEFAULT_CONFIGS)})")] = False,
     threads: ThreadsOption = 1,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
 ) -> None:
-    """Generate from one long real prompt with DynamicCache and kvfactory caches side by side."""
+    """Generate from one long real prompt with DynamicCache and kvfactory caches side by side,
+    printing each config's row as it finishes."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # the run shows its own progress
     try:
-        run_job.run(context, new_tokens, configs, threads, json_path, Console())
+        run_job.run(context, new_tokens, configs, threads, json_path, Console(), every)
     except run_job.RunError as exc:
         raise typer.BadParameter(str(exc)) from exc
 

@@ -55,3 +55,16 @@ def timed_generate(model: Any, inputs: dict[str, torch.Tensor], cache: Any, max_
     new_tokens = sequences.shape[1] - inputs["input_ids"].shape[1]
     first = clock.stamps[0] if clock.stamps else end
     return GenerationTiming(sequences, new_tokens, prefill_s=first - start, decode_s=end - first)
+
+
+def timed_continue(model: Any, sequences: torch.Tensor, cache: Any, max_new_tokens: int,
+                   **generate_kwargs: Any) -> GenerationTiming:
+    """``timed_generate`` continuing ``sequences`` ``[B, T]`` (no padding) whose first ``T - 1`` tokens
+    ``cache`` holds, as it does after a ``generate`` call: decode speed measured in segments.
+
+    ``generate`` feeds only the last token, so every step is a decode step: ``prefill_s`` is the
+    first step with generate's set-up, ``decode_tokens_per_s`` the other ``max_new_tokens - 1``.
+    Greedy segments give the tokens one longer call would.
+    """
+    inputs = {"input_ids": sequences, "attention_mask": torch.ones_like(sequences)}
+    return timed_generate(model, inputs, cache, max_new_tokens, **generate_kwargs)

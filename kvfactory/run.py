@@ -2,12 +2,13 @@
 
 The embedded model reads at least ``context`` tokens of shipped WikiText-2 text plus a question
 about it (plain prompt, no chat template) and decodes greedily under transformers' ``DynamicCache``
-(the baseline, always run first) and each kvfactory config, lossless (dense, paged) and quantized
-(int8, int4), evicting (SnapKV compressing the prompt by 75 %, StreamingLLM bounded to 1024 tokens
-per layer) and reading sparsely (Quest and the OVAL router reading 1/8 of the pages per decode
-step). The table shows KV bytes held after generation, prefill time, decode speed against the
-baseline, whether the tokens match it (for lossy configs: how many leading tokens do) and the
-start of each config's answer.
+(the baseline, always run first) and each kvfactory config. The default set tells the story in a
+few minutes: paged (lossless), paged int4 (memory), SnapKV compressing the prompt by 75 %
+(eviction), and Quest and the OVAL router reading 1/8 of the pages per decode step (sparse reads);
+``every=True`` (``--all``) runs every preset. Each config's row is printed when it finishes: KV
+bytes held after generation, prefill time (one run), decode speed and its ratio to the baseline
+(medians of segments interleaved with the baseline, see ``compare``), whether the tokens match the
+baseline's (for lossy configs: how many leading tokens do) and the start of its answer.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import gc
 import json
 import re
-from dataclasses import asdict, dataclass
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import (
     BarColumn,
@@ -31,7 +33,6 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
 from rich.text import Text
 from transformers import DynamicCache
 
@@ -39,12 +40,13 @@ from kvfactory.cache import dynamic_cache_bytes
 from kvfactory.config import parse_config
 from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
-from kvfactory.measure import GenerationTiming, timed_generate
+from kvfactory.measure import GenerationTiming, timed_continue, timed_generate
 from kvfactory.models import load_model
 from kvfactory.sizing import format_bytes, kv_bytes
 from kvfactory.texts import shipped_text
 
 BASELINE = "DynamicCache"
+MODEL_LABEL = "SmolLM2-135M-Instruct (embedded, fp32)"
 PRESETS: dict[str, dict[str, Any]] = {
     "dense": {"type": "dense"},
     "paged/16": {"type": "paged", "page_size": 16},
@@ -62,6 +64,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paged/16+oval/0.125": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": 16}, {"name": "oval", "read_budget": 0.125}]},
 }
+# lossless, memory, eviction, sparse reads: the run a new user meets first (about 3 minutes on 1 thread)
+DEFAULT_CONFIGS = ("paged/16", "paged/16+int4", "paged/16+snapkv/0.75", "paged/16+quest/0.125",
+                   "paged/16+oval/0.125")
+SEGMENTS = 3  # decode segments per config, each right after a baseline segment
+MIN_NEW_TOKENS = 1 + 2 * SEGMENTS  # the prefill's token, then segments with a timed step after the first
+TIMING = (f"prefill_s: one run. decode_tokens_per_s, speed_ratio: medians over the segments, each run right "
+          f"after a {BASELINE} segment at the same positions (the segment's baseline_tokens_per_s)")
 _SENTENCE_END = re.compile(r" \.(?= )|\n")  # WikiText writes "word . Next"
 # About the first article: some 4,000 tokens before the question at the default context.
 QUESTION = "\nQuestion: What is Robert Boulter's profession?\nAnswer: Robert Boulter is an English"
@@ -81,13 +90,18 @@ def build_prompt(tokenizer: Any, context: int, question: str = QUESTION) -> str:
     return text[:sentence_end.end() if sentence_end else len(text)] + question
 
 
-def parse_configs(values: list[str] | None) -> dict[str, dict[str, Any]]:
-    """Named cache configs to compare: preset names or inline JSON configs (default: all presets).
+def parse_configs(values: list[str] | None, every: bool = False) -> dict[str, dict[str, Any]]:
+    """Named cache configs to compare: preset names or inline JSON configs, ``DEFAULT_CONFIGS`` when
+    none are given, every preset with ``every``.
 
     Each config is validated now, so a typo fails before the model loads.
     """
-    if not values:
+    if every:
+        if values:
+            raise RunError("--all runs every preset: leave out --configs, or name the configs without --all")
         return dict(PRESETS)
+    if not values:
+        return {name: PRESETS[name] for name in DEFAULT_CONFIGS}
     configs = {}
     for value in values:
         if value in PRESETS:
@@ -107,8 +121,23 @@ def parse_configs(values: list[str] | None) -> dict[str, dict[str, Any]]:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One decode segment of a config and the baseline's segment run just before it at the same
+    positions: the pair's ratio is robust to the machine's load drifting between configs."""
+
+    tokens: int
+    tokens_per_s: float
+    baseline_tokens_per_s: float
+    ratio: float
+
+
+@dataclass(frozen=True)
 class ConfigResult:
-    """One row of the table: a cache config's memory, speed and agreement with the baseline."""
+    """One row: a cache config's memory, speed and agreement with the baseline.
+
+    ``prefill_s`` is one run; ``decode_tokens_per_s`` and ``speed_ratio`` are the medians over
+    ``segments``.
+    """
 
     name: str
     config: dict[str, Any] | None
@@ -117,74 +146,171 @@ class ConfigResult:
     prefill_s: float
     decode_tokens_per_s: float
     speed_ratio: float
+    segments: list[Segment]
     equal: bool
     same_prefix: int  # leading generated tokens equal to the baseline's (lossy configs drift later)
     answer: str
 
 
-def _measure(model: Any, inputs: dict[str, torch.Tensor], config: dict[str, Any] | None,
-             new_tokens: int) -> tuple[torch.Tensor, int, int, GenerationTiming]:
-    """Generate under one config: (generated tokens, KV bytes held, tokens cached, timing)."""
+def segment_sizes(decode_tokens: int, segments: int = SEGMENTS) -> list[int]:
+    """``decode_tokens`` split into ``segments`` near-equal segments, longer ones first."""
+    size, longer = divmod(decode_tokens, segments)
+    return [size + (i < longer) for i in range(segments)]
+
+
+def pair_segments(config: list[GenerationTiming], baseline: list[GenerationTiming]) -> list[Segment]:
+    """Each of a config's decode segments beside the baseline segment run just before it."""
+    return [Segment(c.new_tokens, c.decode_tokens_per_s, b.decode_tokens_per_s,
+                    c.decode_tokens_per_s / b.decode_tokens_per_s)
+            for c, b in zip(config, baseline, strict=True)]
+
+
+def medians(segments: list[Segment]) -> tuple[float, float]:
+    """(median tokens/s, median of the paired speed ratios) over ``segments``."""
+    return (statistics.median(s.tokens_per_s for s in segments),
+            statistics.median(s.ratio for s in segments))
+
+
+@dataclass
+class _Decode:
+    """A cache being decoded: its sequences so far and the timing of each segment."""
+
+    cache: Any
+    sequences: torch.Tensor
+    timings: list[GenerationTiming] = field(default_factory=list)
+
+
+def decode_interleaved(model: Any, decodes: list[_Decode], sizes: list[int]) -> None:
+    """For each segment size, continue every decode in turn by that many tokens (greedy, EOS ignored)."""
+    for size in sizes:
+        for decode in decodes:
+            timing = timed_continue(model, decode.sequences, decode.cache, size)
+            decode.sequences = timing.sequences
+            decode.timings.append(timing)
+
+
+def _new_cache(model: Any, config: dict[str, Any] | None) -> Any:
     if config is None:
-        cache = DynamicCache(config=model.config)
-    else:
-        cache = KVCacheFactory(model.config, config).create_cache()
-    timing = timed_generate(model, inputs, cache, new_tokens)
+        return DynamicCache(config=model.config)
+    return KVCacheFactory(model.config, config).create_cache()
+
+
+def _prefill(model: Any, inputs: dict[str, torch.Tensor], config: dict[str, Any] | None
+             ) -> tuple[_Decode, GenerationTiming]:
+    """A fresh cache of ``config`` filled with the prompt, and the prefill's timing (first token)."""
+    cache = _new_cache(model, config)
+    prefill = timed_generate(model, inputs, cache, 1)
+    return _Decode(cache, prefill.sequences), prefill
+
+
+def _warm_up(model: Any, inputs: dict[str, torch.Tensor], configs: Iterable[dict[str, Any] | None]) -> None:
+    """A short prefill and continuation per config, so one-time costs stay out of the numbers."""
+    short = {k: v[:, :16] for k, v in inputs.items()}
+    for config in configs:
+        decode, _ = _prefill(model, short, config)
+        decode_interleaved(model, [decode], [2])
+
+
+def _result(name: str, config: dict[str, Any] | None, decode: _Decode, prefill: GenerationTiming,
+            baseline: list[GenerationTiming], reference: torch.Tensor, tokenizer: Any) -> ConfigResult:
+    """The row of a finished decode; ``reference`` is the baseline's generated tokens."""
+    cache = decode.cache
     held = dynamic_cache_bytes(cache) if config is None else int(cache.memory_report()["allocated"])
-    tokens = cache.get_seq_length() * timing.sequences.shape[0]
-    generated = timing.sequences[:, inputs["input_ids"].shape[1]:]
-    del cache
+    cached = cache.get_seq_length() * decode.sequences.shape[0]
+    generated = decode.sequences[:, -reference.shape[1]:]
+    segments = pair_segments(decode.timings, baseline)
+    tokens_per_s, ratio = medians(segments)
+    return ConfigResult(name, config, held, held / cached, prefill.prefill_s, tokens_per_s, ratio, segments,
+                        bool(torch.equal(generated, reference)), _same_prefix(generated, reference),
+                        tokenizer.decode(generated[0], skip_special_tokens=True))
+
+
+def compare(model: Any, tokenizer: Any, configs: dict[str, dict[str, Any]], context: int, new_tokens: int,
+            console: Console, threads: int = 1, label: str = MODEL_LABEL) -> dict[str, Any]:
+    """Generate ``new_tokens`` after the prompt under the baseline, then each of ``configs``, printing
+    each row as it finishes; return the report.
+
+    Each cache is prefilled once, then decodes in ``SEGMENTS`` segments. The baseline's cache is kept
+    after its own run and cropped back to the prompt before each config, whose segments each run
+    right after a baseline segment at the same positions. Speeds are medians over segments.
+    """
+    inputs = tokenizer(build_prompt(tokenizer, context), return_tensors="pt")
+    prompt_tokens = inputs["input_ids"].shape[1]
+    limit = model.config.max_position_embeddings
+    if prompt_tokens + new_tokens > limit:
+        raise RunError(f"context {context}: the prompt ({prompt_tokens} tokens) plus {new_tokens} "
+                       f"new tokens exceeds the model's {limit} positions")
+    sizes = segment_sizes(new_tokens - 1)
+    report = {"model": label, "threads": threads, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+              "decode_segments": sizes, "timing": TIMING, "question": QUESTION.strip()}
+    printer = RowPrinter(console, [BASELINE, *configs], new_tokens)
+    printer.header(report)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        task = progress.add_task("warm-up (short prompt, every config)", total=len(configs) + 2)
+        _warm_up(model, inputs, [None, *configs.values()])
+        progress.update(task, advance=1, description=f"{BASELINE}: prefill {prompt_tokens} + decode "
+                                                     f"{new_tokens}")
+        baseline, row = _measure_baseline(model, inputs, sizes, tokenizer)
+        reference, rows = baseline.sequences[:, prompt_tokens:], [row]
+        printer.row(row)
+        report |= {"cached_tokens": baseline.cache.get_seq_length(),
+                   "answer": tokenizer.decode(reference[0], skip_special_tokens=True)}
+        for name, config in configs.items():
+            progress.update(task, advance=1, description=f"{name}: prefill {prompt_tokens} + decode "
+                                                         f"{new_tokens}, interleaved with {BASELINE}")
+            rows.append(_measure_config(model, inputs, name, config, baseline, sizes, reference, tokenizer))
+            printer.row(rows[-1])
+        progress.advance(task)
+    report |= {"fp16_dense_reference_bytes": kv_bytes(model.config, report["cached_tokens"], dtype="fp16"),
+               "results": [asdict(row) for row in rows]}
+    printer.footer(report)
+    return report
+
+
+def _measure_baseline(model: Any, inputs: dict[str, torch.Tensor], sizes: list[int], tokenizer: Any
+                      ) -> tuple[_Decode, ConfigResult]:
+    """The baseline's prefill and its own segments, and its row (speed ratio 1 by definition)."""
+    baseline, prefill = _prefill(model, inputs, None)
+    decode_interleaved(model, [baseline], sizes)
+    reference = baseline.sequences[:, inputs["input_ids"].shape[1]:]
+    return baseline, _result(BASELINE, None, baseline, prefill, baseline.timings, reference, tokenizer)
+
+
+def _measure_config(model: Any, inputs: dict[str, torch.Tensor], name: str, config: dict[str, Any],
+                    baseline: _Decode, sizes: list[int], reference: torch.Tensor, tokenizer: Any
+                    ) -> ConfigResult:
+    """One config's row: its prefill, then its segments interleaved with the baseline's from the prompt."""
+    decode, prefill = _prefill(model, inputs, config)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    baseline.cache.crop(prompt_tokens - baseline.cache.get_seq_length())  # back to the prompt
+    rewound = _Decode(baseline.cache, baseline.sequences[:, :prompt_tokens + 1])
+    decode_interleaved(model, [rewound, decode], sizes)
+    row = _result(name, config, decode, prefill, rewound.timings, reference, tokenizer)
+    del decode  # free this config's cache before the next one is built
     gc.collect()
-    return generated, held, tokens, timing
+    return row
 
 
 def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = None, threads: int = 1,
-        json_path: Path | None = None, console: Console | None = None) -> dict[str, Any]:
-    """Run the comparison, print the table and the baseline's answer; return (and optionally save) it."""
-    if context < 1 or new_tokens < 2 or threads < 1:
+        json_path: Path | None = None, console: Console | None = None, every: bool = False) -> dict[str, Any]:
+    """Load the embedded model and ``compare`` the configs on ``threads`` torch threads; return (and
+    optionally save as JSON) the report."""
+    if context < 1 or new_tokens < MIN_NEW_TOKENS or threads < 1:
         raise RunError(f"context={context}, new_tokens={new_tokens}, threads={threads}: expected "
-                       f"context >= 1, new_tokens >= 2 (decode speed needs a step after the first), "
-                       f"threads >= 1")
-    named = {BASELINE: None} | parse_configs(configs)
+                       f"context >= 1, new_tokens >= {MIN_NEW_TOKENS} ({SEGMENTS} decode segments of at "
+                       f"least 2 after the prefill's token), threads >= 1")
+    named = parse_configs(configs, every)
     console = console or Console()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console) as progress:
-            task = progress.add_task("loading the embedded model", total=2 + len(named))
+        with console.status("loading the embedded model"):
             model, tokenizer = load_model()
-            limit = model.config.max_position_embeddings
-            prompt = build_prompt(tokenizer, context)
-            inputs = tokenizer(prompt, return_tensors="pt")
-            prompt_tokens = inputs["input_ids"].shape[1]
-            if prompt_tokens + new_tokens > limit:
-                raise RunError(f"context {context}: the prompt ({prompt_tokens} tokens) plus {new_tokens} "
-                               f"new tokens exceeds the model's {limit} positions")
-            progress.update(task, advance=1, description="warm-up (short prompt, every config)")
-            short = {k: v[:, :16] for k, v in inputs.items()}
-            for config in named.values():
-                _measure(model, short, config, 2)
-            progress.advance(task)
-            measured = {}
-            for name, config in named.items():
-                progress.update(task, description=f"{name}: prefill {prompt_tokens} + decode {new_tokens}")
-                measured[name] = _measure(model, inputs, config, new_tokens)
-                progress.advance(task)
+        report = compare(model, tokenizer, named, context, new_tokens, console, threads)
     finally:
         torch.set_num_threads(previous_threads)
-    reference, _, tokens, base = measured[BASELINE]
-    rows = [ConfigResult(name, named[name], held, held / cached, timing.prefill_s, timing.decode_tokens_per_s,
-                         timing.decode_tokens_per_s / base.decode_tokens_per_s,
-                         bool(torch.equal(generated, reference)), _same_prefix(generated, reference),
-                         tokenizer.decode(generated[0], skip_special_tokens=True))
-            for name, (generated, held, cached, timing) in measured.items()]
-    answer = tokenizer.decode(reference[0], skip_special_tokens=True)
-    report = {"model": "SmolLM2-135M-Instruct (embedded, fp32)", "threads": threads,
-              "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "cached_tokens": tokens,
-              "fp16_dense_reference_bytes": kv_bytes(model.config, tokens, dtype="fp16"),
-              "question": QUESTION.strip(), "answer": answer, "results": [asdict(r) for r in rows]}
-    _print(console, report, rows)
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -205,27 +331,73 @@ def lossy(config: dict[str, Any] | None) -> bool:
     return parsed.quantization is not None or parsed.selective is not None or sparse
 
 
-def _print(console: Console, report: dict[str, Any], rows: list[ConfigResult]) -> None:
-    table = Table(title=f"{report['model']}: {report['prompt_tokens']} prompt + {report['new_tokens']} new "
-                        f"tokens, greedy, {report['threads']} thread(s)",
-                  caption=f"speed ratio: decode tok/s over {BASELINE}'s; same tokens: greedy tokens equal "
-                          f"{BASELINE}'s. {report['cached_tokens']} tokens cached; an fp16 dense cache of "
-                          f"them holds {format_bytes(report['fp16_dense_reference_bytes'])}.")
-    table.add_column("config", overflow="fold")
-    headers = ("KV bytes", "bytes/\ntoken", "prefill\ns", "decode\ntok/s", "speed\nratio", "same\ntokens")
-    for header in headers:
-        table.add_column(header, justify="right", no_wrap=True)
-    table.add_column("answer (first words)", overflow="ellipsis", no_wrap=True, max_width=28)
-    for r in rows:
-        if r.name == BASELINE:
-            same = "ref"
-        elif r.equal:
-            same = "yes"
-        else:  # lossy configs may drift: say after how many tokens; lossless ones must not
-            same = f"{r.same_prefix}/{report['new_tokens']}" if lossy(r.config) else "[red]NO[/red]"
-        table.add_row(escape(r.name), format_bytes(r.kv_bytes), f"{r.bytes_per_token:,.0f}",
-                      f"{r.prefill_s:.2f}", f"{r.decode_tokens_per_s:.2f}", f"{r.speed_ratio:.2f}", same,
-                      escape(" ".join(r.answer.split())))
-    console.print(table)
-    console.print(Panel(Text.assemble(report["question"], (report["answer"], "bold")),
-                        title=f"{BASELINE}: end of the prompt and the generated tokens (bold)"))
+def _short(x: float) -> str:
+    """Two decimals below 100, whole numbers above (a tiny model's decode speed fits its column)."""
+    return f"{x:.2f}" if x < 100 else f"{x:,.0f}"
+
+
+# (header line 1, header line 2, width): numbers right-aligned after the config's name
+_COLUMNS = (("", "KV bytes", 10), ("bytes/", "token", 8), ("prefill", "s", 9), ("decode", "tok/s", 8),
+            ("speed", "ratio", 7), ("same", "tokens", 8))
+_NUMBERS_WIDTH = sum(width for *_, width in _COLUMNS)
+
+
+class RowPrinter:
+    """Prints rows one at a time in columns that fit the console (80 columns in log files).
+
+    The name column is as wide as the longest name where that fits; a longer name gets a line of
+    its own with the numbers under it, so no name is cut. Each answer goes on an indented line
+    under its row, cut to the width.
+    """
+
+    def __init__(self, console: Console, names: list[str], new_tokens: int) -> None:
+        self.console, self.new_tokens = console, new_tokens
+        longest = max(len(name) for name in [*names, "config"])
+        self.name_width = max(len("config"), min(longest, console.width - _NUMBERS_WIDTH))
+
+    def header(self, report: dict[str, Any]) -> None:
+        """The title, what the columns measure and the column names."""
+        sizes = report["decode_segments"]
+        lengths = f"{sizes[0]}" if len(set(sizes)) == 1 else "/".join(map(str, sizes))
+        threads = f"{report['threads']} thread" + ("s" if report["threads"] > 1 else "")
+        self.console.print(Text(f"{report['model']}, {threads}: {report['prompt_tokens']} prompt + "
+                                f"{report['new_tokens']} new tokens", style="bold"))
+        self.console.print(Text(
+            f"prefill s: one run. decode tok/s and speed ratio: medians over {len(sizes)} segments of "
+            f"{lengths} tokens, each run right after a {BASELINE} segment at the same positions; the ratio "
+            f"divides by that segment's tok/s. same tokens: the greedy tokens equal {BASELINE}'s (lossy "
+            f"configs: how many leading ones do).", style="dim"))
+        for line, label in ((0, ""), (1, "config")):
+            cells = "".join(column[line].rjust(column[2]) for column in _COLUMNS)
+            self.console.print(Text(label.ljust(self.name_width) + cells, style="bold"), no_wrap=True)
+
+    def row(self, result: ConfigResult) -> None:
+        """One config's name and numbers, then its answer."""
+        same, style = self._same(result)
+        cells = (format_bytes(result.kv_bytes), f"{result.bytes_per_token:,.0f}", _short(result.prefill_s),
+                 _short(result.decode_tokens_per_s), f"{result.speed_ratio:.2f}")
+        numbers = Text("".join(cell.rjust(column[2]) for cell, column in zip(cells, _COLUMNS, strict=False)))
+        numbers.append(same.rjust(_COLUMNS[-1][2]), style=style)
+        if len(result.name) <= self.name_width:
+            self.console.print(Text(result.name.ljust(self.name_width)) + numbers, no_wrap=True)
+        else:
+            self.console.print(Text(result.name))
+            self.console.print(Text(" " * self.name_width) + numbers, no_wrap=True)
+        answer = " ".join(result.answer.split())
+        self.console.print(Text(f"  → {answer}", style="dim"), no_wrap=True, overflow="ellipsis")
+
+    def _same(self, result: ConfigResult) -> tuple[str, str]:
+        if result.name == BASELINE:
+            return "ref", ""
+        if result.equal:
+            return "yes", ""
+        if lossy(result.config):  # lossy configs may drift: say after how many tokens
+            return f"{result.same_prefix}/{self.new_tokens}", ""
+        return "NO", "bold red"  # a lossless config must not
+
+    def footer(self, report: dict[str, Any]) -> None:
+        """The fp16 reference size and the baseline's answer after the end of the prompt."""
+        self.console.print(Text(f"{report['cached_tokens']} tokens cached; an fp16 dense cache of them holds "
+                                f"{format_bytes(report['fp16_dense_reference_bytes'])}.", style="dim"))
+        self.console.print(Panel(Text.assemble(report["question"], (report["answer"], "bold")),
+                                 title=f"{BASELINE}: end of the prompt and the generated tokens (bold)"))

@@ -111,18 +111,20 @@ def test_build_prompt_holds_context_tokens_in_whole_sentences():
 @pytest.mark.slow
 def test_run_small(tmp_path):
     out = tmp_path / "run.json"
-    result = invoke("run", "--context", "256", "--new-tokens", "4", "--json", str(out))
+    result = invoke("run", "--context", "256", "--new-tokens", "10", "--json", str(out))
     assert result.exit_code == 0, result.output
-    assert re.search(rf"│ {run_job.BASELINE} .*│ +ref │", result.output), result.output
+    assert re.search(rf"^{run_job.BASELINE} .* ref$", result.output, re.M), result.output
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["results"]] == [run_job.BASELINE, *run_job.PRESETS]
-    for r in report["results"][1:]:  # a table row per config; lossless ones give DynamicCache's tokens
+    assert [r["name"] for r in report["results"]] == [run_job.BASELINE, *run_job.DEFAULT_CONFIGS]
+    for r in report["results"][1:]:  # a row per config; lossless ones give DynamicCache's tokens
         lossy = run_job.lossy(r["config"])
         assert r["equal"] or lossy, r
-        assert r["answer"] and r["same_prefix"] >= (1 if lossy else 4)
-        cell = "yes" if r["equal"] else f"{r['same_prefix']}/4"
-        assert re.search(rf"│ {re.escape(r['name'])} .*│ +{cell} │", result.output), result.output
-    assert report["new_tokens"] == 4 and report["prompt_tokens"] > 256
+        assert r["answer"] and r["same_prefix"] >= (1 if lossy else 10)
+        assert [s["tokens"] for s in r["segments"]] == [3, 3, 3]
+        cell = "yes" if r["equal"] else f"{r['same_prefix']}/10"
+        row = rf"^{re.escape(r['name'])} .* {re.escape(cell)}$"
+        assert re.search(row, result.output, re.M), result.output
+    assert report["new_tokens"] == 10 and report["prompt_tokens"] > 256
     baseline = report["results"][0]
     assert baseline["bytes_per_token"] == 30 * 3 * 64 * 2 * 4  # fp32 DynamicCache holds exactly its tokens
     assert report["answer"].strip()
