@@ -144,7 +144,8 @@ def eval_(
              "JSON/YAML config. DynamicCache always runs as the baseline")] = None,
     tasks: Annotated[str, typer.Option(help="comma-separated: ppl,passkey,needle,multiturn")]
     = "ppl,passkey,needle,multiturn",
-    context: Annotated[str, typer.Option(help="comma-separated context lengths in tokens")] = "2048,6144",
+    context: Annotated[str | None, typer.Option(
+        help="comma-separated context lengths in tokens; default 2048,6144 (ppl: --ppl-context)")] = None,
     model: ModelOption = models.EMBEDDED,
     out: Annotated[Path, typer.Option(help="output folder for results.json, report.md and PNG plots")]
     = Path("results"),
@@ -152,8 +153,17 @@ def eval_(
     = None,
     samples: Annotated[int | None, typer.Option(
         min=1, help="passkey keys and needle haystacks per depth, and conversations")] = None,
-    ppl_tokens: Annotated[int | None, typer.Option(min=1, help="teacher-forced tokens scored for PPL")]
+    ppl_tokens: Annotated[int | None, typer.Option(
+        min=1, help="teacher-forced tokens scored per PPL window (default 512)")] = None,
+    ppl_windows: Annotated[int | None, typer.Option(
+        min=1, help="PPL windows, spread over the text (default 4)")] = None,
+    ppl_context: Annotated[str | None, typer.Option(
+        help="comma-separated prefill lengths of the PPL windows; default --context if given, else 2048")]
     = None,
+    text: Annotated[str, typer.Option(
+        help="evaluation text: 'wikitext' (WikiText-2 test), 'alice' (Alice's Adventures in Wonderland, "
+             "shipped) or a UTF-8 file; PPL windows, needle haystacks and conversation filler come from it")]
+    = "wikitext",
     threads: ThreadsOption = 1,
     peer_results: Annotated[list[Path] | None, typer.Option(
         help="repeatable: a peer's JSON-lines results on this run's prompts.jsonl (benchmarks/peers/run.sh), "
@@ -172,8 +182,9 @@ def eval_(
 
     try:
         settings = command.settings_from_options(
-            _csv(context, int, "--context"), None if depths is None else _csv(depths, float, "--depths"),
-            samples, ppl_tokens, question)
+            None if context is None else _csv(context, int, "--context"),
+            None if depths is None else _csv(depths, float, "--depths"), samples, ppl_tokens, question,
+            ppl_windows, None if ppl_context is None else _csv(ppl_context, int, "--ppl-context"))
         task_list = runner.parse_tasks(tasks)
         specs = runner.resolve_caches(cache or [])
     except ValueError as exc:
@@ -181,7 +192,7 @@ def eval_(
     try:
         line = shlex.join(["kvfactory"] + sys.argv[1:])
         command.evaluate(specs, task_list, settings, model, out, threads, line, peer_results or [],
-                         prompts_only, Console())
+                         prompts_only, Console(), text)
     except (runner.EvalError, exchange.PeerResultsError) as exc:
         raise typer.BadParameter(str(exc)) from exc
 

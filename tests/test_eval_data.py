@@ -117,13 +117,51 @@ def test_chat_prompts(corpus: Corpus) -> None:
         chat_prompts(tok, corpus, 1500, facts=len(data.FACTS) + 1)
 
 
+def test_window_starts_spread_over_the_text() -> None:
+    assert data.window_starts(1000, 100, 4) == [75, 325, 575, 825]  # centred in each quarter
+    assert data.window_starts(1000, 250, 4) == [0, 250, 500, 750]  # exactly filled: adjacent, no overlap
+    assert data.window_starts(1000, 100, 1) == [450]
+    with pytest.raises(ValueError, match="need 1004 tokens, the text holds 1000"):
+        data.window_starts(1000, 251, 4)
+
+
 def test_perplexity_windows(corpus: Corpus) -> None:
     tok = tiny_tokenizer()
-    windows = perplexity_windows(tok, corpus, 100, 20, windows=3)
-    assert [(w.sample, w.prefill, len(w.input_ids)) for w in windows] == [(i, 100, 120) for i in range(3)]
-    assert tok.decode(sum((list(w.input_ids) for w in windows), [])) == corpus.text[:360]
+    windows = perplexity_windows(tok, corpus, 2048, 512, windows=4)
+    ids = tok(corpus.text, add_special_tokens=False)["input_ids"]  # the text as one document
+    total = len(ids)
+    assert [(w.sample, w.prefill, len(w.input_ids), w.text_tokens) for w in windows] == [
+        (i, 2048, 2560, total) for i in range(4)]
+    starts = [w.offset for w in windows]
+    assert all(b - a >= 2560 for a, b in zip(starts, starts[1:], strict=False))  # no overlap
+    assert all(i * total / 4 <= s and s + 2560 <= (i + 1) * total / 4 for i, s in enumerate(starts))  # spread
+    assert starts[-1] - starts[0] > total / 2  # not adjacent: from the first quarter to the last
+    assert all(w.input_ids == tuple(ids[w.offset:w.offset + 2560]) for w in windows)
+    assert perplexity_windows(tok, corpus, 2048, 512, windows=4) == windows  # a pure function
     with pytest.raises(ValueError, match="tokens"):
         perplexity_windows(tok, Corpus("short text", "tiny"), 100, 20)
+    with pytest.raises(ValueError, match="the text holds"):
+        perplexity_windows(tok, corpus, 2048, 512, windows=40)
+
+
+def test_second_text_loads() -> None:
+    alice = data.load_alice()
+    assert alice.text.startswith("ALICE'S ADVENTURES IN WONDERLAND")
+    assert alice.text.rstrip().endswith("THE END")
+    assert "gutenberg" not in alice.text.lower()  # the licence header and footer removed
+    assert "Alice" in alice.source
+    assert data.load_text("alice") == alice and data.load_text("wikitext") == load_wikitext()
+    windows = perplexity_windows(tiny_tokenizer(), alice, 2048, 512, windows=4)
+    assert len(windows) == 4 and windows[0].text_tokens > 100_000
+
+
+def test_load_text_path_and_errors(tmp_path) -> None:
+    path = tmp_path / "book.txt"
+    path.write_text("Call me Ishmael.\n", encoding="utf-8")
+    assert data.load_text(path) == Corpus("Call me Ishmael.\n", str(path))
+    assert data.load_text(str(path)).text == "Call me Ishmael.\n"
+    with pytest.raises(FileNotFoundError, match="wikitext, alice"):
+        data.load_text("no-such-text")
 
 
 def test_dump_prompts(tmp_path, corpus: Corpus) -> None:

@@ -103,6 +103,10 @@ def test_merge_aggregates_peer_rows_against_their_own_baseline(tmp_path, prompts
         snap, none = by[(context, "ppl", "kvpress/snapkv@0.5")], by[(context, "ppl", "kvpress/none")]
         assert math.isclose(none["ppl"], math.exp(2.0)) and math.isclose(snap["ppl"], math.exp(2.5))
         assert math.isclose(snap["delta_ppl"], math.exp(2.5) - math.exp(2.0)) and none["delta_ppl"] == 0.0
+        delta = 100 * (math.exp(0.5) - 1)  # every window 0.5 nats a token over kvpress/none's
+        assert snap["window_delta_ppl_pct"] == pytest.approx([delta] * len(snap["window_nll"]))
+        assert snap["delta_ppl_pct"] == pytest.approx(delta)
+        assert snap["delta_ppl_pct_ci"] == pytest.approx([delta, delta])
         for task in ("passkey", "needle"):
             snap, none = by[(context, task, "kvpress/snapkv@0.5")], by[(context, task, "kvpress/none")]
             assert none["accuracy"] == 1.0 and snap["accuracy"] == 0.5

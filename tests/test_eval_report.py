@@ -43,3 +43,24 @@ def test_report_files(tmp_path) -> None:
     assert quest and all(r["read_budget"] < 0.7 and 0 < r["recall"] <= 1 + 1e-6 for r in quest)
     others = [r for r in results["rows"] if "quest" not in r["config"]]
     assert all(r["read_budget"] == 1.0 and "recall" not in r for r in others)
+
+
+def test_report_shows_the_paired_ci_and_the_windows(tmp_path) -> None:
+    results = {k: v for k, v in pipeline_results().items() if k != "_units"}
+    write_report(results, tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert "mean ΔPPL % [95 % CI]" in text and "paired t-based 95 % confidence interval" in text
+    assert "4 window(s) spread over the text" in text
+    for row in (r for r in saved["rows"] if r["task"] == "ppl"):
+        assert len(row["window_ppl"]) == len(row["window_delta_ppl_pct"]) == len(row["window_offsets"]) == 4
+        low, high = row["delta_ppl_pct_ci"]
+        assert low <= row["delta_ppl_pct_mean"] <= high
+        cell = f"{row['delta_ppl_pct_mean']:+.2f} [{low:+.2f}, {high:+.2f}]"
+        assert f"| {row['delta_ppl_pct']:+.2f} | {cell} |" in text  # the pooled ΔPPL %, then the CI
+        if row["config"] != "DynamicCache":
+            assert "| " + " | ".join(f"{v:+.2f} %" for v in row["window_delta_ppl_pct"]) + " |" in text
+    for context in CONTEXTS:
+        offsets = next(r["window_offsets"] for r in saved["rows"]
+                       if r["task"] == "ppl" and r["context"] == context)
+        assert f"Per window at {context}" in text and ", ".join(map(str, offsets)) in text

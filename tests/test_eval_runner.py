@@ -115,6 +115,8 @@ def test_bad_tasks() -> None:
     (["--tasks", "bogus"], "subset of"),
     (["--context", "abc"], "comma-separated ints"),
     (["--depths", "1.5"], "depths"),
+    (["--text", "no-such-book"], "expected one of wikitext, alice"),
+    (["--ppl-context", "x"], "comma-separated ints"),
 ])
 def test_cli_rejects_bad_options_before_loading(args: list[str], message: str, tmp_path) -> None:
     result = CliRunner().invoke(app, ["eval", "--out", str(tmp_path), *args], env={"COLUMNS": "300"})

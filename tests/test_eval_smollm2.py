@@ -66,7 +66,8 @@ def test_prompts_only_and_report_with_peer_rows(tmp_path, runs):
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["prompts.jsonl"]
     lines = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
-    assert sorted(line["id"] for line in lines) == ["needle-384-d0.5-0", "passkey-384-d0.5-0", "ppl-384-0"]
+    assert sorted(line["id"] for line in lines) == ["needle-384-d0.5-0", "passkey-384-d0.5-0"] + [
+        f"ppl-384-{i}" for i in range(4)]  # four perplexity windows by default
 
     (out / "results.json").write_text(json.dumps(runs[0]))
     rows = [{"peer": "kvpress", "press": press, "compression_ratio": ratio, "task": line["task"],

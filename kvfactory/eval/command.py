@@ -33,16 +33,28 @@ from kvfactory.eval import data, exchange, report, runner
 from kvfactory.eval.settings import DEFAULT, EvalSettings
 
 
-def settings_from_options(contexts: tuple[int, ...], depths: tuple[float, ...] | None, samples: int | None,
-                          ppl_tokens: int | None, question: str = "inside") -> EvalSettings:
-    """The default settings with the command line's overrides; ``ValueError`` names a bad one."""
-    overrides: dict[str, Any] = {"contexts": contexts, "question": question}
+def settings_from_options(contexts: tuple[int, ...] | None, depths: tuple[float, ...] | None,
+                          samples: int | None, ppl_tokens: int | None, question: str = "inside",
+                          ppl_windows: int | None = None,
+                          ppl_contexts: tuple[int, ...] | None = None) -> EvalSettings:
+    """The default settings with the command line's overrides; ``ValueError`` names a bad one.
+
+    Perplexity runs at ``ppl_contexts`` when given, else at ``contexts`` when given, else at the
+    default ``ppl_contexts`` (2048): ``--context 6144 --tasks ppl`` scores windows after 6144 tokens.
+    """
+    overrides: dict[str, Any] = {"question": question}
+    if contexts is not None:
+        overrides |= {"contexts": contexts, "ppl_contexts": None}
+    if ppl_contexts is not None:
+        overrides["ppl_contexts"] = ppl_contexts
     if depths is not None:
         overrides["depths"] = depths
     if samples is not None:
         overrides |= {"keys_per_depth": samples, "needles_per_depth": samples, "conversations": samples}
     if ppl_tokens is not None:
         overrides["ppl_continuation"] = ppl_tokens
+    if ppl_windows is not None:
+        overrides["ppl_windows"] = ppl_windows
     return dataclasses.replace(DEFAULT, **overrides)
 
 
@@ -59,8 +71,11 @@ def _say_written(console: Console, paths: dict[str, Path], results: dict[str, An
 
 def evaluate(specs: Sequence[runner.CacheSpec], tasks: Sequence[str], settings: EvalSettings, model_name: str,
              out: Path, threads: int, command: str, peers: Sequence[Path] = (), prompts_only: bool = False,
-             console: Console | None = None) -> dict[str, Path]:
-    """Run the evaluation (or only write its prompts) into ``out``; return the written files."""
+             console: Console | None = None, text: str = "wikitext") -> dict[str, Path]:
+    """Run the evaluation (or only write its prompts) into ``out``; return the written files.
+
+    ``text`` is the evaluation text (``data.load_text``: ``wikitext``, ``alice`` or a file path).
+    """
     from transformers.utils import logging
 
     console = console or Console()
@@ -68,8 +83,11 @@ def evaluate(specs: Sequence[runner.CacheSpec], tasks: Sequence[str], settings: 
     logging.disable_progress_bar()
     torch.set_num_threads(threads)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = data.load_wikitext()
-    plan = runner.unit_plan(specs, tasks, settings.contexts)
+    try:
+        corpus = data.load_text(text)
+    except FileNotFoundError as exc:
+        raise runner.EvalError(str(exc)) from exc
+    plan = runner.unit_plan(specs, tasks, settings)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("ETA"), TimeRemainingColumn(), console=console) as progress:
         bar = progress.add_task(f"loading {model_name}", total=sum(c for c, _, _ in plan))

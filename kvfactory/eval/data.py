@@ -1,4 +1,9 @@
-"""Evaluation text and prompts: the WikiText-2 test text and deterministic prompt builders.
+"""Evaluation text and prompts: WikiText-2 test, a held-out book, and deterministic prompt builders.
+
+Two evaluation texts, neither used by any training in this project (the router trains on the
+books in ``shared/data``): ``wikitext`` (the WikiText-2 test split, ``load_wikitext``) and
+``alice`` (Lewis Carroll, *Alice's Adventures in Wonderland*, shipped in ``kvfactory/data``;
+``load_alice``). ``load_text`` takes either name or a path to a UTF-8 file.
 
 Builders return frozen dataclass records (prompt text or token ids, the expected answer, depth and
 context) that ``dump_prompts`` writes as JSON lines, so a script in another virtualenv (NVIDIA
@@ -26,6 +31,7 @@ from kvfactory.texts import shipped_text
 
 DATA_ENV = "KVFACTORY_DATA_DIR"
 WIKITEXT_FILE = "wikitext2_test.txt"
+ALICE_FILE = "alice_in_wonderland.txt"  # in kvfactory/data: Project Gutenberg #11, public domain
 # ``<repo>/../shared/data`` for a source checkout (``kvfactory/eval/data.py`` is three levels down).
 _REPO_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -121,13 +127,19 @@ class ChatPrompt:
 
 @dataclass(frozen=True)
 class PerplexityWindow:
-    """Token ids of one WikiText window: ``prefill`` tokens of context, then the tokens to score."""
+    """Token ids of one window of the text: ``prefill`` tokens of context, then the tokens to score.
+
+    ``offset`` is the token index of the window's first token in the whole text (tokenized as one
+    document) and ``text_tokens`` that text's length in tokens: where in the text the window lies.
+    """
 
     task: str
     context: int
     sample: int
     input_ids: tuple[int, ...]
     prefill: int
+    offset: int = 0
+    text_tokens: int = 0
 
 
 def load_wikitext(path: str | Path | None = None) -> Corpus:
@@ -151,6 +163,33 @@ def load_wikitext(path: str | Path | None = None) -> Corpus:
         file = _REPO_DATA / WIKITEXT_FILE
         return Corpus(file.read_text(encoding="utf-8"), str(file))
     return Corpus(shipped_text(), "kvfactory/data/wikitext2_excerpt.txt (shipped excerpt)")
+
+
+def load_alice() -> Corpus:
+    """*Alice's Adventures in Wonderland* (Project Gutenberg #11), shipped in ``kvfactory/data``.
+
+    Public domain; the Project Gutenberg header and footer are removed (``kvfactory/data/README.md``
+    says where the file comes from). About 39k SmolLM2 tokens (WikiText-2 test: 302k), room for
+    15 windows of 2048 + 512.
+    """
+    from importlib import resources
+
+    text = resources.files("kvfactory").joinpath("data", ALICE_FILE).read_text(encoding="utf-8")
+    return Corpus(text, f"Alice's Adventures in Wonderland (Lewis Carroll, Project Gutenberg #11), "
+                        f"kvfactory/data/{ALICE_FILE}")
+
+
+TEXTS: dict[str, Callable[[], Corpus]] = {"wikitext": load_wikitext, "alice": load_alice}
+
+
+def load_text(name: str | Path = "wikitext") -> Corpus:
+    """An evaluation text by name (``wikitext``, ``alice``) or the UTF-8 file at path ``name``."""
+    if str(name) in TEXTS:
+        return TEXTS[str(name)]()
+    file = Path(name)
+    if not file.is_file():
+        raise FileNotFoundError(f"text {str(name)!r}: expected one of {', '.join(TEXTS)} or a UTF-8 file")
+    return Corpus(file.read_text(encoding="utf-8"), str(file))
 
 
 def dump_prompts(records: Iterable[Any], path: str | Path) -> None:
@@ -364,16 +403,36 @@ def chat_prompts(tokenizer: Any, corpus: Corpus, context: int, facts: int = 5, c
             for i in range(conversations)]
 
 
+def window_starts(text_tokens: int, size: int, windows: int) -> list[int]:
+    """Start tokens of ``windows`` windows of ``size`` tokens spread over a text of ``text_tokens``.
+
+    The text is cut into ``windows`` equal parts and window ``i`` is centred in part ``i``, so the
+    windows never overlap and cover the text from its beginning to its end (one window: the middle).
+    """
+    if windows < 1 or size < 1:
+        raise ValueError(f"windows={windows}, size={size}: expected >= 1")
+    if windows * size > text_tokens:
+        raise ValueError(f"{windows} windows of {size} tokens need {windows * size} tokens, the text "
+                         f"holds {text_tokens}")
+    part = text_tokens / windows
+    return [min(text_tokens - size, max(0, round((i + 0.5) * part - size / 2))) for i in range(windows)]
+
+
 def perplexity_windows(tokenizer: Any, corpus: Corpus, context: int, continuation: int,
                        windows: int = 1) -> list[PerplexityWindow]:
-    """Consecutive WikiText windows of ``context + continuation`` tokens from the start of the text.
+    """``windows`` windows of ``context + continuation`` tokens, spread over the whole text.
 
-    The text is tokenized as one document (no special tokens); window ``i`` prefills ``context``
-    tokens and scores the next ``continuation``.
+    The text is tokenized as one document (no special tokens); ``window_starts`` places the
+    windows (one in each of ``windows`` equal parts of the text, not adjacent). Window ``i``
+    prefills ``context`` tokens and scores the next ``continuation``.
     """
     if context < 1 or continuation < 1 or windows < 1:
         raise ValueError(f"context={context}, continuation={continuation}, windows={windows}: expected >= 1")
     size = context + continuation
-    ids, _ = _tokens(tokenizer, corpus, 0, size * windows)
-    return [PerplexityWindow("ppl", context, i, tuple(ids[i * size:(i + 1) * size]), context)
-            for i in range(windows)]
+    ids = tokenizer(corpus.text, add_special_tokens=False)["input_ids"]
+    try:
+        starts = window_starts(len(ids), size, windows)
+    except ValueError as exc:
+        raise ValueError(f"{corpus.source}: {exc}") from exc
+    return [PerplexityWindow("ppl", context, i, tuple(ids[start:start + size]), context, start, len(ids))
+            for i, start in enumerate(starts)]

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvfactory.eval.scoring import PASSKEY_TOKENS, accuracy_by_depth, mean, perplexity
+from kvfactory.eval.scoring import PASSKEY_TOKENS, accuracy_by_depth, mean, paired_ppl, perplexity
 from kvfactory.eval.tasks import NEEDLE_NEW_TOKENS
 
 PROMPTS_FILE = "prompts.jsonl"
@@ -112,7 +112,11 @@ def _aggregate(name: str, task: str, context: int, items: list[dict[str, Any]]) 
         "measured_compression_ratio": mean([r["measured_compression_ratio"] for r in items]),
     }
     if task == "ppl":
+        items = sorted(items, key=lambda r: (len(r["id"]), r["id"]))  # ppl-CONTEXT-SAMPLE, by sample
         row["ppl"] = perplexity(sum(r["nll"] for r in items), sum(r["scored_tokens"] for r in items))
+        row |= {"window_ids": [r["id"] for r in items], "window_nll": [r["nll"] for r in items],
+                "window_tokens": [r["scored_tokens"] for r in items],
+                "window_ppl": [perplexity(r["nll"], r["scored_tokens"]) for r in items]}
     else:
         row["accuracy"] = mean([float(r["correct"]) for r in items])
         row["accuracy_by_depth"] = accuracy_by_depth((r["depth"], r["correct"]) for r in items)
@@ -133,6 +137,10 @@ def _compare(rows: list[dict[str, Any]], peer: str, source: str) -> None:
         row["bytes_per_token_ratio"] = row["bytes_per_token"] / full if full else float("nan")
         if "ppl" in row:
             row["delta_ppl"] = row["ppl"] - ref["ppl"]
+            if row["window_ids"] != ref["window_ids"]:
+                raise PeerResultsError(f"{source}: {row['config']} answers other ppl windows than "
+                                       f"{peer}/{NO_PRESS} at {row['context']}")
+            row |= paired_ppl(row["window_nll"], ref["window_nll"], row["window_tokens"])
 
 
 def merge_peer_rows(results: dict[str, Any], path: str | Path, prompts_path: str | Path) -> dict[str, Any]:

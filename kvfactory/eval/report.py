@@ -69,8 +69,49 @@ def _sizes(s: dict[str, Any]) -> str:
     if "multiturn" in s["tasks"]:
         parts.append(f"{s['conversations']} conversation(s) of {s['facts']} facts")
     if "ppl" in s["tasks"]:
-        parts.append(f"perplexity over {s['ppl_continuation']} teacher-forced token(s) per window")
+        at = s.get("ppl_contexts") or s["contexts"]
+        parts.append(f"perplexity over {s.get('ppl_windows', 1)} window(s) spread over the text, each "
+                     f"{s['ppl_continuation']} teacher-forced token(s) after a prefill of "
+                     f"{' or '.join(map(str, at))} tokens")
     return "; ".join(parts) + "."
+
+
+PPL_NOTE = ("ΔPPL is pooled over all scored tokens (absolute, and % = ratio of the perplexities − 1). "
+            "Mean ΔPPL % [95 % CI] is the mean over windows of each window's ΔPPL % (PPL of the window "
+            "/ DynamicCache's PPL of the same window − 1), with a paired t-based 95 % confidence "
+            "interval (mean ± t(0.975, n − 1) · sd / √n, n windows). An interval that holds 0 does not "
+            "tell the config from DynamicCache.")
+
+
+def _ci(r: dict[str, Any]) -> str:
+    low, high = r.get("delta_ppl_pct_ci") or (None, None)
+    if r.get("delta_ppl_pct_mean") is None:
+        return "–"
+    return f"{_f(r['delta_ppl_pct_mean'], '+.2f')} [{_f(low, '+.2f')}, {_f(high, '+.2f')}]"
+
+
+def _ppl_windows(task_rows: list[dict[str, Any]]) -> list[str]:
+    """Per-window perplexities of the baseline and per-window ΔPPL % of every config, per context."""
+    lines: list[str] = []
+    for context in dict.fromkeys(r["context"] for r in task_rows):
+        here = [r for r in task_rows if r["context"] == context and r.get("window_ppl")]
+        if not here:
+            continue
+        n = max(len(r["window_ppl"]) for r in here)
+        offsets = next((r["window_offsets"] for r in here if r.get("window_offsets")), None)
+        lines += ["", f"Per window at {context} (PPL, and ΔPPL % against DynamicCache's PPL of the same "
+                  "window" + ("; window i starts at token " + ", ".join(map(str, offsets)) + " of the text"
+                              if offsets else "") + "):", ""]
+        cells = []
+        for r in here:
+            if r["config"] == "DynamicCache" or r["config"].endswith("/none") or not r.get(
+                    "window_delta_ppl_pct"):
+                cells.append([r["config"] + " (PPL)"] + [_f(v, ".3f") for v in r["window_ppl"]])
+            else:
+                cells.append([r["config"]] + [_f(v, "+.2f") + " %" for v in r["window_delta_ppl_pct"]])
+        lines += _table(["config"] + [f"window {i}" for i in range(n)], cells)
+    return lines
+
 
 
 def markdown(results: dict[str, Any], plots: list[Path]) -> str:
@@ -97,14 +138,18 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
         task_rows = [r for r in rows if r["task"] == task]
         lines += ["", f"## {TASK_TITLES.get(task, task)}", ""]
         if task == "ppl":
-            head = ["config", "context", "PPL", "ΔPPL"]
-            quality = [[r["config"], str(r["context"]), _f(r["ppl"], ".3f"), _f(r["delta_ppl"], "+.3f")]
+            head = ["config", "context", "windows", "PPL", "ΔPPL", "ΔPPL %", "mean ΔPPL % [95 % CI]"]
+            quality = [[r["config"], str(r["context"]), str(r["items"]), _f(r["ppl"], ".3f"),
+                        _f(r["delta_ppl"], "+.3f"), _f(r.get("delta_ppl_pct"), "+.2f"), _ci(r)]
                        for r in task_rows]
+            lines += [PPL_NOTE, ""]
         else:
             head = ["config", "context", "accuracy"]
             quality = [[r["config"], str(r["context"]), _f(r["accuracy"], ".2f")] for r in task_rows]
         lines += _table(head + COST_HEADERS, [q + _cost_cells(r) for q, r in zip(quality, task_rows,
                                                                                    strict=True)])
+        if task == "ppl":
+            lines += _ppl_windows(task_rows)
         if task in ("passkey", "needle"):
             depths = [f"{d:g}" for d in s["depths"]]
             lines += ["", f"Accuracy per depth × context ({task}):", ""]
@@ -175,6 +220,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
             paths.append(path)
     ppl_rows = [r for r in rows if r["task"] == "ppl"]
     if ppl_rows:
+        contexts = sorted({r["context"] for r in ppl_rows})
         configs = list(dict.fromkeys(r["config"] for r in ppl_rows))
         width = 0.8 / len(configs)
         fig, ax = plt.subplots(figsize=(2 + 1.5 * len(contexts) + 0.3 * len(configs), 3.5))

@@ -5,6 +5,11 @@ Each unit (context, task, config) builds prompts once per (task, context), runs 
 accuracy (overall and per depth), perplexity and its difference to the baseline, KV bytes held,
 bytes per token, compression ratio, read budget, prefill seconds and decode tokens/s, each speed
 and memory number also as a ratio to ``DynamicCache`` of the same unit in the same run.
+
+Perplexity rows keep every window (``window_ppl``, ``window_nll``, ``window_tokens``,
+``window_offsets``) and compare with the baseline window by window (``scoring.paired_ppl``):
+the pooled ΔPPL (absolute ``delta_ppl`` and relative ``delta_ppl_pct``), each window's relative
+ΔPPL and their mean with a paired t-based 95 % confidence interval.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from kvfactory.config import load_yaml, parse_config
 from kvfactory.errors import ConfigError
 from kvfactory.eval import data
 from kvfactory.eval.peers import PeerError, check_peer, is_peer, peer_footprint, peer_maker
-from kvfactory.eval.scoring import accuracy_by_depth, mean
+from kvfactory.eval.scoring import accuracy_by_depth, mean, paired_ppl
 from kvfactory.eval.settings import EvalSettings
 from kvfactory.eval.tasks import run_multiturn, run_needle, run_passkey, run_perplexity
 from kvfactory.factory import KVCacheFactory
@@ -195,6 +200,8 @@ def _aggregate(unit: Unit) -> dict[str, Any]:
     if unit.task == "ppl":
         nll, tokens = sum(i.nll for i in items), sum(i.scored_tokens for i in items)
         row["ppl"] = math.exp(nll / tokens)
+        row |= {"window_ppl": [i.ppl for i in items], "window_nll": [i.nll for i in items],
+                "window_tokens": [i.scored_tokens for i in items]}
     elif unit.task in RETRIEVAL:
         row["accuracy"] = mean([float(i.correct) for i in items])
         row["accuracy_by_depth"] = accuracy_by_depth((i.depth, i.correct) for i in items)
@@ -207,6 +214,14 @@ RATIOS = {"kv_bytes": "kv_bytes_ratio", "bytes_per_token": "bytes_per_token_rati
           "prefill_s": "prefill_ratio", "decode_tokens_per_s": "decode_ratio"}
 
 
+def compare_ppl(row: dict[str, Any], ref: dict[str, Any]) -> None:
+    """``row``'s ΔPPL against ``ref`` (the baseline on the same windows): pooled, and paired by window."""
+    row["delta_ppl"] = row["ppl"] - ref["ppl"]
+    if row.get("window_tokens") != ref.get("window_tokens"):
+        raise ValueError(f"{row['config']} scored other windows than {ref['config']} at {row['context']}")
+    row |= paired_ppl(row["window_nll"], ref["window_nll"], row["window_tokens"])
+
+
 def _compare(rows: list[dict[str, Any]]) -> None:
     """Ratios and ΔPPL of every row against the baseline row of the same (context, task)."""
     base = {(r["context"], r["task"]): r for r in rows if r["config"] == BASELINE}
@@ -215,7 +230,7 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         for key, name in RATIOS.items():
             row[name] = row[key] / ref[key] if ref[key] else float("nan")
         if "ppl" in row:
-            row["delta_ppl"] = row["ppl"] - ref["ppl"]
+            compare_ppl(row, ref)
 
 
 def _warm_up(model: Any, make_cache: Callable[[], Any]) -> None:
@@ -226,9 +241,10 @@ def _warm_up(model: Any, make_cache: Callable[[], Any]) -> None:
                        max_new_tokens=2, min_new_tokens=2, do_sample=False)
 
 
-def unit_plan(specs: Sequence[CacheSpec], tasks: Sequence[str], contexts: Sequence[int]) -> list[tuple]:
-    """The units in run order: (context, task, config name)."""
-    return [(c, t, s.name) for c in contexts for t in tasks for s in specs]
+def unit_plan(specs: Sequence[CacheSpec], tasks: Sequence[str], settings: EvalSettings) -> list[tuple]:
+    """The units in run order: (context, task, config name); ppl only at ``settings.task_contexts``."""
+    return [(c, t, s.name) for c in settings.all_contexts(tasks) for t in tasks
+            if c in settings.task_contexts(t) for s in specs]
 
 
 def check_contexts(model: Any, tasks: Sequence[str], settings: EvalSettings) -> None:
@@ -236,19 +252,23 @@ def check_contexts(model: Any, tasks: Sequence[str], settings: EvalSettings) -> 
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is None:
         return
-    for context in settings.contexts:
-        extra = settings.ppl_continuation if "ppl" in tasks else 64
-        if context + extra > limit:
-            raise EvalError(f"context {context}: with {extra} more tokens it exceeds the model's "
-                            f"{limit} positions")
+    for task in tasks:
+        extra = settings.ppl_continuation if task == "ppl" else 64
+        for context in settings.task_contexts(task):
+            if context + extra > limit:
+                raise EvalError(f"{task} at context {context}: with {extra} more tokens it exceeds the "
+                                f"model's {limit} positions")
 
 
 def build_prompts(tokenizer: Any, tasks: Sequence[str], settings: EvalSettings,
                   corpus: data.Corpus) -> dict[tuple[str, int], list[Any]]:
     """The prompts of every (task, context) of a run, in run order; a pure function of its arguments."""
     prompt_sets = {}
-    for context in settings.contexts:
-        for task in parse_tasks(",".join(tasks)):
+    tasks = parse_tasks(",".join(tasks))
+    for context in settings.all_contexts(tasks):
+        for task in tasks:
+            if context not in settings.task_contexts(task):
+                continue
             try:
                 prompt_sets[(task, context)] = _prompts(task, context, tokenizer, corpus, settings)
             except ValueError as exc:
@@ -276,7 +296,7 @@ def run_eval(model: Any, tokenizer: Any, specs: Sequence[CacheSpec], tasks: Sequ
     for make in makers.values():
         _warm_up(model, make)
     units = []
-    for context, task, name in unit_plan(specs, tasks, settings.contexts):
+    for context, task, name in unit_plan(specs, tasks, settings):
         if on_unit:
             on_unit((context, task, name), False)
         recorder = _Recorder(makers[name])
@@ -285,6 +305,8 @@ def run_eval(model: Any, tokenizer: Any, specs: Sequence[CacheSpec], tasks: Sequ
         items = [replace(i, footprint=f) for i, f in zip(items, recorder.footprints, strict=True)]
         unit = Unit(context, task, name, items)
         unit.row = _aggregate(unit)
+        if task == "ppl":
+            unit.row["window_offsets"] = [w.offset for w in prompt_sets[(task, context)]]
         units.append(unit)
         if on_unit:
             on_unit((context, task, name), True)

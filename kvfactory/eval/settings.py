@@ -49,8 +49,9 @@ class EvalSettings:
     depths: tuple[float, ...] = (0.1, 0.9)
     keys_per_depth: int = 1
     needles_per_depth: int = 1
-    ppl_continuation: int = 128
-    ppl_windows: int = 1
+    ppl_continuation: int = 512
+    ppl_windows: int = 4
+    ppl_contexts: tuple[int, ...] | None = None  # where ppl runs; None: every context of ``contexts``
     facts: int = 5
     conversations: int = 1
     seed: int = 0
@@ -65,12 +66,26 @@ class EvalSettings:
                 raise ValueError(f"{name}={value}: expected at least 1")
         if not self.contexts or min(self.contexts) < 1:
             raise ValueError(f"contexts={self.contexts}: expected positive token counts")
+        if self.ppl_contexts is not None and (not self.ppl_contexts or min(self.ppl_contexts) < 1):
+            raise ValueError(f"ppl_contexts={self.ppl_contexts}: expected positive token counts or None")
         if self.question not in QUESTION_SETTINGS:
             raise ValueError(f"question={self.question!r}: expected one of {', '.join(QUESTION_SETTINGS)}")
         if not self.depths or not all(0.0 <= d <= 1.0 for d in self.depths):
             raise ValueError(f"depths={self.depths}: expected fractions in [0, 1]")
 
 
-DEFAULT = EvalSettings()
+    def task_contexts(self, task: str) -> tuple[int, ...]:
+        """The context lengths ``task`` runs at: ``ppl_contexts`` for ppl (unless None), else ``contexts``."""
+        if task == "ppl" and self.ppl_contexts is not None:
+            return tuple(self.ppl_contexts)
+        return tuple(self.contexts)
+
+    def all_contexts(self, tasks: tuple[str, ...] | list[str]) -> tuple[int, ...]:
+        """Every context length some task of ``tasks`` runs at, in order of first appearance."""
+        return tuple(dict.fromkeys(c for c in (*self.contexts, *(self.ppl_contexts or ()))
+                                   if any(c in self.task_contexts(t) for t in tasks)))
+
+
+DEFAULT = EvalSettings(ppl_contexts=(2048,))
 PROTOCOL = EvalSettings(depths=(0.1, 0.3, 0.5, 0.7, 0.9), keys_per_depth=5, needles_per_depth=5,
-                        ppl_continuation=2048)
+                        ppl_continuation=512, ppl_windows=4, ppl_contexts=None)
