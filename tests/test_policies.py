@@ -274,6 +274,34 @@ def test_knorm_keeps_the_lowest_key_norms() -> None:
     assert torch.equal(top.sort(-1).values, norms.topk(5, -1, largest=False).indices.sort(-1).values)
 
 
+@pytest.mark.parametrize("storage", ["dense", "paged"])
+def test_knorm_skip_layers_are_left_whole_at_prefill_and_decode(storage: str) -> None:
+    """The paper's code leaves its ``skip_layers`` uncompressed; the other layers keep the ratio
+    (or the budget), and by default (kvpress's KnormPress) every layer is compressed."""
+    model = llama()
+    with attn_implementation(model, "kvfactory"), torch.no_grad():
+        cache = KVCacheFactory(model.config, selective("knorm", storage, compression_ratio=0.5,
+                                                       skip_layers=[0])).create_cache()
+        model(random_prompt(PROMPT), past_key_values=cache)
+        assert [cache.size(i) for i in range(2)] == [PROMPT, PROMPT // 2]
+        bounded = KVCacheFactory(model.config, selective("knorm", storage, budget=12, slack=0,
+                                                         skip_layers=[1])).create_cache()
+        out = model(random_prompt(20), past_key_values=bounded)
+        for _ in range(5):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=bounded)
+        assert [bounded.size(i) for i in range(2)] == [12, 25]
+        every = KVCacheFactory(model.config, selective("knorm", storage, budget=12, slack=0)).create_cache()
+        model(random_prompt(20), past_key_values=every)
+        assert [every.size(i) for i in range(2)] == [12, 12]
+
+
+@pytest.mark.parametrize("bad", [1, [0, -1], ["0"], [True]])
+def test_knorm_skip_layers_must_be_layer_indices(bad) -> None:
+    with pytest.raises(ConfigError) as err:
+        KVCacheFactory(tiny_config("llama"), selective("knorm", compression_ratio=0.5, skip_layers=bad))
+    assert err.value.key == "strategies[1].skip_layers"
+
+
 def test_tova_scores_the_last_query_averaged_over_heads() -> None:
     obs = observation()
     expected = full_attention(obs)[:, :, -1].mean(1, keepdim=True).expand(-1, 2, -1).clone()

@@ -99,8 +99,9 @@ class Policy(ABC):
         ``accumulated`` ``[B, Hkv, T]`` is the attention mass received so far (``accumulates``)."""
 
     def layer_budget(self, kept: int, stored: int, layer_idx: int, num_layers: int) -> int:
-        """Tokens this layer keeps of ``stored`` when ``kept`` is the cache-wide target (PyramidKV
-        varies it with depth)."""
+        """Tokens this layer keeps of ``stored`` when ``kept`` is the cache-wide target, at prefill
+        and, for a policy that ``decodes``, against a decode budget (PyramidKV varies it with depth,
+        K-norm's ``skip_layers`` keep everything)."""
         return kept
 
 

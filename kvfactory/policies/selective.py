@@ -165,7 +165,11 @@ class SelectiveStore(WrappedStore):
         counts = self.valid[:, 0].sum(-1)
         if new_tokens == 1:
             self.prefill_open = False
-            if budget is None or not self.policy.decodes or int(counts.max()) <= budget + self.slack:
+            if budget is None or not self.policy.decodes:
+                return None
+            stored = int(counts.max())
+            budget = self.policy.layer_budget(budget, stored, self.layer_idx, self.num_layers)
+            if stored <= budget + self.slack:
                 return None
             return torch.where(counts > budget + self.slack, budget, counts)
         if budget is not None:
