@@ -2,7 +2,10 @@
 
 A few "heavy hitter" tokens collect most of the attention over the whole generation; H2O keeps the
 tokens with the largest accumulated attention (summed over every query that has seen them) plus a
-window of the most recent tokens, ``recent_fraction`` of the budget (the paper splits it in half).
+window of the most recent tokens, ``recent_fraction`` of the budget (the paper splits it in half),
+per KV head. kvpress has no H2O press: its ``ObservedAttentionPress`` ("related to H2O") ranks by the
+*mean* attention a token received over the queries that saw it and keeps no recent window, so it
+favours late tokens and is a different method.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ The last ``window_size`` queries of the prompt (the observation window, where th
 already attend to what generation will need: each earlier token is scored by the attention of
 those queries, averaged, smoothed by average pooling over ``kernel_size`` neighbours (so clusters
 stay whole) and averaged over the query heads of its KV head; the window itself is always kept.
+``window_size`` 64 and ``kernel_size`` 5 are kvpress's defaults (and those of the reference code's
+``SnapKVCluster``, whose model patch defaults to a 32-token window). With the question inside the
+compressed prompt the window holds the question (26 tokens of the needle prompt) and the text before
+it; fed after the compressed context, the window is context only.
 Scores a prefill (or a chunk of one); it does not score single decode steps.
 """
 
