@@ -177,6 +177,10 @@ def load_model(model_dir: str | None, attn: str = "sdpa"):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32,
                                                      attn_implementation=attn)
+    # transformers 5.2's GGUF tokenizer (a CodeLlamaTokenizer) cleans up tokenisation spaces when
+    # decoding (" a table . He" -> " a table. He"), kvfactory's under 5.24 does not: the same ids would
+    # read as different answers. The ids are what a press changes; decode them as kvfactory does.
+    tokenizer.clean_up_tokenization_spaces = False
     return model.eval(), tokenizer
 
 
