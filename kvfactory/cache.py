@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import PreTrainedModel
 
 from kvfactory import attention
-from kvfactory.errors import ConfigError, SequenceStateError
+from kvfactory.errors import ConfigError, SequenceStateError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -92,14 +92,12 @@ def _without_attention_dispatch(text_config: Any) -> str | None:
     return model_class.__name__
 
 
-_switched: set[int] = set()  # ids of the configs switched (logged once each; configs are not hashable)
-
-
 def use_kvfactory_attention(model_config: Any, config: Any) -> None:
     """Switch ``model_config``'s attention function to kvfactory's where ``config`` needs it, and log
-    it once: the user's ``model.config`` is the object the model's attention layers dispatch on, so
-    ``KVCacheFactory(model.config, ...)`` is all a user writes. kvfactory's attention is SDPA for
-    everything it does not read itself, so other caches of the same model are unaffected.
+    the switch (once: the config then names kvfactory's). The user's ``model.config`` is the object
+    the model's attention layers dispatch on, so ``KVCacheFactory(model.config, ...)`` is all a user
+    writes; kvfactory's attention is SDPA for everything it does not read itself, so other caches of
+    the same model are unaffected.
 
     ``ConfigError`` where the architecture computes attention without transformers'
     ``AttentionInterface`` and the config cannot work without it (policies, selectors); quantized
@@ -119,16 +117,15 @@ def use_kvfactory_attention(model_config: Any, config: Any) -> None:
                               f"storage and quantization, e.g. {{'type': 'paged', 'quantization': 'int4'}}")
         return
     text_config._attn_implementation = ATTENTION
-    if id(text_config) not in _switched:
-        _switched.add(id(text_config))
-        logger.warning("switched the model's attn_implementation from %r to %r for %s; it is "
-                       "SDPA for every other cache", current, ATTENTION, _what_needs_it(config))
+    logger.warning("switched the model's attn_implementation from %r to %r for %s; it is "
+                   "SDPA for every other cache", current, ATTENTION, _what_needs_it(config))
 
 
 def watch_hidden_states(model: torch.nn.Module) -> torch.nn.Module:
-    """Hook ``model``'s decoder so that each forward hands its last hidden state (of the last position)
-    to the kvfactory cache it ran with, for selectors that route from the decoder's state (OVAL), and
-    checks that the cache read K/V the way the model's attention expects. Idempotent; kvfactory calls it
+    """Hook ``model``'s decoder so that each forward hands the kvfactory cache it ran with the ids of
+    the tokens it wrote (prefix caching) and its last hidden state (of the last position, for selectors
+    that route from the decoder's state: OVAL), and checks that the cache read K/V the way the model's
+    attention expects. Idempotent; kvfactory calls it
     by itself on the first forward of a model after ``create_cache()`` (``_find_models``), so users
     need not. Returns ``model``."""
     decoder = model.get_decoder()
@@ -144,6 +141,7 @@ def _after_decoder(module: torch.nn.Module, args: tuple, kwargs: dict, output: A
         return
     _first_forward.discard(cache)
     cache.check_attention(getattr(module, "config", None))
+    cache.record_tokens(kwargs.get("input_ids"))
     context = cache.routing_context
     hidden = getattr(output, "last_hidden_state", None)
     if context is not None and hidden is not None:
@@ -351,6 +349,7 @@ class KVCache(Cache):
         # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
         self._attention_config = None if model_config is None else model_config.get_text_config(decoder=True)
         self._deferred = False  # the last forward handed K/V to kvfactory's attention in pieces
+        self.token_ids: list[int] | None = []  # ids of the tokens written from token 0 (None: unknown)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,6 +362,33 @@ class KVCache(Cache):
             self._reserve(key_states, value_states)
             self._deferred = deferred
         return super().update(key_states, value_states, layer_idx, *args, deferred=deferred, **kwargs)
+
+    def record_tokens(self, token_ids: torch.Tensor | None) -> None:
+        """Note the ids ``[1, n]`` of the tokens just written (the decoder's ``input_ids``): prefix
+        caching names blocks by the tokens a cache really holds. Anything else (embeddings fed
+        directly, several rows) makes the cache's tokens unknown until ``reset``."""
+        if self.token_ids is None:
+            return
+        if token_ids is None or token_ids.dim() != 2 or token_ids.shape[0] != 1:
+            self.token_ids = None
+        else:
+            self.token_ids.extend(token_ids[0].tolist())
+
+    def written_tokens(self) -> list[int] | None:
+        """The ids of every token this cache has seen, from token 0, if known for every layer."""
+        tokens = self.token_ids
+        if tokens is None or any(layer.seen != len(tokens) for layer in self.layers):
+            return None
+        return tokens
+
+    def reset(self) -> None:
+        super().reset()
+        self.token_ids = []
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        if self.token_ids is not None:
+            del self.token_ids[self.get_seq_length():]
 
     def check_attention(self, decoder_config: Any) -> None:
         """After a forward of the decoder configured by ``decoder_config``: the cache handed K/V over in
@@ -395,18 +421,25 @@ class KVCache(Cache):
             if layer.is_initialized:
                 twin.device = layer.device
             layers.append(twin)
-        return KVCache(layers, shared=self.shared, seq_id=seq_id, config=self.config,
+        twin = KVCache(layers, shared=self.shared, seq_id=seq_id, config=self.config,
                        workspace=self.workspace, model_config=self.model_config)
+        twin.token_ids = None if self.token_ids is None else list(self.token_ids)
+        return twin
 
-    def adopt_blocks(self, ids: list[torch.Tensor], tokens: int, device: torch.device) -> None:
+    def adopt_blocks(self, ids: list[torch.Tensor], tokens: int, device: torch.device,
+                     token_ids: list[int] | None = None) -> None:
         """Start this empty cache from ``tokens`` tokens already in the pool: blocks ``ids`` (per layer
-        ``[batch, blocks]``), referenced and copied on write (a cached or shared prefix)."""
+        ``[batch, blocks]``), referenced and copied on write (a cached or shared prefix of the tokens
+        ``token_ids``, None if unknown)."""
         if self.get_seq_length():
             raise SequenceStateError(f"adopt_blocks into a cache holding {self.get_seq_length()} tokens")
+        if token_ids is not None and len(token_ids) != tokens:
+            raise ShapeError(f"adopt_blocks: {len(token_ids)} token ids for {tokens} tokens")
         for layer, layer_ids in zip(self.layers, ids, strict=True):
             layer.store.adopt(layer_ids, tokens)
             layer.seen, layer.is_initialized, layer.device = tokens, True, device
         self.cached_tokens = tokens
+        self.token_ids = None if token_ids is None else list(token_ids)
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Check every layer's pool before the first layer writes: a step is written whole or not at all."""
@@ -488,12 +521,17 @@ class KVCache(Cache):
                 if hasattr(layer.store, "quantization_error")}
 
     # -- low-level interface (code outside transformers) -----------------------------------
-    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``."""
+    def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+               token_ids: torch.Tensor | None = None) -> None:
+        """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``; layer 0's
+        call may name the tokens they belong to (``token_ids [1, tokens]``, for prefix caching:
+        without them the cache's tokens are unknown)."""
         if layer_idx == 0:
             self._check_live()
             self._reserve(key, value)
         self.layers[layer_idx].append(key, value)
+        if layer_idx == 0:
+            self.record_tokens(token_ids)
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of all stored keys and values of layer ``layer_idx``."""

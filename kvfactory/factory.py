@@ -10,7 +10,6 @@ from kvfactory.cache import (
     KVLayer,
     attention_layout,
     await_first_forward,
-    needs_kvfactory_attention,
     use_kvfactory_attention,
 )
 from kvfactory.config import CacheConfig, load_yaml, parse_config
@@ -73,6 +72,5 @@ class KVCacheFactory:
             layers.append(KVLayer(store, sliding_window=window))
         cache = KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
                         model_config=self.model_config, routing=routing, routing_context=context)
-        if needs_kvfactory_attention(config):
-            await_first_forward(cache)
+        await_first_forward(cache)  # hooks the model it runs with (tokens written, OVAL's hidden state)
         return cache

@@ -465,3 +465,44 @@ def test_quantized_pages_fork_pause_and_save_packed(codec: str, tmp_path: Path) 
         assert_same_generation(expected, continued(model, other, first, 4), atol=0.0)
     manager.close()
     assert manager.stats()["pool_blocks_used"] == 0
+
+
+def test_blocks_are_cached_under_the_tokens_written_not_the_prompt_declared() -> None:
+    """``create("a", prompt=X)`` then generating from Y: Y's blocks are cached as Y's, never as X's."""
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    declared, written = random_prompt(17, seed=1), random_prompt(17, seed=2)
+    continued(model, manager.create("a", prompt=declared[0]), written, 2)
+    manager.free("a")
+    b = manager.create("b", prompt=declared[0])
+    assert manager.cached_tokens("b") == 0
+    assert_same_generation(reference(model, declared, 3), continued(model, b, declared, 3))
+    c = manager.create("c", prompt=written[0])
+    assert manager.cached_tokens("c") == 16
+    assert_same_generation(reference(model, written, 3), continued(model, c, written, 3))
+
+
+def test_a_sliding_window_that_dropped_whole_pages_never_offers_them_as_a_prefix() -> None:
+    model = tiny_model("mistral-sw8")  # window 8 < prompt: whole 4-token pages leave the window
+    manager = manager_for(model)
+    prompt = random_prompt(21, seed=3)
+    a = manager.create("a", prompt=prompt[0])
+    continued(model, a, prompt, 3)
+    assert all(layer.store.block_ids() is None for layer in a.layers)  # no longer from token 0
+    b = manager.create("b", prompt=prompt[0])
+    assert manager.cached_tokens("b") == 0 and manager.stats()["prefix_cached_blocks"] == 0
+    assert_same_generation(reference(model, prompt, 3), continued(model, b, prompt, 3))
+
+
+def test_appends_without_token_ids_leave_a_sequence_out_of_the_prefix_cache() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    prompt = random_prompt(13, seed=4)
+    cache = manager.create("a", prompt=prompt[0])
+    config = model.config
+    shape = (1, config.num_key_value_heads, 12, config.hidden_size // config.num_attention_heads)
+    for layer in range(len(cache.layers)):
+        cache.append(layer, torch.randn(shape), torch.randn(shape))
+    assert cache.written_tokens() is None
+    manager.free("a")
+    assert manager.stats()["prefix_cached_blocks"] == 0

@@ -5,6 +5,7 @@ what cannot work with a clear error before any output."""
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
@@ -77,13 +78,15 @@ def test_every_strategy_works_through_the_three_lines(name: str, caplog) -> None
         assert cache.size(0) < 44
 
 
-def test_the_finder_hook_is_gone_after_the_first_forward() -> None:
+def test_the_finder_hook_is_gone_once_no_cache_awaits_its_first_forward() -> None:
+    gc.collect()  # caches other tests dropped
     model = plain_model()
     cache = KVCacheFactory(model.config, CONFIGS["quest"]).create_cache()
-    assert adapter._finder is not None
+    assert adapter._finder is not None and cache in adapter._first_forward
     generate(model, {"input_ids": random_prompt(20)}, cache, max_new_tokens=2)
-    assert adapter._finder is None
-    assert model.get_decoder()._kvfactory_watched
+    assert cache not in adapter._first_forward and model.get_decoder()._kvfactory_watched
+    plain_model()(random_prompt(4))  # any module call after that checks
+    assert (adapter._finder is None) == (len(adapter._first_forward) == 0)
 
 
 def test_lossless_configs_leave_the_attention_alone() -> None:

@@ -6,9 +6,11 @@ the factory's paged pool. The manager adds what serving needs around them:
 - ``create`` / ``get`` / ``free`` / ``fork`` (copy-on-write: a fork shares every block until one side
   writes into a shared one) and ``with manager.sequence(id) as cache`` (freed on exit);
 - prefix sharing (``prefix.py``): ``create(id, prompt=token_ids)`` starts the cache from the cached full
-  blocks of the longest known prefix, so generation prefills only the rest; a prompt's blocks are
-  cached once the cache holds them, stay cached after ``free`` (LRU, reclaimed when the pool needs
-  room) and can be pinned; the seed's explicit ``mark_as_shareable`` / ``attach_shared_cache`` too;
+  blocks of the longest known prefix, so generation prefills only the rest; a sequence's full blocks
+  are cached under the ids of the tokens really written into them (recorded from the decoder's
+  ``input_ids``, never from the declared prompt) while it holds them from its first token, stay
+  cached after ``free`` (LRU, reclaimed when the pool needs room) and can be pinned; the seed's
+  explicit ``mark_as_shareable`` / ``attach_shared_cache`` too;
 - ``pause`` / ``prefetch`` / ``resume``: the sequence's K/V (or only its oldest pages: a partial swap)
   moves to a host tier (CPU tensors, within ``host_bytes``) and its blocks go back to the pool;
   ``prefetch`` moves it back towards the pool's device on a background thread ahead of ``resume``,
@@ -63,6 +65,7 @@ class _Shared:
 
     ids: list[torch.Tensor]  # per layer: [1, blocks]
     tokens: int
+    token_ids: list[int] | None  # their ids, if the sequence's were known
 
 
 @dataclass
@@ -103,8 +106,8 @@ class KVCacheManager:
         self.pool.reclaimers.append(self._reclaim)
         self._caches: dict[str, KVCache] = {}
         self._host: dict[str, SequenceState] = {}  # paused sequences' K/V
-        self._prompts: dict[str, list[bytes]] = {}  # block names of prompts not yet all cached
         self._shared: dict[str, _Shared] = {}
+        self._prompt_tokens: dict[str, int] = {}  # sequences created with a prompt: its tokens to cache
         self._prefetched: dict[str, Future[SequenceState]] = {}
         self._touched: dict[str, int] = {}  # sequence -> when the manager last handed it out (LRU order)
         self._clock = 0
@@ -120,13 +123,14 @@ class KVCacheManager:
         if prompt is not None and self.prefix_caching:
             tokens = torch.as_tensor(prompt).flatten().tolist()
             names = block_hashes(tokens[:-1], self.page_size)  # at least one token is left to prefill
-            self._cache_prompts()
+            self._publish_prefixes()
             found = self.index.match(names)
             if found:
                 ids = torch.tensor([entry.ids for entry in found]).T  # [layers, blocks]
-                cache.adopt_blocks([row[None] for row in ids], len(found) * self.page_size, self._device())
-            self._prompts[seq_id] = names
+                cached = len(found) * self.page_size
+                cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached])
             self._count_prompt(len(tokens), len(found) * self.page_size)
+            self._prompt_tokens[seq_id] = len(tokens) - 1
         return self._register(seq_id, cache)
 
     def get(self, seq_id: str) -> KVCache:
@@ -137,8 +141,8 @@ class KVCacheManager:
     def free(self, seq_id: str) -> None:
         """Drop the sequence; its prompt's full blocks stay cached for later prompts."""
         cache = self._cache(seq_id)
-        self._cache_prompts()
-        self._prompts.pop(seq_id, None)
+        self._publish_prefixes()
+        self._prompt_tokens.pop(seq_id, None)
         self._host.pop(seq_id, None)
         self._prefetched.pop(seq_id, None)
         cache.paused = False
@@ -195,7 +199,7 @@ class KVCacheManager:
         """Move the sequence's K/V to the host tier and give its blocks back; with ``blocks``, only its
         oldest ``blocks`` pages per layer (a partial swap; the recent ones stay). Returns the bytes moved."""
         cache = self._live(seq_id)
-        self._cache_prompts()
+        self._publish_prefixes()
         stored = cache.size()
         front = None if blocks is None or blocks * self.page_size >= stored else blocks * self.page_size
         whole = all(type(layer.store) is PagedStore and layer.store.block_ids() is not None
@@ -333,7 +337,8 @@ class KVCacheManager:
             ids.append(store_ids[:, :blocks].clone())
         for pool, layer_ids in zip(self._pools(), ids, strict=True):
             pool.incref(layer_ids)
-        self._shared[seq_id] = _Shared(ids, end)
+        written = cache.written_tokens()
+        self._shared[seq_id] = _Shared(ids, end, None if written is None else written[:end])
         return seq_id
 
     def attach_shared_cache(self, new_seq_id: str, shared_id: str) -> KVCache:
@@ -343,7 +348,7 @@ class KVCacheManager:
         self._check_new(new_seq_id)
         shared = self._shared[shared_id]
         cache = self.factory.create_cache(new_seq_id)
-        cache.adopt_blocks(shared.ids, shared.tokens, self._device())
+        cache.adopt_blocks(shared.ids, shared.tokens, self._device(), shared.token_ids)
         return self._register(new_seq_id, cache)
 
     def release_shared(self, shared_id: str) -> None:
@@ -353,7 +358,7 @@ class KVCacheManager:
 
     def pin_prefix(self, prompt: Sequence[int] | torch.Tensor) -> int:
         """Never reclaim the cached blocks of ``prompt`` (a system prompt); returns how many are pinned."""
-        self._cache_prompts()
+        self._publish_prefixes()
         return self.index.pin(block_hashes(torch.as_tensor(prompt).flatten().tolist(), self.page_size))
 
     def cached_tokens(self, seq_id: str) -> int:
@@ -363,7 +368,7 @@ class KVCacheManager:
     # -- accounting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Sequences, pool blocks (all layers and kinds), prefix cache and host tier, as numbers."""
-        self._cache_prompts()
+        self._publish_prefixes()
         pools = self._pools(None)
         total = sum(p.num_blocks for p in pools)
         free = sum(len(p.free) for p in pools)
@@ -418,21 +423,22 @@ class KVCacheManager:
         pools = self._pools()
         return pools[0].k.device if pools else torch.device("cpu")
 
-    def _cache_prompts(self) -> None:
-        """Index the full prompt blocks that sequences now hold (blocks are named by their prompt)."""
+    def _publish_prefixes(self) -> None:
+        """Index the full prompt blocks that live sequences hold, named by the tokens really written into
+        them (``KVCache.written_tokens``), while each layer still holds its sequence from token 0."""
         pools = self._pools()
-        for seq_id, names in list(self._prompts.items()):
-            cache = self._caches.get(seq_id)
-            if cache is None or seq_id in self._host:
+        for seq_id, prompt_tokens in self._prompt_tokens.items():
+            cache, tokens = self._caches[seq_id], self._caches[seq_id].written_tokens()
+            if tokens is None or seq_id in self._host:
                 continue
             stores = [layer.store for layer in cache.layers]
-            if any(store.block_ids() is None or store.batch_size != 1 for store in stores):
+            if any(type(store) is not PagedStore or store.block_ids() is None or store.batch_size != 1
+                   or store.size() != len(tokens) for store in stores):
                 continue
-            held = min(min(store.size() for store in stores) // self.page_size, len(names))
-            for i in range(held):
-                self.index.insert(names[i], pools, [int(store.block_ids()[0, i]) for store in stores])
-            if held == len(names):
-                del self._prompts[seq_id]
+            names = block_hashes(tokens[:prompt_tokens], self.page_size)
+            ids = [store.block_ids()[0, :len(names)].tolist() for store in stores]
+            for i, name in enumerate(names):
+                self.index.insert(name, pools, [layer_ids[i] for layer_ids in ids])
 
     def _reclaim(self) -> bool:
         """Drop the least recently used cached block no sequence uses (the pool needs room)."""

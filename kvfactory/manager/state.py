@@ -28,6 +28,7 @@ class SequenceState:
     layers: list[Tensors]
     seen: list[int]
     front: bool = False
+    token_ids: list[int] | None = None  # the cache's token record (``KVCache.token_ids``), if known
 
     @classmethod
     def capture(cls, cache: KVCache, device: torch.device | str = "cpu", tokens: int | None = None
@@ -35,7 +36,8 @@ class SequenceState:
         """A copy of what every layer stores (its first ``tokens`` only, if given)."""
         layers = [{name: t.to(device, copy=True) for name, t in layer.store.export_state(tokens).items()}
                   for layer in cache.layers]
-        return cls(layers, [layer.seen for layer in cache.layers], front=tokens is not None)
+        token_ids = None if cache.token_ids is None else list(cache.token_ids)
+        return cls(layers, [layer.seen for layer in cache.layers], tokens is not None, token_ids)
 
     @property
     def nbytes(self) -> int:
@@ -48,7 +50,7 @@ class SequenceState:
             joined = {name: torch.cat([t, back[name].to(t.device)], 2) if name in back else t
                       for name, t in front.items()}
             layers.append(joined if front else back)
-        return SequenceState(layers, rest.seen)
+        return SequenceState(layers, rest.seen, token_ids=rest.token_ids)
 
     def staged(self, device: torch.device | str) -> SequenceState:
         """This state with its tensors on ``device`` (what ``KVCacheManager.prefetch`` runs on a
@@ -57,7 +59,7 @@ class SequenceState:
 
         def moved() -> SequenceState:
             return SequenceState([{name: move(t) for name, t in layer.items()} for layer in self.layers],
-                                 list(self.seen), self.front)
+                                 list(self.seen), self.front, self.token_ids)
 
         def move(t: torch.Tensor) -> torch.Tensor:
             if t.device == target:
@@ -96,3 +98,5 @@ class SequenceState:
                 layer.store.import_state(tensors)
                 layer.is_initialized, layer.device = True, torch.device(device)
             layer.seen = seen
+        if not self.front:
+            cache.token_ids = None if self.token_ids is None else list(self.token_ids)

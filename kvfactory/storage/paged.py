@@ -34,6 +34,10 @@ class PagedStore(LayerStore):
     pool: PagedPool | None = field(default=None, init=False, repr=False)
     kind: str = field(default="kv", init=False, repr=False)
     _table: BlockTable = field(init=False, repr=False)
+    # tokens dropped from the front (windows, partial swaps) and whether ``keep`` left gaps: blocks
+    # that do not hold the sequence from its first token are never offered as a prefix (``block_ids``)
+    _dropped: int = field(default=0, init=False, repr=False)
+    _gapped: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for key in ("page_size", "pool_tokens", "pool_blocks", "pool_bytes"):
@@ -99,6 +103,7 @@ class PagedStore(LayerStore):
 
     def clear(self) -> None:
         self._table.release()
+        self._dropped, self._gapped = 0, False
 
     def keep(self, index: torch.Tensor) -> None:
         """Compact in place: kept tokens move to the front of the row's own blocks, emptied blocks
@@ -106,6 +111,7 @@ class PagedStore(LayerStore):
         """
         index = index.cpu()
         table, kept, ps = self._table, index.shape[-1], self.page_size
+        self._gapped = self._gapped or not bool((index == torch.arange(kept)).all())
         if kept and (self._ids is None or int(index.max()) >= table.length):
             raise ShapeError(f"layer {self.layer_idx}: keep index up to {int(index.max())} but "
                              f"{table.length} tokens are stored")
@@ -142,13 +148,18 @@ class PagedStore(LayerStore):
         table = self._table
         if table.ids is not None:
             twin._table.adopt(table.pool, table.ids, table.start, table.length)
+        twin._dropped, twin._gapped = self._dropped, self._gapped
         return twin
 
+    def held_blocks(self) -> torch.Tensor | None:
+        """The blocks ``[batch, blocks]`` this store references, whatever tokens they hold (accounting)."""
+        return self._table.ids
+
     def block_ids(self) -> torch.Tensor | None:
-        """The blocks ``[batch, blocks]`` holding the stored tokens, the first from stored token 0
-        (None when empty or when the oldest tokens were dropped)."""
+        """The blocks ``[batch, blocks]`` holding the stored tokens, the first from the sequence's token 0
+        (None when empty, or when tokens were dropped from the front or evicted)."""
         table = self._table
-        return None if table.ids is None or table.start else table.ids
+        return None if table.ids is None or table.start or self._dropped or self._gapped else table.ids
 
     def adopt(self, ids: torch.Tensor, tokens: int) -> None:
         """Start from ``tokens`` tokens in blocks ``ids [batch, blocks]`` of this layer's pool, filled by
@@ -160,6 +171,7 @@ class PagedStore(LayerStore):
             raise ShapeError(f"layer {self.layer_idx}: {tokens} tokens in {ids.shape[1]} blocks of "
                              f"{self.page_size} that this pool does not hold")
         self._table.adopt(block_pool, ids, 0, tokens)
+        self._dropped, self._gapped = 0, False
 
     def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
         if not self.size():
@@ -184,6 +196,7 @@ class PagedStore(LayerStore):
         ids = front.ids if table.ids is None else torch.cat([front.ids, table.ids], 1)
         front.ids = None  # the blocks now belong to this store's table
         table.pool, table.ids, table.length = front.pool, ids, table.length + n
+        self._dropped = max(0, self._dropped - n)
 
     # -- page reads (sparse decode, ``kvfactory.selectors``) -----------------------------------
     def pageable(self) -> int:
@@ -225,6 +238,7 @@ class PagedStore(LayerStore):
     def drop_front(self, n: int) -> None:
         table = self._table
         n = min(n, table.length)
+        self._dropped += n
         table.start += n
         table.length -= n
         dead = table.start // self.page_size
