@@ -27,7 +27,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from kvfactory import attention
 from kvfactory.errors import ConfigError, SequenceStateError, ShapeError
-from kvfactory.storage.base import LayerStore, MemoryReport
+from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ATTENTION = "kvfactory"  # the attn_implementation name of kvfactory_attention
@@ -355,13 +355,21 @@ class KVCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         implementation = getattr(self._attention_config, "_attn_implementation", None)
         deferred = implementation == ATTENTION
-        if layer_idx == 0:
-            self._check_live()
+        self._check_write(layer_idx)
+        if layer_idx == 0:  # a forward writes every layer: check every layer's pool before the first
             if self.config is not None and not deferred:
                 check_kvfactory_attention(implementation or "unset", self.config)
-            self._reserve(key_states, value_states)
+            self._reserve(key_states, value_states, self.layers)
             self._deferred = deferred
+        else:
+            self._reserve(key_states, value_states, self.layers[layer_idx:layer_idx + 1])
         return super().update(key_states, value_states, layer_idx, *args, deferred=deferred, **kwargs)
+
+    def _check_write(self, layer_idx: int) -> None:
+        """Every write, of every layer: a layer this cache has, of a sequence that is not paused."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ShapeError(f"layer_idx={layer_idx!r}: this cache has layers 0 to {len(self.layers) - 1}")
+        self._check_live()
 
     def record_tokens(self, token_ids: torch.Tensor | None) -> None:
         """Note the ids ``[1, n]`` of the tokens just written (the decoder's ``input_ids``): prefix
@@ -441,12 +449,13 @@ class KVCache(Cache):
         self.cached_tokens = tokens
         self.token_ids = None if token_ids is None else list(token_ids)
 
-    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Check every layer's pool before the first layer writes: a step is written whole or not at all."""
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, layers: list[KVLayer]) -> None:
+        """Check the pool has room for ``layers`` to write before any of them does (``CacheFullError``):
+        a step is written whole or not at all."""
         check = getattr(self.shared, "check", None)
         if check is not None:
             batch, new_tokens = key_states.shape[0], key_states.shape[-2]
-            check([request for layer in self.layers
+            check([request for layer in layers
                    for request in layer.store.block_requests(new_tokens, batch, key_states, value_states)])
 
     # beams and returned sequences rearrange rows between steps: the routed hidden state follows
@@ -526,9 +535,9 @@ class KVCache(Cache):
         """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``; layer 0's
         call may name the tokens they belong to (``token_ids [1, tokens]``, for prefix caching:
         without them the cache's tokens are unknown)."""
-        if layer_idx == 0:
-            self._check_live()
-            self._reserve(key, value)
+        self._check_write(layer_idx)
+        check_kv(key, value)
+        self._reserve(key, value, self.layers[layer_idx:layer_idx + 1])
         self.layers[layer_idx].append(key, value)
         if layer_idx == 0:
             self.record_tokens(token_ids)

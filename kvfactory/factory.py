@@ -17,6 +17,7 @@ from kvfactory.policies.selective import SelectiveStore
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.sparse import SparseStore
+from kvfactory.sizing import KVShape
 from kvfactory.storage.quantized import QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
@@ -38,6 +39,10 @@ class KVCacheFactory:
         if pool is None and make_shared is not None:
             pool = make_shared(storage.options, len(self.windows))
         self.pool = pool
+        expect_layout = getattr(pool, "expect_layout", None)
+        if expect_layout is not None:  # every write of every layer is checked against the model's shape
+            shape = KVShape.from_config(model_config)
+            expect_layout(shape.kv_heads, shape.head_dim)
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
         selector = self.config.selector
         self.layer_selectors = {} if selector is None else selector.per_layer(model_config, [

@@ -18,6 +18,7 @@ from kvfactory import (
     KVCacheManager,
     SequenceFileError,
     SequenceStateError,
+    ShapeError,
     UnknownSequenceError,
     UnsupportedError,
 )
@@ -506,3 +507,47 @@ def test_appends_without_token_ids_leave_a_sequence_out_of_the_prefix_cache() ->
     assert cache.written_tokens() is None
     manager.free("a")
     assert manager.stats()["prefix_cached_blocks"] == 0
+
+
+def test_every_low_level_write_checks_its_layer_and_the_sequence_state() -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model, pool_blocks=6)
+    config = model.config
+    shape = (1, config.num_key_value_heads, 5, config.hidden_size // config.num_attention_heads)
+    cache = manager.create("a")
+    for layer in range(len(cache.layers)):
+        cache.append(layer, torch.randn(shape), torch.randn(shape))
+    manager.pause("a")
+    for layer in range(len(cache.layers)):  # not only layer 0: a paused cache takes no write at all
+        with pytest.raises(SequenceStateError, match="paused"):
+            cache.append(layer, torch.randn(shape), torch.randn(shape))
+    manager.resume("a")
+    for bad in (-1, len(cache.layers), 1.0):
+        with pytest.raises(ShapeError, match="layer_idx"):
+            cache.append(bad, torch.randn(shape), torch.randn(shape))
+    big = (*shape[:2], 6 * PAGE, shape[3])
+    with pytest.raises(CacheFullError):  # layer 1's own pool is checked before it writes
+        cache.append(1, torch.randn(big), torch.randn(big))
+    assert [cache.size(i) for i in range(len(cache.layers))] == [5, 5]
+    assert_same_generation(*(continued(model, c, random_prompt(9), 2) for c in (
+        manager.create("b"), KVCacheFactory(model.config, PAGED).create_cache())))
+
+
+def test_the_pool_layout_comes_from_the_model_not_from_the_first_writer() -> None:
+    model = tiny_model("llama")
+    factory = KVCacheFactory(model.config, PAGED)
+    config = model.config
+    heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    cache = factory.create_cache()
+    narrow = torch.randn(1, heads, 5, 8)
+    with pytest.raises(ShapeError, match="head_dim=16"):  # the model's shape, on every layer
+        cache.append(1, narrow, narrow)
+    assert factory.pool.pools == {} and cache.size(1) == 0
+    half = torch.randn(1, heads, 5, head_dim, dtype=torch.float16)
+    for layer in range(len(cache.layers)):
+        cache.append(layer, half, half)
+    cache.free()  # the fp16 blocks are all free again: the model's fp32 writes take the pool back
+    ids = random_prompt(11)
+    assert_same_generation(reference(model, ids, 3), continued(model, factory.create_cache(), ids, 3))
+    with pytest.raises(ConfigError, match="head_dim=16"):  # one pool, one model layout
+        KVCacheFactory(tiny_model("llama", hidden_size=128).config, PAGED, pool=factory.pool)

@@ -216,8 +216,9 @@ def test_paged_quantization_keeps_packed_bytes_in_pool_blocks() -> None:
 
 
 def test_quantized_pages_are_bounded_by_the_pool_and_fail_before_writing() -> None:
-    factory = KVCacheFactory(tiny_config("llama"), {"type": "paged", "page_size": 16, "pool_tokens": 256,
-                                                    "quantization": {"codec": "int4", "residual": 32}})
+    config = tiny_config("llama", hidden_size=H * D, num_attention_heads=H, num_key_value_heads=H)
+    factory = KVCacheFactory(config, {"type": "paged", "page_size": 16, "pool_tokens": 256,
+                                      "quantization": {"codec": "int4", "residual": 32}})
     cache = factory.create_cache()
     key, value = kv(224, batch=1)
     for layer in range(len(cache.layers)):

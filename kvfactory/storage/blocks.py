@@ -168,6 +168,35 @@ class PagedPool:
         self.pools: dict[tuple[str, int], BlockPool] = {}
         self.reclaimers: list[Callable[[], bool]] = []  # each frees some blocks if it can: True if it did
         self._workspace = ReadWorkspace()
+        self.layout: tuple[int, int] | None = None  # (kv_heads, head_dim) of the model (``expect_layout``)
+
+    def expect_layout(self, kv_heads: int, head_dim: int) -> None:
+        """Fix the K/V shape every write must have, from the model config (``KVCacheFactory``): a write
+        of another shape raises ``ShapeError`` and changes nothing. A dtype or device follows the
+        first writer and may change once a block pool holds nothing (after ``free``)."""
+        if self.layout not in (None, (kv_heads, head_dim)):
+            raise ConfigError("pool", f"kv_heads={self.layout[0]}, head_dim={self.layout[1]}",
+                              f"a pool of the model's layout kv_heads={kv_heads}, head_dim={head_dim}")
+        self.layout = (kv_heads, head_dim)
+
+    def _check_spec(self, spec: PoolSpec) -> BlockPool | None:
+        """The block pool ``spec`` writes into (None: not allocated yet, or emptied and dropped to take
+        ``spec``'s dtype and device); ``ShapeError`` for a spec that fits neither the model nor it."""
+        if self.layout is not None:
+            kv_heads, head_dim = self.layout
+            plain = spec.kind != "packed"  # packed codes have codec-specific trailing shapes
+            if any(shape[0] != kv_heads or plain and shape[-1] != head_dim for _, shape, _ in spec.tensors):
+                raise ShapeError(f"layer {spec.layer_idx}: {spec.kind} blocks of {describe(spec)} do not fit "
+                                 f"the model's kv_heads={kv_heads}, head_dim={head_dim}")
+        key = (spec.kind, spec.layer_idx)
+        pool = self.pools.get(key)
+        if pool is None or pool.spec == spec:
+            return pool
+        if not pool.refcount.any():
+            del self.pools[key]
+            return None
+        raise ShapeError(f"layer {spec.layer_idx}: {spec.kind} blocks of {describe(spec)} do not fit the "
+                         f"pool's {describe(pool.spec)}, which holds blocks in use")
 
     @property
     def layers(self) -> dict[int, BlockPool]:
@@ -179,14 +208,11 @@ class PagedPool:
         return self._workspace.buffer(slot, shape, like)
 
     def block_pool(self, spec: PoolSpec) -> BlockPool:
-        """The pool of ``spec``'s kind and layer, allocated on first use; a later spec must match it."""
-        pool = self.pools.get((spec.kind, spec.layer_idx))
+        """The pool of ``spec``'s kind and layer, allocated on first use (``_check_spec``)."""
+        pool = self._check_spec(spec)
         if pool is None:
             pool = BlockPool(spec, self.capacity(spec))
             self.pools[(spec.kind, spec.layer_idx)] = pool
-        elif pool.spec != spec:
-            raise ShapeError(f"layer {spec.layer_idx}: {spec.kind} blocks of {describe(spec)} do not fit the "
-                             f"pool's {describe(pool.spec)}")
         return pool
 
     def capacity(self, spec: PoolSpec) -> int | None:
@@ -217,7 +243,7 @@ class PagedPool:
 
     def _check(self, requests: list[tuple[PoolSpec, int]]) -> None:
         for spec, needed in requests:
-            pool = self.pools.get((spec.kind, spec.layer_idx))
+            pool = self._check_spec(spec)
             if pool is not None:
                 pool.check(needed)
                 continue

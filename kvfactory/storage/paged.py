@@ -79,15 +79,8 @@ class PagedStore(LayerStore):
     # -- LayerStore -----------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         check_kv(key, value)
-        spec = self._spec(key, value)
-        pool = self.ensure_pool()
-        held = pool.pools.get((self.kind, self.layer_idx))
-        if held is not None and held.spec != spec:
-            k, v = held.k, held.v
-            raise ShapeError(f"layer {self.layer_idx}: key {tuple(key.shape)} ({key.dtype}, {key.device}) / "
-                             f"value {tuple(value.shape)} do not fit the pool's kv_heads={k.shape[0]}, "
-                             f"head_dim={k.shape[3]}/{v.shape[3]} ({k.dtype}, {k.device})")
-        self._table.append(pool.block_pool(spec), {"k": key, "v": value}, key.shape[2])
+        block_pool = self.ensure_pool().block_pool(self._spec(key, value))  # ShapeError before any write
+        self._table.append(block_pool, {"k": key, "v": value}, key.shape[2])
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._ids is None:
