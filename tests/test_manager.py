@@ -551,3 +551,80 @@ def test_the_pool_layout_comes_from_the_model_not_from_the_first_writer() -> Non
     assert_same_generation(reference(model, ids, 3), continued(model, factory.create_cache(), ids, 3))
     with pytest.raises(ConfigError, match="head_dim=16"):  # one pool, one model layout
         KVCacheFactory(tiny_model("llama", hidden_size=128).config, PAGED, pool=factory.pool)
+
+
+def rewrite_metadata(path: Path, edit, redigest: bool) -> None:
+    """Edit a saved file's metadata in place, as a hand edit would (``redigest``: and forge its digest)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    with safe_open(str(path), framework="pt") as file:
+        meta = json.loads(file.metadata()["kvfactory"])
+    edit(meta)
+    if redigest:
+        meta["digest"] = persist._meta_digest(meta)
+    save_file(load_file(str(path)), str(path), metadata={"kvfactory": json.dumps(meta)})
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda m: m.update(seen=[1000, 1000]), "stores 20 tokens but has seen 1000"),
+    (lambda m: m.update(seen=[0, 0]), "stores 20 tokens but has seen 0"),
+    (lambda m: m.update(seen=[-5, -5]), "token counts >= 0"),
+    (lambda m: m.update(seen=[20]), "token counts >= 0"),
+    (lambda m: m.update(seen="20"), "expected a list"),
+    (lambda m: m.pop("fingerprint"), "expected a dict"),
+    (lambda m: m.update(checksums=None), "expected a dict"),
+    (lambda m: m.update(seq_id=7), "expected a str"),
+    (lambda m: m["fingerprint"].update(kv_heads=1), "another model"),
+])
+def test_saved_metadata_is_covered_by_the_digest_and_checked_field_by_field(tmp_path: Path, edit,
+                                                                           match: str) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    continued(model, manager.create("a"), random_prompt(18), 3)
+    path = tmp_path / "a.safetensors"
+    manager.save("a", path)
+    rewrite_metadata(path, edit, redigest=False)
+    with pytest.raises(SequenceFileError, match="digest"):
+        manager.load(path, "x")
+    rewrite_metadata(path, lambda m: None, redigest=True)  # a forged digest: the fields themselves
+    with pytest.raises(SequenceFileError, match=match):
+        manager.load(path, "x")
+    assert manager.sequences() == ["a"]
+
+
+def test_a_file_of_another_dtype_is_refused_and_the_pool_keeps_its_own(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    continued(model, manager.create("a"), random_prompt(10), 2)
+    path = tmp_path / "a.safetensors"
+    manager.save("a", path)
+    half = tiny_model("llama").config.__class__.from_dict(model.config.to_dict() | {"dtype": "bfloat16"})
+    with pytest.raises(SequenceFileError, match="dtype float32, this manager's are torch.bfloat16"):
+        KVCacheManager(half, PAGED).load(path)
+    manager.free("a")
+    other = manager_for(model)
+    kept = other.create("b")
+    shape = (1, model.config.num_key_value_heads, 4, 16)
+    for layer in range(2):
+        kept.append(layer, torch.randn(shape, dtype=torch.float16), torch.randn(shape, dtype=torch.float16))
+    with pytest.raises(SequenceFileError, match="dtype float32, this manager's are torch.float16"):
+        other.load(path)
+
+
+def test_saves_refuse_a_folder_and_clean_what_a_killed_save_left(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    manager = manager_for(model)
+    continued(model, manager.create("a"), random_prompt(10), 1)
+    with pytest.raises(SequenceFileError, match="is a folder"):
+        manager.save("a", tmp_path)
+    path = tmp_path / "a.safetensors"
+    left = [tmp_path / ".a.safetensors.x1y2", tmp_path / ".a.safetensors.z3"]
+    for stale in left:
+        stale.write_bytes(b"half a save")
+    manager.save("a", path)
+    assert sorted(tmp_path.iterdir()) == [path]
+    left[0].write_bytes(b"")
+    manager.load(path, "b")
+    assert sorted(tmp_path.iterdir()) == [path]

@@ -303,7 +303,9 @@ class KVCacheManager:
 
     def load(self, path: str | Path, seq_id: str | None = None) -> KVCache:
         """A new sequence from a saved file (its saved id unless ``seq_id``)."""
-        state, saved_id = load_state(path, self.factory.model_config, self.factory.config.raw)
+        in_use = next((pool.k.dtype for pool in self._pools() if pool.refcount.any()), None)
+        state, saved_id = load_state(path, self.factory.model_config, self.factory.config.raw, in_use,
+                                     evicts=self.factory.config.selective is not None)
         seq_id = seq_id or saved_id
         cache = self.create(seq_id)
         try:

@@ -3,11 +3,13 @@
 Each layer's tensors are its store's export (``layer.{i}.keys`` for plain pages;
 ``layer.{i}.packed.*``, the codes, scales and zero points as stored, for quantized ones). The
 metadata (safetensors' string header) names the format, the model fingerprint (architecture fields
-and name, so that a file is never loaded into a model whose K/V it does not fit), the cache config,
-the tokens seen per layer and a SHA-256 of every tensor. Writes go to a temporary file in the same
-folder, are flushed to disk and renamed over the target, so a crash leaves the old file or the new
-one, never half of one. Loading checks all of it and raises ``SequenceFileError`` naming what is
-wrong.
+and name, the K/V layout and element type, so that a file is never loaded into a model or pool
+whose K/V it does not fit), the cache config, the tokens seen per layer and a SHA-256 of every
+tensor, and a SHA-256 of all of that (``digest``), so an edited header is refused like a corrupted
+tensor. Writes go to a temporary file in the same folder, are flushed to disk and renamed over the
+target, so a crash leaves the old file or the new one, never half of one; temporaries a killed
+save left behind are removed by the next save or load of that path. Loading checks all of it,
+field by field, and raises ``SequenceFileError`` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -25,32 +27,60 @@ from safetensors.torch import load_file, save_file
 
 from kvfactory.errors import SequenceFileError
 from kvfactory.manager.state import SequenceState
+from kvfactory.sizing import KVShape
 
-FORMAT = "kvfactory.sequence/1"
+FORMAT = "kvfactory.sequence/2"
 FINGERPRINT_FIELDS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                       "head_dim", "hidden_size", "vocab_size", "_name_or_path")
 
 
-def fingerprint(model_config: Any) -> dict[str, Any]:
-    """The fields of ``model_config`` that decide what a layer's K/V are and mean."""
+def fingerprint(model_config: Any, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The fields of ``model_config`` that decide what a layer's K/V are and mean, with the K/V layout
+    and, when known, their element type (``dtype``)."""
     config = model_config.get_text_config(decoder=True)
-    return {name: getattr(config, name, None) for name in FINGERPRINT_FIELDS}
+    shape = KVShape.from_config(model_config)
+    return {name: getattr(config, name, None) for name in FINGERPRINT_FIELDS} | {
+        "kv_heads": shape.kv_heads, "kv_head_dim": shape.head_dim,
+        "kv_dtype": None if dtype is None else str(dtype).removeprefix("torch.")}
 
 
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def _meta_digest(meta: dict[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _kv_dtype(state: SequenceState) -> torch.dtype | None:
+    """The element type of the plain K/V (or full-precision window) the state holds."""
+    for layer in state.layers:
+        for name, t in layer.items():
+            if name.endswith("keys"):
+                return t.dtype
+    return None
+
+
+def _temporaries(path: Path) -> list[Path]:
+    return list(path.parent.glob(f".{path.name}.*")) if path.parent.is_dir() else []
+
+
 def save_state(state: SequenceState, path: str | Path, model_config: Any, cache_config: dict,
                seq_id: str) -> None:
     """Write ``state`` to ``path`` atomically."""
     path = Path(path)
+    if path.is_dir():
+        raise SequenceFileError(f"{path}: is a folder; give the path of a file to write")
     tensors = {f"layer.{i}.{name}": t.cpu().contiguous()
                for i, layer in enumerate(state.layers) for name, t in layer.items()}
-    meta = {"format": FORMAT, "seq_id": seq_id, "fingerprint": fingerprint(model_config),
+    meta = {"format": FORMAT, "seq_id": seq_id, "fingerprint": fingerprint(model_config, _kv_dtype(state)),
             "cache_config": cache_config, "seen": state.seen,
             "checksums": {name: _digest(t) for name, t in tensors.items()}}
+    meta["digest"] = _meta_digest(meta)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in _temporaries(path):  # left by a save that was killed
+        stale.unlink(missing_ok=True)
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(handle)
     try:
@@ -63,9 +93,14 @@ def save_state(state: SequenceState, path: str | Path, model_config: Any, cache_
         raise
 
 
-def load_state(path: str | Path, model_config: Any, cache_config: dict) -> tuple[SequenceState, str]:
-    """The state saved at ``path`` and its sequence id, checked against the model and cache config."""
+def load_state(path: str | Path, model_config: Any, cache_config: dict, pool_dtype: torch.dtype | None = None,
+               evicts: bool = False) -> tuple[SequenceState, str]:
+    """The state saved at ``path`` and its sequence id, checked against the model, the cache config,
+    ``pool_dtype`` (the element type the pool's K/V have, if fixed) and whether the config evicts
+    (else a full-attention layer of plain pages stores every token it has seen)."""
     path = Path(path)
+    for stale in _temporaries(path):
+        stale.unlink(missing_ok=True)
     if not path.is_file():
         raise SequenceFileError(f"{path}: no such file")
     try:
@@ -75,27 +110,53 @@ def load_state(path: str | Path, model_config: Any, cache_config: dict) -> tuple
         meta = json.loads(header["kvfactory"])
     except (SafetensorError, OSError, KeyError, ValueError) as err:
         raise SequenceFileError(f"{path}: not a readable kvfactory sequence file ({err})") from None
-    if meta.get("format") != FORMAT:
-        raise SequenceFileError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    mine = fingerprint(model_config)
-    if meta["fingerprint"] != mine:
-        saved = meta["fingerprint"]
-        differ = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise SequenceFileError(f"{path}: format {found!r}, expected {FORMAT!r}")
+    if meta.get("digest") != _meta_digest(meta):
+        raise SequenceFileError(f"{path}: the metadata does not match its digest (edited or corrupted)")
+    return _checked(path, meta, tensors, model_config, cache_config, pool_dtype, evicts)
+
+
+def _checked(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], model_config: Any,
+             cache_config: dict, pool_dtype: torch.dtype | None, evicts: bool) -> tuple[SequenceState, str]:
+    """The file's state after every field is checked (types, the model, the config, the checksums)."""
+    expected = {"seq_id": str, "fingerprint": dict, "cache_config": dict, "seen": list, "checksums": dict}
+    for key, kind in expected.items():
+        if not isinstance(meta.get(key), kind):
+            raise SequenceFileError(f"{path}: metadata {key!r} is {meta.get(key)!r}, "
+                                    f"expected a {kind.__name__}")
+    saved, mine = meta["fingerprint"], fingerprint(model_config)
+    differ = {k: (saved.get(k), v) for k, v in mine.items() if k != "kv_dtype" and saved.get(k) != v}
+    if differ:
         raise SequenceFileError(f"{path}: saved for another model; (file, this model) differ in {differ}")
+    wanted = pool_dtype or getattr(model_config.get_text_config(decoder=True), "dtype", None)
+    if wanted is not None and saved.get("kv_dtype") not in (None, str(wanted).removeprefix("torch.")):
+        raise SequenceFileError(f"{path}: K/V of dtype {saved.get('kv_dtype')}, this manager's are {wanted}")
     if meta["cache_config"] != cache_config:
         raise SequenceFileError(f"{path}: saved with cache config {meta['cache_config']}, this manager's is "
                                 f"{cache_config}")
+    seen, layers = meta["seen"], model_config.get_text_config(decoder=True).num_hidden_layers
+    if len(seen) != layers or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                      for n in seen):
+        raise SequenceFileError(f"{path}: seen={seen}: expected {layers} token counts >= 0")
     if set(tensors) != set(meta["checksums"]):
         odd = sorted(set(tensors) ^ set(meta["checksums"]))
         raise SequenceFileError(f"{path}: tensors {odd} missing or extra")
     for name, t in tensors.items():
         if _digest(t) != meta["checksums"][name]:
             raise SequenceFileError(f"{path}: tensor {name} does not match its checksum (corrupted)")
-    layers: list[dict[str, torch.Tensor]] = [{} for _ in meta["seen"]]
+    state: list[dict[str, torch.Tensor]] = [{} for _ in seen]
     for name, t in tensors.items():
         try:
             _, index, key = name.split(".", 2)
-            layers[int(index)][key] = t
+            state[int(index)][key] = t
         except (ValueError, IndexError):
-            raise SequenceFileError(f"{path}: tensor {name!r} names no layer of {len(layers)}") from None
-    return SequenceState(layers, list(meta["seen"])), meta["seq_id"]
+            raise SequenceFileError(f"{path}: tensor {name!r} names no layer of {len(state)}") from None
+    windows = KVShape.from_config(model_config).windows
+    for i, layer in enumerate(state):
+        stored = layer["keys"].shape[2] if "keys" in layer else 0
+        whole = set(layer) <= {"keys", "values"} and windows[i] is None and not evicts
+        if seen[i] < stored or whole and seen[i] != stored:
+            raise SequenceFileError(f"{path}: layer {i} stores {stored} tokens but has seen {seen[i]}")
+    return SequenceState(state, list(seen)), meta["seq_id"]
