@@ -28,6 +28,7 @@ from transformers.modeling_utils import PreTrainedModel
 from kvfactory import attention
 from kvfactory.errors import ConfigError, SequenceStateError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
+from kvfactory.storage.forward_lock import ForwardLock
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ATTENTION = "kvfactory"  # the attn_implementation name of kvfactory_attention
@@ -130,22 +131,28 @@ def watch_hidden_states(model: torch.nn.Module) -> torch.nn.Module:
     need not. Returns ``model``."""
     decoder = model.get_decoder()
     if not getattr(decoder, "_kvfactory_watched", False):
-        decoder.register_forward_hook(_after_decoder, with_kwargs=True)
+        decoder.register_forward_hook(_after_decoder, with_kwargs=True, always_call=True)
         decoder._kvfactory_watched = True
     return model
 
 
 def _after_decoder(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """After each decoder forward, also one that raised (``output`` None): the cache's forward ends."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, KVCache):
         return
-    _first_forward.discard(cache)
-    cache.check_attention(getattr(module, "config", None))
-    cache.record_tokens(kwargs.get("input_ids"))
-    context = cache.routing_context
-    hidden = getattr(output, "last_hidden_state", None)
-    if context is not None and hidden is not None:
-        context.hidden = hidden[:, -1].detach()
+    try:
+        _first_forward.discard(cache)
+        if output is None:
+            return
+        cache.check_attention(getattr(module, "config", None))
+        cache.record_tokens(kwargs.get("input_ids"))
+        context = cache.routing_context
+        hidden = getattr(output, "last_hidden_state", None)
+        if context is not None and hidden is not None:
+            context.hidden = hidden[:, -1].detach()
+    finally:
+        cache.forward_lock.exit()
 
 
 # Caches whose first forward has not run yet: while there are any, a global forward pre-hook watches
@@ -338,8 +345,9 @@ class KVCache(Cache):
 
     def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
                  config: Any = None, workspace: Any = None, model_config: Any = None, routing: Any = None,
-                 routing_context: Any = None):
+                 routing_context: Any = None, forward_lock: ForwardLock | None = None):
         super().__init__(layers=layers)
+        self.forward_lock = forward_lock or ForwardLock()  # shared with the factory's other caches
         self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
         self.model_config = model_config
         self.paused = False  # set by KVCacheManager.pause: its tokens live in the host tier
@@ -355,6 +363,8 @@ class KVCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         implementation = getattr(self._attention_config, "_attn_implementation", None)
         deferred = implementation == ATTENTION
+        if layer_idx == 0:  # a forward starts: other threads' forwards on this memory wait for its end
+            self.forward_lock.enter()
         self._check_write(layer_idx)
         if layer_idx == 0:  # a forward writes every layer: check every layer's pool before the first
             if self.config is not None and not deferred:
@@ -390,7 +400,8 @@ class KVCache(Cache):
         return tokens
 
     def reset(self) -> None:
-        super().reset()
+        with self.forward_lock.held():
+            super().reset()
         self.token_ids = []
 
     def crop(self, max_length: int) -> None:
@@ -422,17 +433,20 @@ class KVCache(Cache):
         ``UnsupportedError`` for strategies that cannot fork yet (quantized, selective, sparse)."""
         self._check_live()
         layers = []
-        for layer in self.layers:
-            twin = KVLayer(layer.store.fork(), layer.sliding_window)
+        with self.forward_lock.held():
+            stores = [layer.store.fork() for layer in self.layers]
+        for layer, store in zip(self.layers, stores, strict=True):
+            twin = KVLayer(store, layer.sliding_window)
             twin.seen, twin.record_past = layer.seen, layer.record_past
             twin.is_initialized = layer.is_initialized
             if layer.is_initialized:
                 twin.device = layer.device
             layers.append(twin)
-        twin = KVCache(layers, shared=self.shared, seq_id=seq_id, config=self.config,
-                       workspace=self.workspace, model_config=self.model_config)
-        twin.token_ids = None if self.token_ids is None else list(self.token_ids)
-        return twin
+        forked = KVCache(layers, shared=self.shared, seq_id=seq_id, config=self.config,
+                         workspace=self.workspace, model_config=self.model_config,
+                         forward_lock=self.forward_lock)
+        forked.token_ids = None if self.token_ids is None else list(self.token_ids)
+        return forked
 
     def adopt_blocks(self, ids: list[torch.Tensor], tokens: int, device: torch.device,
                      token_ids: list[int] | None = None) -> None:
@@ -537,8 +551,9 @@ class KVCache(Cache):
         without them the cache's tokens are unknown)."""
         self._check_write(layer_idx)
         check_kv(key, value)
-        self._reserve(key, value, self.layers[layer_idx:layer_idx + 1])
-        self.layers[layer_idx].append(key, value)
+        with self.forward_lock.held():
+            self._reserve(key, value, self.layers[layer_idx:layer_idx + 1])
+            self.layers[layer_idx].append(key, value)
         if layer_idx == 0:
             self.record_tokens(token_ids)
 

@@ -18,6 +18,7 @@ from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.sparse import SparseStore
 from kvfactory.sizing import KVShape
+from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.quantized import QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
@@ -44,6 +45,8 @@ class KVCacheFactory:
             shape = KVShape.from_config(model_config)
             expect_layout(shape.kv_heads, shape.head_dim)
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
+        # caches of a factory (or of one pool) share memory: their forwards take turns
+        self.forward_lock = getattr(pool, "forward_lock", None) or ForwardLock()
         selector = self.config.selector
         self.layer_selectors = {} if selector is None else selector.per_layer(model_config, [
             i for i, window in enumerate(self.windows) if window is None and i >= selector.dense_layers])
@@ -76,6 +79,7 @@ class KVCacheFactory:
                 store.attach(self.pool)
             layers.append(KVLayer(store, sliding_window=window))
         cache = KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
-                        model_config=self.model_config, routing=routing, routing_context=context)
+                        model_config=self.model_config, routing=routing, routing_context=context,
+                        forward_lock=self.forward_lock)
         await_first_forward(cache)  # hooks the model it runs with (tokens written, OVAL's hidden state)
         return cache

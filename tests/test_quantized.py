@@ -293,4 +293,5 @@ def test_a_forward_outside_no_grad_works_as_under_it(codec: str, storage: str) -
             cache = KVCacheFactory(model.config, config).create_cache()
             model(random_prompt(40), past_key_values=cache)
             logits.append(model(random_prompt(1, seed=1), past_key_values=cache).logits.detach())
-    assert torch.equal(logits[0], logits[1])
+    # the same codes are read; compiled int8 kernels may be specialised apart in the two modes
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=0)

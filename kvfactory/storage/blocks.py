@@ -27,6 +27,7 @@ import torch
 
 from kvfactory.errors import CacheFullError, ConfigError, ShapeError
 from kvfactory.storage.base import MemoryReport
+from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.workspace import ReadWorkspace
 
 BLOCK_KINDS = ("kv", "packed", "window")
@@ -168,6 +169,7 @@ class PagedPool:
         self.pools: dict[tuple[str, int], BlockPool] = {}
         self.reclaimers: list[Callable[[], bool]] = []  # each frees some blocks if it can: True if it did
         self._workspace = ReadWorkspace()
+        self.forward_lock = ForwardLock()  # one forward at a time over these blocks (``forward_lock.py``)
         self.layout: tuple[int, int] | None = None  # (kv_heads, head_dim) of the model (``expect_layout``)
 
     def expect_layout(self, kv_heads: int, head_dim: int) -> None:
