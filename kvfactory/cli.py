@@ -14,12 +14,23 @@ from rich.table import Table
 
 from kvfactory import models, sizing
 from kvfactory import run as run_job
+from kvfactory.errors import KVFactoryError
 
 app = typer.Typer(help="KV-cache management for Hugging Face transformers.", no_args_is_help=True,
                   add_completion=False)
 
 # options several commands share
-ModelOption = Annotated[str, typer.Option(help="'smollm2' (embedded) or a local model folder / hub id")]
+def _model(model: str) -> str:
+    """``--model``: the embedded model, a hub id, or a local folder that exists."""
+    path = Path(model).expanduser()
+    local = path.is_absolute() or model.startswith((".", "~"))
+    if model != models.EMBEDDED and local and not path.exists():
+        raise typer.BadParameter(f"{model!r}: no such model folder", param_hint="--model")
+    return model
+
+
+ModelOption = Annotated[str, typer.Option(callback=_model,
+                                          help="'smollm2' (embedded) or a local model folder / hub id")]
 DenseLayersOption = Annotated[int, typer.Option(min=0, help="first layers read whole (not routed)")]
 ThreadsOption = Annotated[int, typer.Option(min=1, help="torch CPU threads")]
 
@@ -124,6 +135,13 @@ def run(
         run_job.run(context, new_tokens, configs, threads, json_path, Console(), every)
     except run_job.RunError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except KVFactoryError as exc:  # a config that cannot hold the run (a pool too small): no traceback
+        _fail(exc)
+
+
+def _fail(exc: Exception) -> None:
+    Console(stderr=True).print(f"[red]error:[/red] {type(exc).__name__}: {exc}", highlight=False)
+    raise typer.Exit(2)
 
 
 def _csv(text: str, kind: type, option: str) -> tuple:
@@ -195,6 +213,8 @@ def eval_(
                          prompts_only, Console(), text)
     except (runner.EvalError, exchange.PeerResultsError) as exc:
         raise typer.BadParameter(str(exc)) from exc
+    except KVFactoryError as exc:
+        _fail(exc)
 
 
 @app.command("report")

@@ -104,9 +104,9 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
         config = config["kv_cache_config"]
         if not isinstance(config, dict):
             raise ConfigError("kv_cache_config", config, "a mapping")
-    if "type" not in config:
-        raise ConfigError("type", None, f"one of {registered_strategies()} or 'composite'")
-    kind = config["type"]
+    kind = config.get("type")
+    if not isinstance(kind, str):
+        raise ConfigError("type", kind, f"one of {registered_strategies()} or 'composite'")
     if kind != "composite":
         options = {k: v for k, v in config.items() if k not in ("type", "quantization")}
         return CacheConfig(parse_strategy(kind, options, ""), dict(config),
@@ -121,8 +121,8 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
     storage, quantization, selective, selector = None, None, None, None
     for i, entry in enumerate(strategies):
         where = f"strategies[{i}]."
-        if not isinstance(entry, dict) or "name" not in entry:
-            raise ConfigError(f"strategies[{i}]", entry, "a mapping with a 'name' key")
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise ConfigError(f"strategies[{i}]", entry, "a mapping with a 'name' key naming a strategy")
         options = {k: v for k, v in entry.items() if k != "name"}
         if entry["name"] == QUANTIZED:
             if quantization is not None:
@@ -172,8 +172,8 @@ def check_selector_composition(storage: StrategySpec, selective: SelectiveSpec |
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a dict (errors name the file)."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError("yaml file", str(path), f"a readable YAML file ({exc})") from exc
     if not isinstance(data, dict):
         raise ConfigError("yaml file", str(path), "a YAML mapping at the top level")

@@ -44,6 +44,8 @@ class KVCacheFactory:
         if expect_layout is not None:  # every write of every layer is checked against the model's shape
             shape = KVShape.from_config(model_config)
             expect_layout(shape.kv_heads, shape.head_dim)
+        if self.config.quantization is not None:  # a per-layer codec list names every layer
+            self.config.quantization.codec_name(0, len(self.windows))
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
         # caches of a factory (or of one pool) share memory: their forwards take turns
         self.forward_lock = getattr(pool, "forward_lock", None) or ForwardLock()

@@ -89,6 +89,10 @@ class KVCacheManager:
     def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
                  pool: PagedPool | None = None, *, prefix_caching: bool | None = None,
                  host_bytes: int | None = None) -> None:
+        if host_bytes is not None and (isinstance(host_bytes, bool) or not isinstance(host_bytes, int)
+                                       or host_bytes < 0):
+            raise ConfigError("host_bytes", host_bytes, "an integer >= 0 (bytes the host tier may hold) "
+                              "or None")
         self.factory = KVCacheFactory(model_config, cache_config or {"type": "paged"}, pool=pool)
         config = self.factory.config
         if not issubclass(config.storage.cls, PagedStore) or config.selector:
@@ -111,6 +115,7 @@ class KVCacheManager:
         self._prefetched: dict[str, Future[SequenceState]] = {}
         self._touched: dict[str, int] = {}  # sequence -> when the manager last handed it out (LRU order)
         self._clock = 0
+        self._closed = False
         self._prefetcher: ThreadPoolExecutor | None = None
         self.counters = _Counters()
 
@@ -173,7 +178,9 @@ class KVCacheManager:
         self.close()
 
     def close(self) -> None:
-        """Free every sequence, shared prefix and cached block."""
+        """Free every sequence, shared prefix and cached block; the manager takes no calls afterwards."""
+        if self._closed:
+            return
         for seq_id in list(self._caches):
             self.free(seq_id)
         for shared_id in list(self._shared):
@@ -184,6 +191,7 @@ class KVCacheManager:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
             self._prefetcher = None
+        self._closed = True
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._caches
@@ -228,6 +236,7 @@ class KVCacheManager:
         recently used live sequences (``pause(seq_id, blocks=...)``), sparing ``keep``; returns the
         pages moved per sequence. ``CacheFullError`` when even that is not enough (what was moved stays
         paused)."""
+        self._check_open()
         moved: dict[str, int] = {}
         for seq_id in sorted(self._touched, key=self._touched.__getitem__):
             short = blocks - min((len(p.free) for p in self._pools(None)), default=blocks)
@@ -354,12 +363,16 @@ class KVCacheManager:
         return self._register(new_seq_id, cache)
 
     def release_shared(self, shared_id: str) -> None:
+        self._check_open()
+        if shared_id not in self._shared:
+            raise UnknownSequenceError(shared_id, list(self._shared))
         shared = self._shared.pop(shared_id)
         for layer, ids in zip(self._pools(), shared.ids, strict=True):
             layer.decref(ids)
 
     def pin_prefix(self, prompt: Sequence[int] | torch.Tensor) -> int:
         """Never reclaim the cached blocks of ``prompt`` (a system prompt); returns how many are pinned."""
+        self._check_open()
         self._publish_prefixes()
         return self.index.pin(block_hashes(torch.as_tensor(prompt).flatten().tolist(), self.page_size))
 
@@ -401,7 +414,12 @@ class KVCacheManager:
         self._touch(seq_id)
         return cache
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SequenceStateError("this KVCacheManager is closed: create a new one")
+
     def _cache(self, seq_id: str) -> KVCache:
+        self._check_open()
         try:
             return self._caches[seq_id]
         except KeyError:
@@ -414,6 +432,7 @@ class KVCacheManager:
         return cache
 
     def _check_new(self, seq_id: str) -> None:
+        self._check_open()
         if seq_id in self._caches:
             raise SequenceStateError(f"sequence {seq_id!r} exists already; free it or choose another id")
 

@@ -20,8 +20,8 @@ def preset_names() -> list[str]:
     return sorted(f.name[:-5] for f in files if f.name.endswith(".yaml"))
 
 
-_NAME_AT_FRACTION = re.compile(
-    r"(?P<name>[a-z0-9_]+)(?P<dynamic>-dynamic)?@(?P<fraction>0?\.[0-9]+|1(\.0*)?)")
+# any number after the @, so that a ratio out of range is refused by the config check, naming it
+_NAME_AT_FRACTION = re.compile(r"(?P<name>[a-z0-9_]+)(?P<dynamic>-dynamic)?@(?P<fraction>-?[0-9]*\.?[0-9]+)")
 
 
 def policy_preset(name: str) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ unit per sequence row, so they grow on demand.
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,6 +165,7 @@ class PagedPool:
             raise ConfigError(", ".join(given), tuple(given.values()), "at most one of pool_tokens, "
                               "pool_blocks, pool_bytes")
         self.page_size, self.num_layers = page_size, num_layers
+        self._size_key = next(iter(given), None)
         self._tokens = blocks * page_size if blocks is not None else tokens
         self._bytes = bytes
         self.pools: dict[tuple[str, int], BlockPool] = {}
@@ -180,6 +182,24 @@ class PagedPool:
             raise ConfigError("pool", f"kv_heads={self.layout[0]}, head_dim={self.layout[1]}",
                               f"a pool of the model's layout kv_heads={kv_heads}, head_dim={head_dim}")
         self.layout = (kv_heads, head_dim)
+        self._check_size(2 * kv_heads * head_dim)
+
+    def _check_size(self, token_bytes: int) -> None:
+        """Refuse a size no pool of this layout can have, now rather than at the allocator: fewer bytes
+        than one block per layer, or more tokens than this machine's memory holds (``token_bytes``
+        per token and layer at one byte per element, the least any codec stores but int4/int2)."""
+        key, given = self._size_key, {"pool_tokens": self._tokens, "pool_bytes": self._bytes}
+        if key == "pool_blocks":
+            given["pool_blocks"] = self._tokens // self.page_size
+        least_block = token_bytes * self.page_size * self.num_layers // 4  # int2 packs 4 per byte
+        if self._bytes is not None and self._bytes < least_block:
+            raise ConfigError("pool_bytes", self._bytes, f">= {least_block} bytes: one "
+                              f"{self.page_size}-token block for each of {self.num_layers} layers")
+        limit = memory_bytes()
+        if self._tokens is not None and self._tokens * token_bytes * self.num_layers // 4 > limit:
+            raise ConfigError(key, given[key], f"a pool that fits this machine's {limit:,} bytes of memory "
+                              f"({self._tokens:,} tokens x {self.num_layers} layers take at least "
+                              f"{self._tokens * token_bytes * self.num_layers // 4:,} bytes)")
 
     def _check_spec(self, spec: PoolSpec) -> BlockPool | None:
         """The block pool ``spec`` writes into (None: not allocated yet, or emptied and dropped to take
@@ -282,6 +302,14 @@ def first_equal_rows(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
 def raw(t: torch.Tensor) -> torch.Tensor:
     """``t`` as bytes when it is FP8, whose index copies torch does not implement on CPU."""
     return t.view(torch.uint8) if t.dtype in _FP8 else t
+
+
+def memory_bytes() -> int:
+    """The most memory a pool can take here: host RAM or, if larger, the biggest CUDA device's."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    devices = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())] \
+        if torch.cuda.is_available() else []
+    return max([host, *devices])
 
 
 def describe(spec: PoolSpec) -> str:

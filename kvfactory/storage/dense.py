@@ -28,8 +28,8 @@ class DenseStore(LayerStore):
     _len: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.growth < 1.0:
-            raise ConfigError("growth", self.growth, "a factor >= 1.0")
+        if not math.isfinite(self.growth) or self.growth < 1.0:
+            raise ConfigError("growth", self.growth, "a finite factor >= 1.0")
         if self.reserve_tokens < 0:
             raise ConfigError("reserve_tokens", self.reserve_tokens, "an integer >= 0")
 

@@ -17,6 +17,8 @@ from kvfactory.errors import ConfigError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
 
+MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
+
 
 @dataclass(eq=False)
 class PagedStore(LayerStore):
@@ -44,6 +46,8 @@ class PagedStore(LayerStore):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ConfigError(key, value, "a positive integer")
+        if self.page_size > MAX_PAGE_SIZE:
+            raise ConfigError("page_size", self.page_size, f"at most {MAX_PAGE_SIZE} tokens")
         self._table = BlockTable(self.page_size)
         weakref.finalize(self, self._table.release)
 
