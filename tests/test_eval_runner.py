@@ -86,7 +86,8 @@ def test_cache_values(tmp_path) -> None:
 @pytest.mark.parametrize(("value", "message"), [
     ("nonsense", "expected a preset"),
     ("nopolicy@0.5", "expected a preset"),
-    ("snapkv@1.5", "expected a preset"),
+    ("snapkv@1.5", "compression_ratio=1.5"),
+    ("quest@2", "read_budget=2"),
     ('{"type": "bogus"}', "invalid cache config"),
     ("{type: paged, page_size: -1}", "page_size"),
     ("missing.yaml", "no such YAML file"),

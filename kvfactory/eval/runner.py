@@ -92,7 +92,10 @@ def resolve_cache(value: str) -> CacheSpec:
             raise EvalError(f"--cache {value!r}: {exc}") from exc
         return CacheSpec(value, "peer", None, "transformers")
     if is_preset(value):
-        return CacheSpec(value, "kvfactory", load_preset(value), f"preset {value}")
+        try:
+            return CacheSpec(value, "kvfactory", load_preset(value), f"preset {value}")
+        except ConfigError as exc:  # a POLICY@RATIO or SELECTOR@BUDGET out of range
+            raise EvalError(f"--cache {value!r}: {exc}") from exc
     path = Path(value)
     if value.endswith((".yaml", ".yml")) or path.is_file():
         if not path.is_file():
