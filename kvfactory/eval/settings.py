@@ -1,35 +1,45 @@
 """Sample sizes of an evaluation run: the defaults, sized to a time budget, and DESIGN.md's protocol.
 
-The budget: a full default run (ppl, passkey, needle and multiturn at 2048 and 6144 tokens, for
-one config plus the ``DynamicCache`` baseline) must finish within 15 minutes on this project's
-2-core CPU machine, SmolLM2-135M in fp32 on one thread. Prefill dominates: every prompt is
-prefilled through a fresh cache (a compressing cache must see each prompt whole, so prompts that
-share a prefix cannot share a prefill), about 10 s at 2048 tokens and 45 s at 6144. Measured
-seconds per item (CPU time of ``kvfactory.eval.tasks`` on this machine, 1 thread; the machine was
-shared while measuring, which made wall times 1.3-2x longer than these):
+The budget: a full default run (passkey, needle and multiturn at 2048 and 6144 tokens, ppl at
+2048, for one config plus the ``DynamicCache`` baseline) on this project's 2-core CPU machine,
+SmolLM2-135M in fp32 on one thread. Prefill dominates retrieval: every prompt is prefilled through
+a fresh cache (a compressing cache must see each prompt whole, so prompts that share a prefix
+cannot share a prefill), about 10 s at 2048 tokens and 45 s at 6144; perplexity is dominated by
+its 512 teacher-forced steps per window. Measured seconds per item (CPU time of
+``kvfactory.eval.tasks`` on this machine, 1 thread; the machine was shared while measuring, which
+made wall times 1.3-2x longer than these):
 
-| item                                                   | 2048 | 6144 |
-|--------------------------------------------------------|------|------|
-| passkey prompt (prefill + 10 tokens)                   | 12.8 | 47.5 |
-| needle prompt (prefill + up to 24 tokens)              | 13.0 | 51.2 |
-| multi-turn conversation (prefill + 5 short replies)    | 12.8 | 57.5 |
-| perplexity window (prefill + 128 teacher-forced steps) | 21.7 | 67.5 |
+| item                                                    | 2048 | 6144 |
+|---------------------------------------------------------|------|------|
+| passkey prompt (prefill + 10 tokens)                    | 12.8 | 47.5 |
+| needle prompt (prefill + up to 24 tokens)               | 13.0 | 51.2 |
+| multi-turn conversation (prefill + 5 short replies)     | 12.8 | 57.5 |
+| perplexity window (prefill + 512 teacher-forced steps)  | 33.5 |  –   |
 
-With ``n`` prompts per retrieval task and context (depths x samples), one config costs
-``(12.8 + 13.0) n + 34.5`` s at 2048 and ``(47.5 + 51.2) n + 125`` s at 6144, so about
-``124.5 n + 160`` s, and a run twice that (the baseline runs every task too):
+Perplexity settles a claim only over several windows (DESIGN.md: at least 4 x 512 scored tokens
+from different parts of the text, ΔPPL with a paired confidence interval), so the defaults score 4
+windows of 512 tokens, one in each quarter of the text, after 2048 tokens of context. With ``n``
+prompts per retrieval task and context (depths x samples), one config costs
+``(12.8 + 13.0) n + 12.8`` s at 2048 and ``(47.5 + 51.2) n + 57.5`` s at 6144 for retrieval,
+plus ``4 x 33.5 = 134`` s of perplexity, and a run twice that (the baseline runs every task too):
 
-- ``n = 2`` (the defaults): 2 x 409 = 818 s, about 13.6 minutes, plus model load and warm-up.
-  Measured: ``kvfactory eval --cache paged16`` took 822.5 s (13 min 51 s for the whole process)
-  on this machine on 2026-11-29, with another job on the second core.
-- ``n = 3`` (depths 0.1, 0.5, 0.9): 2 x 533 = 1066 s, about 18 minutes: over budget.
-- the protocol (25 passkey and 25 needle prompts per context, 2048 scored tokens, each teacher-
-  forced step about 0.1 s at 2048 and 0.2 s at 6144): about 3,850 s per config, over 2 hours a run.
+- ``n = 2`` (the defaults): 2 x (319 + 134) = 906 s, about 15 minutes, plus model load and
+  warm-up; 88 s more than when perplexity was one window of 128 tokens at each context (2 x 409 s;
+  ``kvfactory eval --cache paged16`` took 822.5 s on 2026-11-29). The perplexity window was timed
+  on 2026-12-01 (DynamicCache, WikiText, 6.4 s prefill and 27.6 s for the 512 steps); configs
+  differ: in one run of 13 configs, int4 took 0.49x DynamicCache's wall time per window, int8
+  0.72x, fp8 1.07x, the eviction policies at 0.5 0.53-0.71x, transformers' quanto int4 0.95-0.98x.
+- perplexity at 6144 too (the protocol's second context, ``--ppl-context 2048,6144``) adds 4
+  windows of about 45 s of prefill and 512 steps of about 0.2 s each, about 590 s per config:
+  about 20 more minutes a run.
+- ``n = 3`` (depths 0.1, 0.5, 0.9) adds 2 x 124.5 s, about 4 minutes.
+- the protocol (25 passkey and 25 needle prompts per context, ppl at both contexts): about
+  3,900 s per config, over two hours a run.
 
 So the defaults deviate from DESIGN.md's protocol in: depths (0.1, 0.9), not (0.1, 0.3, 0.5, 0.7,
-0.9); one key (and one haystack) per depth, not five; 128 teacher-forced tokens after the prefill,
-not 2048. ``PROTOCOL`` holds the protocol's numbers. Retrieval answers of the baseline are a pure
-function of the prompts: a runner comparing several configs runs the baseline once for all.
+0.9); one key (and one haystack) per depth, not five; perplexity at 2048 only, not also 6144.
+``PROTOCOL`` holds the protocol's numbers. Retrieval answers of the baseline are a pure function
+of the prompts: a runner comparing several configs runs the baseline once for all.
 """
 
 from __future__ import annotations
