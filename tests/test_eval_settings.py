@@ -10,7 +10,7 @@ from kvfactory.eval.settings import DEFAULT, PROTOCOL, EvalSettings
 def test_protocol_and_defaults() -> None:
     assert PROTOCOL.depths == (0.1, 0.3, 0.5, 0.7, 0.9) and PROTOCOL.keys_per_depth == 5
     assert PROTOCOL.contexts == (2048, 6144) and PROTOCOL.task_contexts("ppl") == (2048, 6144)
-    assert PROTOCOL.ppl_windows >= 4 and PROTOCOL.ppl_continuation >= 512  # DESIGN.md: at least 4 x 512
+    assert PROTOCOL.ppl_windows >= 4 and PROTOCOL.ppl_continuation >= 512  # the protocol: at least 4 x 512
     assert DEFAULT.ppl_windows >= 4 and DEFAULT.ppl_continuation >= 512  # perplexity follows the protocol
     assert DEFAULT.task_contexts("ppl") == (2048,) and DEFAULT.task_contexts("needle") == (2048, 6144)
     assert DEFAULT.all_contexts(["ppl"]) == (2048,)

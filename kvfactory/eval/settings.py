@@ -16,7 +16,7 @@ made wall times 1.3-2x longer than these):
 | multi-turn conversation (prefill + 5 short replies)     | 12.8 | 57.5 |
 | perplexity window (prefill + 512 teacher-forced steps)  | 33.5 |  –   |
 
-Perplexity settles a claim only over several windows (DESIGN.md: at least 4 x 512 scored tokens
+Perplexity settles a claim only over several windows (the protocol: at least 4 x 512 scored tokens
 from different parts of the text, ΔPPL with a paired confidence interval), so the defaults score 4
 windows of 512 tokens, one in each quarter of the text, after 2048 tokens of context. With ``n``
 prompts per retrieval task and context (depths x samples), one config costs
