@@ -1,4 +1,4 @@
-"""Timing of ``generate()`` split into prefill and decode, per DESIGN.md's measurement protocol."""
+"""Timing of ``generate()`` split into prefill and decode (the measurement protocol, docs/evaluation.md)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@
 (``{"codec": "int4", "group_size": 32, "residual": 128}``), or in a composite config a
 ``{"name": "quantized", ...}`` entry with the same options (``bits: 4`` is short for ``codec: int4``).
 
-Per-layer precision (seed 002): ``full_precision_first`` / ``full_precision_last`` keep that many
+Per-layer precision: ``full_precision_first`` / ``full_precision_last`` keep that many
 layers at each end unquantized, or ``layers`` names a codec per layer explicitly.
 
-Static scales (seed 004): ``scales`` names a file from ``kvfactory calibrate``; fp8 then stores
+Static scales: ``scales`` names a file from ``kvfactory calibrate``; fp8 then stores
 codes with one calibrated scale per KV head (``absmax / 448``, E5M2 ``/ 57344``), int8 likewise
 (``absmax / 127``, per-head granularity), with no per-token scale bytes.
 """

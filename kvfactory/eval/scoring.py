@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-PASSKEY_TOKENS = 10  # DESIGN.md: the key must appear within the first 10 generated tokens
+PASSKEY_TOKENS = 10  # the protocol: the key must appear within the first 10 generated tokens
 # Both parts of the needle's answer must appear; either alone is what a model can guess or half-recall.
 NEEDLE_KEY_PHRASES = ("sandwich", "dolores park")
 

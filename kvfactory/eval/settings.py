@@ -1,4 +1,4 @@
-"""Sample sizes of an evaluation run: the defaults, sized to a time budget, and DESIGN.md's protocol.
+"""Sample sizes of an evaluation run: the defaults, sized to a time budget, and the measurement protocol.
 
 The budget: a full default run (passkey, needle and multiturn at 2048 and 6144 tokens, ppl at
 2048, for one config plus the ``DynamicCache`` baseline) on this project's 2-core CPU machine,
@@ -36,7 +36,7 @@ plus ``4 x 33.5 = 134`` s of perplexity, and a run twice that (the baseline runs
 - the protocol (25 passkey and 25 needle prompts per context, ppl at both contexts): about
   3,900 s per config, over two hours a run.
 
-So the defaults deviate from DESIGN.md's protocol in: depths (0.1, 0.9), not (0.1, 0.3, 0.5, 0.7,
+So the defaults deviate from the protocol in: depths (0.1, 0.9), not (0.1, 0.3, 0.5, 0.7,
 0.9); one key (and one haystack) per depth, not five; perplexity at 2048 only, not also 6144.
 ``PROTOCOL`` holds the protocol's numbers. Retrieval answers of the baseline are a pure function
 of the prompts: a runner comparing several configs runs the baseline once for all.
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# DESIGN.md scores prefill compression in both settings: the question "inside" the prompt a cache
+# The protocol scores prefill compression in both settings: the question "inside" the prompt a cache
 # compresses (query-aware), or fed "after" the context was compressed (kvpress's pipeline).
 QUESTION_SETTINGS = ("inside", "after")
 

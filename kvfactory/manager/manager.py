@@ -1,4 +1,4 @@
-"""``KVCacheManager``: many sequences over one block pool (seed 004's manager and its lifecycle).
+"""``KVCacheManager``: many sequences over one block pool, and their lifecycle.
 
 Every sequence is a normal kvfactory cache for ``model.generate(past_key_values=...)``; they share
 the factory's paged pool. The manager adds what serving needs around them:
@@ -324,7 +324,7 @@ class KVCacheManager:
             raise
         return cache
 
-    # -- explicit sharing (seed 004) ------------------------------------------------------------
+    # -- explicit sharing -----------------------------------------------------------------------
     def mark_as_shareable(self, seq_id: str, start: int = 0, end: int | None = None) -> str:
         """Keep tokens ``[start, end)`` of the sequence (``start`` 0: K/V hold absolute positions) for
         ``attach_shared_cache``, pinned until ``release_shared``; returns the shared id (``seq_id``)."""

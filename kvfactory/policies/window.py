@@ -1,6 +1,6 @@
 """Sliding window with optional attention sinks: keep the first ``n_sink`` and the most recent tokens.
 
-The seed's "keep the first N and the last M" (seed 004's ``SelectiveKVCache``) is this policy with
+"Keep the first N and the last M" (a ``SelectiveKVCache``'s usual rule) is this policy with
 ``n_sink = N`` and a budget of ``N + M``.
 """
 

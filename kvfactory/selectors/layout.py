@@ -1,6 +1,6 @@
 """Dynamic pages: where a cache's logical pages start, cut at prefill by attention entropy.
 
-DESIGN.md's page bases, dynamic variant (the OVAL seed's "dynamic page sizing"): a page is a range
+Page bases, dynamic variant (OVAL's dynamic page sizing): a page is a range
 of 1..``max_page`` tokens, the same ranges for every layer, KV head and batch row. At prefill the
 sizer measures, for each new token, the entropy of its attention (one layer's queries, mean over
 heads and rows), normalised by the log of the keys it sees. The sequence is cut where the entropy

@@ -1,4 +1,4 @@
-"""Routing metrics of one sparse cache (DESIGN.md's OVAL metrics), measured, never assumed.
+"""Routing metrics of one sparse cache (OVAL's metrics), measured, never assumed.
 
 - hit rate: of the pages a step read, the fraction that are among the same number of pages with
   the most attention mass under full attention (shadow steps, every ``shadow_every`` decode steps);

@@ -8,7 +8,7 @@ hyperparameters under their names.
   (pages per step); both count the always-read pages and default to ``read_budget: 0.125``.
 - ``sink_pages`` (first pages) and ``local_pages`` (last pages, and always every page holding the
   step's new tokens) are read every step; the first ``dense_layers`` layers and prefills (more than
-  ``kvfactory.attention.MAX_CHUNKED_QUERY`` new tokens) read everything, as DESIGN.md fixes.
+  ``kvfactory.attention.MAX_CHUNKED_QUERY`` new tokens) read everything, by design.
 - ``shadow_every``: every so many decode steps each sparse layer also computes full attention to
   measure hit rate and attention-mass recall (0: never).
 - ``dynamic_pages``: pages of 1..``max_page`` tokens cut at prefill where attention entropy jumps

@@ -1,9 +1,8 @@
 """Perplexity through the cache: prefill a WikiText window, then teacher-force one token at a time.
 
-DESIGN.md's protocol: prefill 2048 tokens, score the next 2048, each fed through the same cache
-as a decode step, so a cache that evicts or compresses is scored on what it keeps. A window
-prefills its context length (2048 as in the protocol, or 6144); the default number of scored
-tokens in ``kvfactory.eval.settings`` is 128, not 2048 (see there for why).
+Each window prefills its context (2048 tokens by default, or 6144), then scores the next tokens
+one decode step at a time through the same cache, so a cache that evicts or compresses is scored
+on what it keeps; ``kvfactory.eval.settings`` sets how many windows and tokens (4 x 512).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """OVAL's co-occurrence locality: pages read together recently are likely read together again.
 
-DESIGN.md: pages selected in the same decode step over the last ``window`` (128) steps are counted
+Pages selected in the same decode step over the last ``window`` (128) steps are counted
 into a page-by-page graph, rebuilt every ``rebuild_every`` (100) steps and aggregated with one
 GCN layer (Kipf & Welling, 2017): a page's score is mixed with the normalised sum of its
 neighbours' scores, ``(1 - w) s + w D^-1/2 (A + I) D^-1/2 s``. The graph is over page positions

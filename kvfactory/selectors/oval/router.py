@@ -1,6 +1,6 @@
 """OVAL's router: which pages the next decode step needs, predicted from the decoder's own state.
 
-DESIGN.md's "OVAL, as we build it" (seed ``000``): from the decoder's last hidden state of the
+OVAL's router: from the decoder's last hidden state of the
 previous step, a small MLP (``width`` 64, its second layer a base plus a LoRA of rank 4, a learnable
 temperature) produces a routing query per layer group and KV head; a page's logit is that query
 dotted with the page's embedding (a learned projection of its basis: key maximum, minimum and mean

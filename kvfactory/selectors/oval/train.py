@@ -1,4 +1,4 @@
-"""``kvfactory oval train``: distil a model's full attention into an OVAL router (DESIGN.md).
+"""``kvfactory oval train``: distil a model's full attention into an OVAL router.
 
 1. **Teacher.** Text is cut into chunks of ``chunk`` tokens and run through the frozen model once
    each with full attention. At ``positions`` sampled query positions ``t`` per chunk, every routed
