@@ -214,12 +214,18 @@ def test_save_and_load_round_trip_bit_exactly(tmp_path: Path) -> None:
     assert other.load(tmp_path / "paused.safetensors", "a2").get_seq_length() == length == 25
 
 
-def test_bad_files_are_refused_with_the_reason(tmp_path: Path) -> None:
+def saved_sequence(tmp_path: Path, prompt: int, new: int):
+    """A manager holding sequence "a" (``prompt`` tokens, ``new`` generated), saved to a file."""
     model = tiny_model("llama")
     manager = manager_for(model)
-    continued(model, manager.create("a"), random_prompt(18), 2)
+    continued(model, manager.create("a"), random_prompt(prompt), new)
     path = tmp_path / "a.safetensors"
     manager.save("a", path)
+    return model, manager, path
+
+
+def test_bad_files_are_refused_with_the_reason(tmp_path: Path) -> None:
+    model, manager, path = saved_sequence(tmp_path, 18, 2)
     data = bytearray(path.read_bytes())
     corrupted = tmp_path / "corrupted.safetensors"
     data[-20] ^= 0xFF
@@ -242,11 +248,7 @@ def test_bad_files_are_refused_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_a_failed_save_leaves_the_old_file_and_no_temporary(tmp_path: Path, monkeypatch) -> None:
-    model = tiny_model("llama")
-    manager = manager_for(model)
-    continued(model, manager.create("a"), random_prompt(10), 1)
-    path = tmp_path / "a.safetensors"
-    manager.save("a", path)
+    model, manager, path = saved_sequence(tmp_path, 10, 1)
     before = path.read_bytes()
 
     def crash(*args, **kwargs):
@@ -580,11 +582,7 @@ def rewrite_metadata(path: Path, edit, redigest: bool) -> None:
 ])
 def test_saved_metadata_is_covered_by_the_digest_and_checked_field_by_field(tmp_path: Path, edit,
                                                                            match: str) -> None:
-    model = tiny_model("llama")
-    manager = manager_for(model)
-    continued(model, manager.create("a"), random_prompt(18), 3)
-    path = tmp_path / "a.safetensors"
-    manager.save("a", path)
+    model, manager, path = saved_sequence(tmp_path, 18, 3)
     rewrite_metadata(path, edit, redigest=False)
     with pytest.raises(SequenceFileError, match="digest"):
         manager.load(path, "x")
@@ -595,11 +593,7 @@ def test_saved_metadata_is_covered_by_the_digest_and_checked_field_by_field(tmp_
 
 
 def test_a_file_of_another_dtype_is_refused_and_the_pool_keeps_its_own(tmp_path: Path) -> None:
-    model = tiny_model("llama")
-    manager = manager_for(model)
-    continued(model, manager.create("a"), random_prompt(10), 2)
-    path = tmp_path / "a.safetensors"
-    manager.save("a", path)
+    model, manager, path = saved_sequence(tmp_path, 10, 2)
     half = tiny_model("llama").config.__class__.from_dict(model.config.to_dict() | {"dtype": "bfloat16"})
     with pytest.raises(SequenceFileError, match="dtype float32, this manager's are torch.bfloat16"):
         KVCacheManager(half, PAGED).load(path)
