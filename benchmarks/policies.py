@@ -40,7 +40,7 @@ PAGE = 16
 
 def config(policy: str, budget: int) -> dict[str, Any]:
     return {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE},
-                                                {"name": "selective", "policy": policy, "budget": budget}]}
+                                                {"name": "eviction", "policy": policy, "budget": budget}]}
 
 
 def token_bytes(model) -> int:

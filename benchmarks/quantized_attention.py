@@ -22,8 +22,8 @@ from codec_decode import timed
 
 from kvfactory import attention
 from kvfactory.codecs.spec import QuantizationSpec
+from kvfactory.quantization.store import QuantizedRead, QuantizedStore
 from kvfactory.storage import DenseStore
-from kvfactory.storage.quantized import QuantizedRead, QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

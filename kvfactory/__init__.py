@@ -12,9 +12,9 @@ from kvfactory.errors import (
     UnknownSequenceError,
     UnsupportedError,
 )
+from kvfactory.eviction import Observation, Policy, register_policy
 from kvfactory.factory import KVCacheFactory
 from kvfactory.manager import KVCacheManager
-from kvfactory.policies import Observation, Policy, register_policy
 from kvfactory.storage import DenseStore, LayerStore, MemoryReport, PagedPool, PagedStore
 
 __version__ = "0.1.0"

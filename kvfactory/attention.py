@@ -70,7 +70,7 @@ class NarrowRead(ABC):
 
 
 class Observer(Protocol):
-    """A layer store that takes part in its attention call (a selective store, ``kvfactory.policies``)."""
+    """A layer store that takes part in its attention call (an eviction store, ``kvfactory.eviction``)."""
 
     def attention_mask(self, mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
         """The mask to attend with, given transformers' ``mask`` and the step's ``query``."""
@@ -92,7 +92,7 @@ _pending = _Pending()
 def defer(read: DeferredRead | NarrowRead | None, returned_key: torch.Tensor | None = None,
           layer_idx: int | None = None, observer: Observer | None = None) -> None:
     """Leave ``read`` of layer ``layer_idx`` for the attention call that receives ``returned_key`` (what
-    ``update`` returned), and ``observer`` (a selective store) to take part in that call;
+    ``update`` returned), and ``observer`` (an eviction store) to take part in that call;
     ``defer(None)`` drops what an earlier update left."""
     _pending.read, _pending.observer = read, observer
     _pending.key, _pending.layer_idx = returned_key, layer_idx

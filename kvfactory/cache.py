@@ -40,7 +40,7 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: chunked attention over a deferred read, else SDPA."""
     read, observer = attention.take(key, getattr(module, "layer_idx", None))
-    if observer is not None:  # a selective layer: its stored slots decide the mask
+    if observer is not None:  # an evicting layer: its stored slots decide the mask
         attention_mask = observer.attention_mask(attention_mask, query)
     chunked = isinstance(read, attention.DeferredRead) and query.shape[2] <= attention.MAX_CHUNKED_QUERY \
         and not dropout and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
@@ -54,7 +54,7 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
             key, value = read.materialize()
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                      scaling=scaling, **kwargs)
-    if observer is not None:  # a selective layer scores and evicts now that this step has attended
+    if observer is not None:  # an evicting layer scores and evicts now that this step has attended
         observer.observe(query, scale)
     return out
 
@@ -67,16 +67,16 @@ def needs_kvfactory_attention(config: Any) -> bool:
     """Whether a cache config runs inside kvfactory's attention function: eviction policies score and
     selectors read pages there (required), quantized layers decode from the packed codes there
     (faster; elsewhere they are decoded whole first)."""
-    return config.selective is not None or config.selector is not None or config.quantization is not None
+    return config.eviction is not None or config.selector is not None or config.quantization is not None
 
 
 def _requires_kvfactory_attention(config: Any) -> bool:
-    return config.selective is not None or config.selector is not None
+    return config.eviction is not None or config.selector is not None
 
 
 def _what_needs_it(config: Any) -> str:
-    if config.selective is not None:
-        return f"eviction policy '{config.selective.policy}' (it scores tokens inside attention)"
+    if config.eviction is not None:
+        return f"eviction policy '{config.eviction.policy}' (it scores tokens inside attention)"
     if config.selector is not None:
         return f"selector '{config.selector.selector}' (it reads pages inside attention)"
     return "quantized layers (they are read from the packed codes inside attention)"
@@ -430,7 +430,7 @@ class KVCache(Cache):
     def fork(self, seq_id: str | None = None) -> KVCache:
         """A cache holding the same tokens that continues on its own: paged blocks are shared by refcount
         and copied on write, so a fork costs no KV memory until one side writes into a shared block.
-        ``UnsupportedError`` for strategies that cannot fork yet (quantized, selective, sparse)."""
+        ``UnsupportedError`` for strategies that cannot fork yet (quantized, evicting, sparse)."""
         self._check_live()
         layers = []
         with self.forward_lock.held():
@@ -524,7 +524,7 @@ class KVCache(Cache):
         return report
 
     def end_prefill(self) -> None:
-        """Close the prompt: selective caches compressing by ratio keep what comes next (a question
+        """Close the prompt: evicting caches compressing by ratio keep what comes next (a question
         fed after the compressed context) whole."""
         for layer in self.layers:
             end = getattr(layer.store, "end_prefill", None)

@@ -15,8 +15,8 @@ import yaml
 
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.errors import ConfigError
+from kvfactory.eviction.spec import EVICTION, EvictionSpec
 from kvfactory.options import describe, options_of, type_ok
-from kvfactory.policies.spec import SELECTIVE, SelectiveSpec
 from kvfactory.selectors import SELECTORS
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import LayerStore
@@ -25,6 +25,7 @@ from kvfactory.storage.paged import PagedStore
 
 _REGISTRY: dict[str, type] = {}
 QUANTIZED = "quantized"  # the composite entry that sets quantization (kvfactory.codecs.spec)
+RENAMED = {"selective": EVICTION}  # old composite entry names: a ConfigError names the new one
 
 
 def register_cache_strategy(name: str, cls: type) -> type:
@@ -68,7 +69,7 @@ class CacheConfig:
     storage: StrategySpec
     raw: dict[str, Any]
     quantization: QuantizationSpec | None = None
-    selective: SelectiveSpec | None = None
+    eviction: EvictionSpec | None = None
     selector: SelectorSpec | None = None
 
 
@@ -118,7 +119,7 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
     strategies = config.get("strategies")
     if not isinstance(strategies, list) or not strategies:
         raise ConfigError("strategies", strategies, "a non-empty list of {name: ..., options...}")
-    storage, quantization, selective, selector = None, None, None, None
+    storage, quantization, eviction, selector = None, None, None, None
     for i, entry in enumerate(strategies):
         where = f"strategies[{i}]."
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
@@ -129,10 +130,13 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                 raise ConfigError(f"{where}name", QUANTIZED, "one quantized strategy per config")
             quantization = QuantizationSpec.parse(options, where)
             continue
-        if entry["name"] == SELECTIVE:
-            if selective is not None:
-                raise ConfigError(f"{where}name", SELECTIVE, "one selective strategy per config")
-            selective = SelectiveSpec.parse(options, where)
+        if entry["name"] in RENAMED:
+            new = RENAMED[entry["name"]]
+            raise ConfigError(f"{where}name", entry["name"], f"'{new}' (the entry's new name)")
+        if entry["name"] == EVICTION:
+            if eviction is not None:
+                raise ConfigError(f"{where}name", EVICTION, "one eviction entry per config")
+            eviction = EvictionSpec.parse(options, where)
             continue
         if entry["name"] in SELECTORS:
             if selector is not None:
@@ -148,21 +152,21 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
     if storage is None:
         raise ConfigError("strategies", [e["name"] for e in strategies],
                           f"a storage strategy ({registered_strategies()}) besides "
-                          f"'{QUANTIZED}', '{SELECTIVE}' and selectors {sorted(SELECTORS)}")
+                          f"'{QUANTIZED}', '{EVICTION}' and selectors {sorted(SELECTORS)}")
     if selector is not None:
-        check_selector_composition(storage, selective, selector, quantization)
-    return CacheConfig(storage, dict(config), quantization, selective, selector)
+        check_selector_composition(storage, eviction, selector, quantization)
+    return CacheConfig(storage, dict(config), quantization, eviction, selector)
 
 
-def check_selector_composition(storage: StrategySpec, selective: SelectiveSpec | None,
+def check_selector_composition(storage: StrategySpec, eviction: EvictionSpec | None,
                                selector: SelectorSpec, quantization: QuantizationSpec | None) -> None:
     """A selector reads pages: it needs paged storage (plain or quantized; dynamic pages: plain), and
     does not yet read evicting caches."""
     if not issubclass(storage.cls, PagedStore):
         raise ConfigError("strategies", storage.name, f"a paged storage strategy under selector "
                           f"'{selector.selector}' (it reads pages): {{'name': 'paged', 'page_size': 16}}")
-    if selective is not None:
-        raise ConfigError("strategies", SELECTIVE, f"no '{SELECTIVE}' entry with selector "
+    if eviction is not None:
+        raise ConfigError("strategies", EVICTION, f"no '{EVICTION}' entry with selector "
                           f"'{selector.selector}': selectors over evicting caches are not supported yet")
     if selector.dynamic_pages and quantization is not None:
         raise ConfigError("dynamic_pages", True, "plain paged storage (dynamic pages read single tokens, "

@@ -13,13 +13,13 @@ from kvfactory.cache import (
     use_kvfactory_attention,
 )
 from kvfactory.config import CacheConfig, load_yaml, parse_config
-from kvfactory.policies.selective import SelectiveStore
+from kvfactory.eviction.store import EvictionStore
+from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.sparse import SparseStore
 from kvfactory.sizing import KVShape
 from kvfactory.storage.forward_lock import ForwardLock
-from kvfactory.storage.quantized import QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
 
@@ -61,7 +61,7 @@ class KVCacheFactory:
         """A new, empty cache (a ``transformers.Cache``) for one sequence or batch."""
         layers = []
         config = self.config
-        quantization, selective, selector = config.quantization, config.selective, config.selector
+        quantization, eviction, selector = config.quantization, config.eviction, config.selector
         use_kvfactory_attention(self.model_config, config)
         context = RoutingContext() if selector is not None else None
         routing = RoutingMetrics(context) if selector is not None else None
@@ -71,8 +71,8 @@ class KVCacheFactory:
             if codecs is not None:
                 residual = quantization.residual_for(quantization.codec_name(layer_idx, len(self.windows)))
                 store = QuantizedStore(store, *codecs, residual, self.workspace)
-            if selective is not None and window is None:  # sliding layers are bounded by their window
-                store = SelectiveStore(store, selective.build_policy(), selective, len(self.windows))
+            if eviction is not None and window is None:  # sliding layers are bounded by their window
+                store = EvictionStore(store, eviction.build_policy(), eviction, len(self.windows))
             if selector is not None and window is None:  # sliding layers read their window whole
                 spec = self.layer_selectors.get(layer_idx, selector)
                 store = SparseStore(store, spec.build_selector(), spec, routing, context, len(self.windows))

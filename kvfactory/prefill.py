@@ -1,8 +1,8 @@
-"""Prefill a long prompt in chunks, so a selective cache compresses as the prompt arrives.
+"""Prefill a long prompt in chunks, so an evicting cache compresses as the prompt arrives.
 
 With a token ``budget`` each chunk is compressed right after its attention, so the KV memory of a
 6k-token prompt peaks at about budget + chunk tokens per layer instead of the prompt's length
-(``SelectiveStore.peak_bytes`` records it); any other cache simply fills chunk by chunk.
+(``EvictionStore.peak_bytes`` records it); any other cache simply fills chunk by chunk.
 """
 
 from __future__ import annotations

@@ -55,10 +55,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "paged/16+int4": {"type": "paged", "page_size": 16, "quantization": "int4"},
     "paged/16+snapkv/0.75": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": 16},
-        {"name": "selective", "policy": "snapkv", "compression_ratio": 0.75}]},
+        {"name": "eviction", "policy": "snapkv", "compression_ratio": 0.75}]},
     "paged/16+streaming/1024": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": 16},
-        {"name": "selective", "policy": "streaming_llm", "budget": 1024}]},
+        {"name": "eviction", "policy": "streaming_llm", "budget": 1024}]},
     "paged/16+quest/0.125": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": 16}, {"name": "quest", "read_budget": 0.125}]},
     "paged/16+oval/0.125": {"type": "composite", "strategies": [
@@ -328,7 +328,7 @@ def lossy(config: dict[str, Any] | None) -> bool:
     if parsed is None:
         return False
     sparse = parsed.selector is not None and not parsed.selector.build_selector().reads_all
-    return parsed.quantization is not None or parsed.selective is not None or sparse
+    return parsed.quantization is not None or parsed.eviction is not None or sparse
 
 
 def _short(x: float) -> str:

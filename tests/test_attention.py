@@ -12,8 +12,8 @@ from transformers import DynamicCache
 from kvfactory import KVCacheFactory, attention
 from kvfactory.codecs import fused, native
 from kvfactory.codecs.spec import QuantizationSpec
+from kvfactory.quantization.store import QuantizedRead, QuantizedStore
 from kvfactory.storage import DenseStore, PagedStore
-from kvfactory.storage.quantized import QuantizedRead, QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
 QUANTIZED = [

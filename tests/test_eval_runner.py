@@ -61,7 +61,7 @@ def test_presets_load() -> None:
     assert (spec.name, spec.kind, spec.config) == ("paged16", "kvfactory", {"type": "paged", "page_size": 16})
     snap = resolve_cache("snapkv@0.75").config["strategies"]
     assert snap == [{"name": "paged", "page_size": 16},
-                    {"name": "selective", "policy": "snapkv", "compression_ratio": 0.75}]
+                    {"name": "eviction", "policy": "snapkv", "compression_ratio": 0.75}]
     quest = resolve_cache("quest@0.125").config["strategies"]
     assert quest == [{"name": "paged", "page_size": 16}, {"name": "quest", "read_budget": 0.125}]
     assert resolve_cache("quest@1").config["strategies"][1]["read_budget"] == 1.0

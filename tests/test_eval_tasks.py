@@ -93,7 +93,7 @@ def test_the_question_after_a_compressed_context_is_kept_whole(model, corpus) ->
     inside, after = (run_passkey(model, tok, make_cache(model, "dense"), prompts, question_after=flag)
                      for flag in (False, True))
     assert [r.output for r in inside] == [r.output for r in after]
-    snap = {"type": "composite", "strategies": [{"name": "dense"}, {"name": "selective", "policy": "snapkv",
+    snap = {"type": "composite", "strategies": [{"name": "dense"}, {"name": "eviction", "policy": "snapkv",
                                                                      "compression_ratio": 0.5}]}
     caches = []
 

@@ -77,8 +77,8 @@ def test_bad_ids_raise_specific_errors_and_change_nothing() -> None:
 
 SPARSE = {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE},
                                              {"name": "quest", "read_budget": 0.5}]}
-SELECTIVE = {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE},
-                                                {"name": "selective", "policy": "h2o", "budget": 12}]}
+EVICTION = {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE},
+                                                {"name": "eviction", "policy": "h2o", "budget": 12}]}
 
 
 def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None:
@@ -97,7 +97,7 @@ def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None
 def test_an_evicting_cache_forks_pauses_and_saves_with_its_policy_state(tmp_path: Path) -> None:
     model = tiny_model("llama")
     with attn_implementation(model, "kvfactory"):
-        manager = KVCacheManager(model.config, SELECTIVE)
+        manager = KVCacheManager(model.config, EVICTION)
         assert not manager.prefix_caching
         ids = random_prompt(30)
         cache, uninterrupted = manager.create("a"), manager.create("u")

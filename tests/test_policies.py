@@ -1,4 +1,4 @@
-"""Eviction policies (the ``selective`` strategy): one shared matrix over every registered policy,
+"""Eviction policies (the ``eviction`` strategy): one shared matrix over every registered policy,
 plus each method's scores against a direct computation from its paper's definition."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_mode
 from transformers import DynamicCache
 
 from kvfactory import ConfigError, KVCacheFactory, Policy, register_policy
-from kvfactory.policies import POLICIES, Observation
-from kvfactory.policies.h2o import H2OPolicy
-from kvfactory.policies.knorm import KnormPolicy
-from kvfactory.policies.selective import SelectiveStore
-from kvfactory.policies.snapkv import SnapKVPolicy
-from kvfactory.policies.spec import SelectiveSpec
-from kvfactory.policies.tova import TOVAPolicy
-from kvfactory.policies.window import WindowPolicy
+from kvfactory.eviction import POLICIES, Observation
+from kvfactory.eviction.h2o import H2OPolicy
+from kvfactory.eviction.knorm import KnormPolicy
+from kvfactory.eviction.snapkv import SnapKVPolicy
+from kvfactory.eviction.spec import EvictionSpec
+from kvfactory.eviction.store import EvictionStore
+from kvfactory.eviction.tova import TOVAPolicy
+from kvfactory.eviction.window import WindowPolicy
 from kvfactory.prefill import prefill_in_chunks
 from kvfactory.storage import DenseStore
 
@@ -32,12 +32,12 @@ DECODING = sorted(name for name, cls in POLICIES.items() if cls.decodes)
 PROMPT = 40
 
 
-def selective(policy: str, storage: str = "dense", **options) -> dict:
+def evicting(policy: str, storage: str = "dense", **options) -> dict:
     strategies = [STORAGES[storage]]
     if storage in CODECS:
         strategies.append({"name": "quantized", **CODECS[storage]})
     options = SMALL_WINDOWS.get(policy, {}) | options
-    entry = {"name": "selective", "policy": policy, **options}
+    entry = {"name": "eviction", "policy": policy, **options}
     return {"type": "composite", "strategies": [*strategies, entry]}
 
 
@@ -59,8 +59,8 @@ def llama():
     ({"policy": "streaming_llm", "budget": 8, "n_sink": -1}, "strategies[1].n_sink"),
     ({"policy": "h2o", "budget": 8, "slack": -1}, "strategies[1].slack"),
 ])
-def test_invalid_selective_configs_name_the_key(entry: dict, key: str) -> None:
-    config = {"type": "composite", "strategies": [{"name": "dense"}, {"name": "selective", **entry}]}
+def test_invalid_eviction_configs_name_the_key(entry: dict, key: str) -> None:
+    config = {"type": "composite", "strategies": [{"name": "dense"}, {"name": "eviction", **entry}]}
     with pytest.raises(ConfigError) as err:
         KVCacheFactory(tiny_config("llama"), config)
     assert err.value.key == key
@@ -69,7 +69,7 @@ def test_invalid_selective_configs_name_the_key(entry: dict, key: str) -> None:
 def test_a_budget_list_needs_one_budget_per_layer() -> None:
     model = llama()
     with attn_implementation(model, "kvfactory"):
-        factory = KVCacheFactory(model.config, selective("h2o", budget=[8, 8, 8]))
+        factory = KVCacheFactory(model.config, evicting("h2o", budget=[8, 8, 8]))
         with pytest.raises(ConfigError, match="one budget per layer: 2"):
             model(random_prompt(12), past_key_values=factory.create_cache())
 
@@ -77,7 +77,7 @@ def test_a_budget_list_needs_one_budget_per_layer() -> None:
 def test_a_model_switched_away_from_kvfactory_attention_is_refused_before_any_write() -> None:
     model = llama()  # SDPA: create_cache switches it to kvfactory's attention
     with attn_implementation(model, "sdpa"):
-        cache = KVCacheFactory(model.config, selective("h2o", budget=8)).create_cache()
+        cache = KVCacheFactory(model.config, evicting("h2o", budget=8)).create_cache()
         assert model.config._attn_implementation == "kvfactory"
         model.set_attn_implementation("sdpa")
         with pytest.raises(ConfigError, match="attn_implementation"):
@@ -90,7 +90,7 @@ def test_compression_ratio_zero_is_lossless() -> None:
     ref = generate(model, inputs, DynamicCache(config=model.config))
     for policy in sorted(POLICIES):
         with attn_implementation(model, "kvfactory"):
-            cache = KVCacheFactory(model.config, selective(policy, compression_ratio=0.0)).create_cache()
+            cache = KVCacheFactory(model.config, evicting(policy, compression_ratio=0.0)).create_cache()
             out = generate(model, inputs, cache)
         assert_same_generation(ref, out)
 
@@ -104,7 +104,7 @@ def test_prefill_compression_keeps_the_ratio_and_frees_memory(policy: str, stora
     with attn_implementation(model, "kvfactory"), torch.no_grad():
         full = KVCacheFactory(model.config, {"type": "dense"}).create_cache()
         model(random_prompt(PROMPT), past_key_values=full)
-        factory = KVCacheFactory(model.config, selective(policy, storage, compression_ratio=0.5))
+        factory = KVCacheFactory(model.config, evicting(policy, storage, compression_ratio=0.5))
         cache = factory.create_cache()
         model(random_prompt(PROMPT), past_key_values=cache)
     kept = [cache.size(i) for i in range(len(cache.layers))]
@@ -128,7 +128,7 @@ def test_dense_and_paged_evict_the_same_tokens(policy: str) -> None:
     outs = []
     with attn_implementation(model, "kvfactory"):
         for storage in ("dense", "paged"):
-            config = selective(policy, storage, budget=16, slack=3)
+            config = evicting(policy, storage, budget=16, slack=3)
             outs.append(generate(model, inputs, KVCacheFactory(model.config, config).create_cache(),
                                  max_new_tokens=12))
     assert_same_generation(outs[0], outs[1])
@@ -141,7 +141,7 @@ def test_kept_tokens_keep_their_positions(policy: str) -> None:
     model = llama()
     prompt = random_prompt(PROMPT, seed=5)
     with attn_implementation(model, "kvfactory"), torch.no_grad():
-        cache = KVCacheFactory(model.config, selective(policy, compression_ratio=0.75)).create_cache()
+        cache = KVCacheFactory(model.config, evicting(policy, compression_ratio=0.75)).create_cache()
         model(prompt, past_key_values=cache)
         kept = [cache.gather(i) for i in range(len(cache.layers))]
         step = torch.tensor([[7]])
@@ -161,7 +161,7 @@ def test_a_budget_bounds_decode(policy: str, storage: str) -> None:
     model = llama()
     budget, slack = 12, 4
     with attn_implementation(model, "kvfactory"), torch.no_grad():
-        config = selective(policy, storage, budget=budget, slack=slack)
+        config = evicting(policy, storage, budget=budget, slack=slack)
         cache = KVCacheFactory(model.config, config).create_cache()
         out = model(random_prompt(20), past_key_values=cache)
         sizes = []
@@ -177,7 +177,7 @@ def test_a_budget_bounds_decode(policy: str, storage: str) -> None:
 def test_prefill_only_policies_let_decode_grow(policy: str) -> None:
     model = llama()
     with attn_implementation(model, "kvfactory"), torch.no_grad():
-        cache = KVCacheFactory(model.config, selective(policy, budget=12)).create_cache()
+        cache = KVCacheFactory(model.config, evicting(policy, budget=12)).create_cache()
         out = model(random_prompt(20), past_key_values=cache)
         after_prefill = [cache.size(i) for i in range(2)]
         for _ in range(9):
@@ -192,7 +192,7 @@ def test_ratio_compression_stops_at_end_prefill(policy: str) -> None:
     attends with a mask of each layer's own length: PyramidKV's layers keep different counts)."""
     model = llama()
     with attn_implementation(model, "kvfactory"), torch.no_grad():
-        cache = KVCacheFactory(model.config, selective(policy, compression_ratio=0.5)).create_cache()
+        cache = KVCacheFactory(model.config, evicting(policy, compression_ratio=0.5)).create_cache()
         model(random_prompt(PROMPT), past_key_values=cache)
         kept = [cache.size(i) for i in range(2)]
         cache.end_prefill()
@@ -206,7 +206,7 @@ def test_chunks_are_compressed_to_the_budget_as_they_arrive() -> None:
     model = llama()
     budget, chunk = 10, 8
     with attn_implementation(model, "kvfactory"), torch.no_grad():
-        cache = KVCacheFactory(model.config, selective("snapkv", budget=budget)).create_cache()
+        cache = KVCacheFactory(model.config, evicting("snapkv", budget=budget)).create_cache()
         prompt = random_prompt(PROMPT)
         peak = 0
         for start in range(0, PROMPT, chunk):
@@ -224,7 +224,7 @@ def test_a_left_padded_batch_equals_each_row_alone(policy: str, budget: str) -> 
     batch = left_padded_batch(lengths, seed=11)
     options = {"compression_ratio": 0.5} if budget == "ratio" else {"budget": 16, "slack": 3}
     with attn_implementation(model, "kvfactory"):
-        make = KVCacheFactory(model.config, selective(policy, "paged", **options)).create_cache
+        make = KVCacheFactory(model.config, evicting(policy, "paged", **options)).create_cache
         together = generate(model, batch, make(), max_new_tokens=12)
         for row, n in enumerate(lengths):
             alone = generate(model, {"input_ids": batch["input_ids"][row:row + 1, -n:]}, make(),
@@ -254,7 +254,7 @@ def full_attention(obs: Observation) -> torch.Tensor:
 
 
 def test_observation_attention_equals_the_full_matrix(monkeypatch) -> None:
-    monkeypatch.setattr("kvfactory.policies.base.QUERY_CHUNK", 4)  # several query blocks
+    monkeypatch.setattr("kvfactory.eviction.base.QUERY_CHUNK", 4)  # several query blocks
     obs = observation(q=10)
     full = full_attention(obs)
     torch.testing.assert_close(obs.attention(3), full[:, :, -3:])
@@ -280,17 +280,17 @@ def test_knorm_skip_layers_are_left_whole_at_prefill_and_decode(storage: str) ->
     (or the budget), and by default (kvpress's KnormPress) every layer is compressed."""
     model = llama()
     with attn_implementation(model, "kvfactory"), torch.no_grad():
-        cache = KVCacheFactory(model.config, selective("knorm", storage, compression_ratio=0.5,
+        cache = KVCacheFactory(model.config, evicting("knorm", storage, compression_ratio=0.5,
                                                        skip_layers=[0])).create_cache()
         model(random_prompt(PROMPT), past_key_values=cache)
         assert [cache.size(i) for i in range(2)] == [PROMPT, PROMPT // 2]
-        bounded = KVCacheFactory(model.config, selective("knorm", storage, budget=12, slack=0,
+        bounded = KVCacheFactory(model.config, evicting("knorm", storage, budget=12, slack=0,
                                                          skip_layers=[1])).create_cache()
         out = model(random_prompt(20), past_key_values=bounded)
         for _ in range(5):
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=bounded)
         assert [bounded.size(i) for i in range(2)] == [12, 25]
-        every = KVCacheFactory(model.config, selective("knorm", storage, budget=12, slack=0)).create_cache()
+        every = KVCacheFactory(model.config, evicting("knorm", storage, budget=12, slack=0)).create_cache()
         model(random_prompt(20), past_key_values=every)
         assert [every.size(i) for i in range(2)] == [12, 12]
 
@@ -298,7 +298,7 @@ def test_knorm_skip_layers_are_left_whole_at_prefill_and_decode(storage: str) ->
 @pytest.mark.parametrize("bad", [1, [0, -1], ["0"], [True]])
 def test_knorm_skip_layers_must_be_layer_indices(bad) -> None:
     with pytest.raises(ConfigError) as err:
-        KVCacheFactory(tiny_config("llama"), selective("knorm", compression_ratio=0.5, skip_layers=bad))
+        KVCacheFactory(tiny_config("llama"), evicting("knorm", compression_ratio=0.5, skip_layers=bad))
     assert err.value.key == "strategies[1].skip_layers"
 
 
@@ -324,8 +324,8 @@ def test_snapkv_scores_pooled_window_attention() -> None:
 def test_h2o_accumulates_attention_over_every_step() -> None:
     """The store's accumulated mass equals the sum of every step's attention, kept tokens only."""
     gen = torch.Generator().manual_seed(0)
-    spec = SelectiveSpec("h2o", budget=10, slack=0)
-    store = SelectiveStore(DenseStore(), H2OPolicy(), spec, num_layers=1)
+    spec = EvictionSpec("h2o", budget=10, slack=0)
+    store = EvictionStore(DenseStore(), H2OPolicy(), spec, num_layers=1)
     store.bind(0)
     keys_seen, mass = torch.empty(1, 2, 0, 8), torch.empty(1, 2, 0)
     for q in [8, 1, 1, 1, 1]:
@@ -354,7 +354,7 @@ def test_prefill_in_chunks_bounds_the_peak_by_budget_plus_chunk() -> None:
     budget, chunk = 12, 8
     slot = tiny_config("llama").num_key_value_heads * 16 * 2 * 4  # K+V bytes of one token, one layer
     with attn_implementation(model, "kvfactory"):
-        config = selective("snapkv", "paged", budget=budget)
+        config = evicting("snapkv", "paged", budget=budget)
         chunked = KVCacheFactory(model.config, config).create_cache()
         prefill_in_chunks(model, random_prompt(PROMPT), chunked, chunk_size=chunk)
         whole = KVCacheFactory(model.config, config).create_cache()
@@ -374,8 +374,8 @@ def test_prompts_shorter_than_a_window_compress(policy: str) -> None:
     model = llama()
     with attn_implementation(model, "kvfactory"):
         for length in (1, 2, 3):
-            cache = KVCacheFactory(model.config, selective(policy, compression_ratio=0.5, window_size=64)
-                                   if policy in SMALL_WINDOWS else selective(policy, compression_ratio=0.5)
+            cache = KVCacheFactory(model.config, evicting(policy, compression_ratio=0.5, window_size=64)
+                                   if policy in SMALL_WINDOWS else evicting(policy, compression_ratio=0.5)
                                    ).create_cache()
             generate(model, {"input_ids": random_prompt(length)}, cache, max_new_tokens=3)
             assert cache.get_seq_length() == length + 2
@@ -394,7 +394,7 @@ def test_a_user_policy_registers_in_one_line() -> None:
     try:
         model = llama()
         with attn_implementation(model, "kvfactory"), torch.no_grad():
-            cache = KVCacheFactory(model.config, selective("oldest_for_test", budget=8)).create_cache()
+            cache = KVCacheFactory(model.config, evicting("oldest_for_test", budget=8)).create_cache()
             prompt = random_prompt(20)
             model(prompt, past_key_values=cache)
             keys = cache.gather(0)[0]
@@ -412,7 +412,7 @@ def test_beams_and_returned_sequences_reorder_what_the_policy_tracks(policy: str
     model = llama()
     with attn_implementation(model, "kvfactory"):
         for kwargs in ({"num_beams": 3}, {"do_sample": True, "num_return_sequences": 2}):
-            cache = KVCacheFactory(model.config, selective(policy, budget=12, slack=2)).create_cache()
+            cache = KVCacheFactory(model.config, evicting(policy, budget=12, slack=2)).create_cache()
             out = generate(model, {"input_ids": random_prompt(20)}, cache, seed=0, max_new_tokens=10,
                            **kwargs)
             assert out.sequences.shape[1] == 30

@@ -19,9 +19,9 @@ def answer(model, tokenizer, prompt: str, config: dict | None) -> tuple[str, obj
     return tokenizer.decode(out[0, ids.shape[1]:]), cache
 
 
-def selective(policy: str, **options) -> dict:
+def evicting(policy: str, **options) -> dict:
     return {"type": "composite", "strategies": [{"name": "paged", "page_size": 16},
-                                                {"name": "selective", "policy": policy, **options}]}
+                                                {"name": "eviction", "policy": policy, **options}]}
 
 
 def test_query_aware_snapkv_keeps_the_passkey_a_recency_window_loses(smollm2) -> None:
@@ -33,11 +33,11 @@ def test_query_aware_snapkv_keeps_the_passkey_a_recency_window_loses(smollm2) ->
     record = passkey_prompts(tokenizer, 1024, [0.3], keys_per_depth=1)[0]
     full, _ = answer(model, tokenizer, record.prompt, None)
     assert record.answer in full  # the task works with every token kept
-    snap, cache = answer(model, tokenizer, record.prompt, selective("snapkv", compression_ratio=0.5,
+    snap, cache = answer(model, tokenizer, record.prompt, evicting("snapkv", compression_ratio=0.5,
                                                                                 window_size=16))
     assert record.answer in snap
     assert cache.size(0) <= 0.5 * record.prompt_tokens + 8
-    window, _ = answer(model, tokenizer, record.prompt, selective("window", budget=cache.size(0)))
+    window, _ = answer(model, tokenizer, record.prompt, evicting("window", budget=cache.size(0)))
     assert record.answer not in window
 
 
@@ -52,7 +52,7 @@ def test_a_left_padded_batch_of_four_answers_as_each_prompt_alone(smollm2, wikit
     for i, row in enumerate(rows):
         ids[i, width - row.numel():], mask[i, width - row.numel():] = row, 1
     options = {"compression_ratio": 0.5} if policy == "snapkv" else {"budget": 96, "slack": 8}
-    make = KVCacheFactory(model.config, selective(policy, **options)).create_cache
+    make = KVCacheFactory(model.config, evicting(policy, **options)).create_cache
     greedy = {"max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False}
     with torch.no_grad():
         batch = model.generate(input_ids=ids, attention_mask=mask, past_key_values=make(), **greedy)

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from kvfactory import CacheFullError, ConfigError, DenseStore, KVCacheFactory, PagedStore
 from kvfactory.codecs import make_codec
 from kvfactory.codecs.spec import QuantizationSpec
-from kvfactory.storage.quantized import QuantizedStore
+from kvfactory.quantization.store import QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
 B, H, D = 2, 3, 64

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.codecs.spec import QuantizationSpec
+from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors import SELECTORS, PageBases
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
@@ -20,7 +21,6 @@ from kvfactory.selectors.quest import QuestSelector
 from kvfactory.selectors.sparse import SparseRead, SparseStore
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.paged import PagedStore
-from kvfactory.storage.quantized import QuantizedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
 NAMES = sorted(SELECTORS)
@@ -90,7 +90,7 @@ def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
 
 @pytest.mark.parametrize(("strategies", "match"), [
     ([{"name": "dense"}, {"name": "quest"}], "paged storage"),
-    ([{"name": "paged"}, {"name": "selective", "policy": "h2o", "budget": 8}, {"name": "quest"}], "evicting"),
+    ([{"name": "paged"}, {"name": "eviction", "policy": "h2o", "budget": 8}, {"name": "quest"}], "evicting"),
     ([{"name": "paged"}, {"name": "quest"}, {"name": "recent"}], "one selector"),
     ([{"name": "paged"}, {"name": "quantized", "codec": "int8"}, {"name": "quest", "dynamic_pages": True}],
      "plain paged storage"),

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, BloomConfig
 
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory import cache as adapter
-from kvfactory.policies import POLICIES
+from kvfactory.eviction import POLICIES
 from kvfactory.selectors import SELECTORS
 
 PAGE = 4
@@ -36,13 +36,13 @@ def composite(entry: dict) -> dict:
 
 CONFIGS = {
     "int4": {"type": "paged", "page_size": PAGE, "quantization": {"codec": "int4", "residual": 8}},
-    **{f"{policy}": composite({"name": "selective", "policy": policy, "compression_ratio": 0.5})
+    **{f"{policy}": composite({"name": "eviction", "policy": policy, "compression_ratio": 0.5})
        for policy in sorted(POLICIES)},
     **{f"{selector}": composite({"name": selector, "read_budget": 0.25, "dense_layers": 0})
        for selector in sorted(SELECTORS)},
     "int4+snapkv": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": PAGE}, {"name": "quantized", "codec": "int4", "residual": 8},
-        {"name": "selective", "policy": "snapkv", "compression_ratio": 0.5}]},
+        {"name": "eviction", "policy": "snapkv", "compression_ratio": 0.5}]},
     "int4+quest": {"type": "composite", "strategies": [
         {"name": "paged", "page_size": PAGE}, {"name": "quantized", "codec": "int4", "residual": 8},
         {"name": "quest", "read_budget": 0.25, "dense_layers": 0}]},
@@ -74,7 +74,7 @@ def test_every_strategy_works_through_the_three_lines(name: str, caplog) -> None
     if cache.routing is not None:  # the selector read each decode step, OVAL from the decoder's state
         assert cache.routing_metrics()["steps"] == 4
         assert cache.routing_context.hidden.shape == (1, TINY_HIDDEN)
-    if cache.config.selective is not None:  # the policy compressed the prompt inside attention
+    if cache.config.eviction is not None:  # the policy compressed the prompt inside attention
         assert cache.size(0) < 44
 
 
@@ -107,7 +107,7 @@ def test_a_cache_built_from_another_config_object_refuses_the_forward() -> None:
 
 def test_an_architecture_without_attention_dispatch_gets_one_clear_error() -> None:
     config = BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=256)
-    policy = composite({"name": "selective", "policy": "h2o", "budget": 8})
+    policy = composite({"name": "eviction", "policy": "h2o", "budget": 8})
     with pytest.raises(ConfigError, match="BloomForCausalLM") as err:
         KVCacheFactory(config, policy).create_cache()
     assert "'quantization': 'int4'" in str(err.value)

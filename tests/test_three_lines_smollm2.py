@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvfactory import KVCacheFactory
 from kvfactory.config import parse_config
+from kvfactory.eviction import POLICIES
 from kvfactory.models import GGUF_FILE, embedded_model_dir
-from kvfactory.policies import POLICIES
 from kvfactory.presets import load_preset, preset_names
 from kvfactory.selectors import SELECTORS
 from kvfactory.sizing import KVShape, bytes_per_token_per_layer
@@ -61,7 +61,7 @@ def test_every_preset_works_through_the_three_lines(plain_model, prompt, referen
     parsed = parse_config(config)
     seen = PROMPT_TOKENS + NEW_TOKENS - 1
     assert cache.get_seq_length() == seen
-    if parsed.selective is not None:
+    if parsed.eviction is not None:
         check_budget(cache, seen)
     elif parsed.selector is not None:
         check_read_budget(cache, parsed.selector.build_selector().reads_all, reference, out)

@@ -98,7 +98,7 @@ class KVCacheManager:
         if not issubclass(config.storage.cls, PagedStore) or config.selector:
             raise ConfigError("kv_cache_config", config.raw, "paged storage (plain, quantized or with an "
                               "eviction policy) for a KVCacheManager (sparse caches are not managed yet)")
-        plain = config.quantization is None and config.selective is None
+        plain = config.quantization is None and config.eviction is None
         if prefix_caching and not plain:
             raise ConfigError("prefix_caching", True, "False with quantized pages or an eviction policy "
                               "(prefixes are shared between plain pages only)")
@@ -314,7 +314,7 @@ class KVCacheManager:
         """A new sequence from a saved file (its saved id unless ``seq_id``)."""
         in_use = next((pool.k.dtype for pool in self._pools() if pool.refcount.any()), None)
         state, saved_id = load_state(path, self.factory.model_config, self.factory.config.raw, in_use,
-                                     evicts=self.factory.config.selective is not None)
+                                     evicts=self.factory.config.eviction is not None)
         seq_id = seq_id or saved_id
         cache = self.create(seq_id)
         try:

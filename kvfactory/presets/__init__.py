@@ -26,14 +26,14 @@ _NAME_AT_FRACTION = re.compile(r"(?P<name>[a-z0-9_]+)(?P<dynamic>-dynamic)?@(?P<
 
 def policy_preset(name: str) -> dict[str, Any] | None:
     """The config of a ``POLICY@RATIO`` or ``SELECTOR@BUDGET`` name (registered ones), else None."""
-    from kvfactory.policies import POLICIES
+    from kvfactory.eviction import POLICIES
     from kvfactory.selectors import SELECTORS
 
     match = _NAME_AT_FRACTION.fullmatch(name)
     if match is None:
         return None
     if match["name"] in POLICIES and not match["dynamic"]:
-        entry = {"name": "selective", "policy": match["name"], "compression_ratio": float(match["fraction"])}
+        entry = {"name": "eviction", "policy": match["name"], "compression_ratio": float(match["fraction"])}
     elif match["name"] in SELECTORS:
         entry = {"name": match["name"], "read_budget": float(match["fraction"])}
         if match["dynamic"]:

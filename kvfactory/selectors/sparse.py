@@ -25,6 +25,7 @@ import torch
 
 from kvfactory import attention
 from kvfactory.attention import DeferredRead, NarrowRead
+from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.layout import OVERLAP, PageLayout, attention_entropy
 from kvfactory.selectors.metrics import RoutingMetrics
@@ -32,7 +33,6 @@ from kvfactory.selectors.pages import DynamicPageBases, PageBases, top_pages
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import MemoryReport, WrappedStore
 from kvfactory.storage.paged import PagedStore
-from kvfactory.storage.quantized import QuantizedStore
 
 
 class SparseStore(WrappedStore):

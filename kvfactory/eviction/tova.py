@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfactory.policies.base import Observation, Policy, protect_last
+from kvfactory.eviction.base import Observation, Policy, protect_last
 
 
 @dataclass

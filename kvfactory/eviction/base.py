@@ -2,7 +2,7 @@
 
 A policy is a dataclass whose fields are its paper's hyperparameters (checked in
 ``__post_init__``), as kvpress's presses are. ``scores`` returns one score per stored token and KV
-head, higher = kept; ``kvfactory.storage.selective.SelectiveStore`` keeps the same number of
+head, higher = kept; ``kvfactory.storage.eviction.EvictionStore`` keeps the same number of
 top-scoring tokens in every head (so per-head choices free real memory) and never moves a token's
 position: keys are stored after RoPE, so what stays keeps its rotation.
 """
@@ -82,7 +82,7 @@ class Observation:
 
 @dataclass
 class Policy(ABC):
-    """Which stored tokens a selective cache keeps.
+    """Which stored tokens an evicting cache keeps.
 
     ``decodes``: the policy can score during decode (one query per step), so a token ``budget``
     bounds the cache while generating; SnapKV and PyramidKV score with a window of prefill queries

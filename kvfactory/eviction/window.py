@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfactory.policies.base import Observation, Policy, check_positive
+from kvfactory.eviction.base import Observation, Policy, check_positive
 
 
 @dataclass

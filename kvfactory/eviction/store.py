@@ -1,6 +1,6 @@
-"""The ``selective`` strategy: a layer store that evicts what its policy scores lowest.
+"""The ``eviction`` strategy: a layer store that evicts what its policy scores lowest.
 
-``SelectiveStore`` wraps the config's storage (dense, paged, quantized). kvfactory's attention
+``EvictionStore`` wraps the config's storage (dense, paged, quantized). kvfactory's attention
 function hands it each attention call of its layer: ``attention_mask`` before attending (it
 records which new slots are real tokens and, once a batch has shown padding, supplies the mask
 itself, since transformers' mask cannot know which stored slots survived), ``observe`` after the
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from kvfactory.policies.base import Observation, Policy
-from kvfactory.policies.spec import DENSE_SLACK, SelectiveSpec
+from kvfactory.eviction.base import Observation, Policy
+from kvfactory.eviction.spec import DENSE_SLACK, EvictionSpec
 from kvfactory.storage.base import LayerStore, MemoryReport, WrappedStore, take_tokens
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
@@ -37,10 +37,10 @@ def visible_columns(mask: torch.Tensor | None, query_len: int, batch: int,
 
 PER_ROW = ("valid", "accumulated", "seen_rows")  # per batch row state that follows the tokens
 
-class SelectiveStore(WrappedStore):
-    """One layer's K/V in ``inner``, bounded by ``spec`` (see ``kvfactory.policies.spec``)."""
+class EvictionStore(WrappedStore):
+    """One layer's K/V in ``inner``, bounded by ``spec`` (see ``kvfactory.eviction.spec``)."""
 
-    def __init__(self, inner: LayerStore, policy: Policy, spec: SelectiveSpec, num_layers: int) -> None:
+    def __init__(self, inner: LayerStore, policy: Policy, spec: EvictionSpec, num_layers: int) -> None:
         self.inner, self.policy, self.spec, self.num_layers = inner, policy, spec, num_layers
         self.prefill_open = True
         self.valid: torch.Tensor | None = None  # [B, Hkv, T]: slot holds a real token
@@ -99,8 +99,8 @@ class SelectiveStore(WrappedStore):
                 setattr(self, name, value.index_select(0, rows.to(value.device)))
 
     # -- forks and saved state (``kvfactory.manager``): the policy's bookkeeping goes along ---------
-    def fork(self) -> SelectiveStore:
-        twin = SelectiveStore(self.inner.fork(), self.policy, self.spec, self.num_layers)
+    def fork(self) -> EvictionStore:
+        twin = EvictionStore(self.inner.fork(), self.policy, self.spec, self.num_layers)
         twin.layer_idx = self.layer_idx
         twin.prefill_open, twin.padded, twin.peak_bytes = self.prefill_open, self.padded, self.peak_bytes
         for name in PER_ROW:
@@ -110,21 +110,21 @@ class SelectiveStore(WrappedStore):
 
     def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
         """The inner store's state (``inner.*``), which tokens are real, the policy's accumulated scores
-        and the prefill flags (``selective.*``)."""
+        and the prefill flags (``eviction.*``)."""
         if tokens is not None:
             raise self._unsupported("swapped in part")
         state = {f"inner.{name}": t for name, t in self.inner.export_state().items()}
         if state:
-            state |= {f"selective.{name}": getattr(self, name) for name in PER_ROW
+            state |= {f"eviction.{name}": getattr(self, name) for name in PER_ROW
                       if getattr(self, name) is not None}
-            state["selective.flags"] = torch.tensor([self.prefill_open, self.padded, self.peak_bytes])
+            state["eviction.flags"] = torch.tensor([self.prefill_open, self.padded, self.peak_bytes])
         return state
 
     def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.inner.import_state({name[6:]: t for name, t in tensors.items() if name.startswith("inner.")})
         for name in PER_ROW:
-            setattr(self, name, tensors.get(f"selective.{name}"))
-        prefill_open, padded, peak = tensors["selective.flags"].tolist()
+            setattr(self, name, tensors.get(f"eviction.{name}"))
+        prefill_open, padded, peak = tensors["eviction.flags"].tolist()
         self.prefill_open, self.padded, self.peak_bytes = bool(prefill_open), bool(padded), int(peak)
 
     def memory_report(self) -> MemoryReport:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfactory.policies.window import WindowPolicy
+from kvfactory.eviction.window import WindowPolicy
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfactory.policies.base import check_positive
-from kvfactory.policies.snapkv import SnapKVPolicy
+from kvfactory.eviction.base import check_positive
+from kvfactory.eviction.snapkv import SnapKVPolicy
 
 
 @dataclass

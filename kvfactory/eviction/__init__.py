@@ -1,19 +1,19 @@
-"""Eviction and compression policies: which stored tokens a ``selective`` cache keeps.
+"""Eviction and compression policies: which stored tokens a ``eviction`` cache keeps.
 
 One file per method; ``register_policy`` adds a user's own (a ``Policy`` dataclass).
 """
 
 from __future__ import annotations
 
+from kvfactory.eviction.base import Observation, Policy
+from kvfactory.eviction.h2o import H2OPolicy
+from kvfactory.eviction.knorm import KnormPolicy
+from kvfactory.eviction.pyramidkv import PyramidKVPolicy
+from kvfactory.eviction.snapkv import SnapKVPolicy
+from kvfactory.eviction.streaming import StreamingLLMPolicy
+from kvfactory.eviction.tova import TOVAPolicy
+from kvfactory.eviction.window import WindowPolicy
 from kvfactory.options import check_registration
-from kvfactory.policies.base import Observation, Policy
-from kvfactory.policies.h2o import H2OPolicy
-from kvfactory.policies.knorm import KnormPolicy
-from kvfactory.policies.pyramidkv import PyramidKVPolicy
-from kvfactory.policies.snapkv import SnapKVPolicy
-from kvfactory.policies.streaming import StreamingLLMPolicy
-from kvfactory.policies.tova import TOVAPolicy
-from kvfactory.policies.window import WindowPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     "window": WindowPolicy,
@@ -27,7 +27,7 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def register_policy(name: str, cls: type[Policy]) -> type[Policy]:
-    """Make ``cls`` usable as ``{"name": "selective", "policy": name, ...}``."""
+    """Make ``cls`` usable as ``{"name": "eviction", "policy": name, ...}``."""
     check_registration("policy", name, cls, Policy)
     POLICIES[name] = cls
     return cls

@@ -1,7 +1,7 @@
 """What a config asks of eviction: the policy, its hyperparameters and the budget.
 
-In a composite config: ``{"name": "selective", "policy": "snapkv", "compression_ratio": 0.75}``
-or ``{"name": "selective", "policy": "h2o", "budget": 1024}``, plus the policy's own
+In a composite config: ``{"name": "eviction", "policy": "snapkv", "compression_ratio": 0.75}``
+or ``{"name": "eviction", "policy": "h2o", "budget": 1024}``, plus the policy's own
 hyperparameters (``window_size``, ``n_sink``, ...) under their names.
 
 - ``compression_ratio`` (kvpress's definition: the fraction evicted) compresses prefills: after a
@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfactory.errors import ConfigError
+from kvfactory.eviction import POLICIES, Policy
 from kvfactory.options import options_of, parse_spec
-from kvfactory.policies import POLICIES, Policy
 
-SELECTIVE = "selective"  # the composite entry's name
+EVICTION = "eviction"  # the composite entry's name
 DENSE_SLACK = 16
 
 
 @dataclass(frozen=True)
-class SelectiveSpec:
-    """A validated ``selective`` entry; ``build_policy()`` makes a fresh policy for one layer."""
+class EvictionSpec:
+    """A validated ``eviction`` entry; ``build_policy()`` makes a fresh policy for one layer."""
 
     policy: str
     compression_ratio: float | None = None
@@ -55,7 +55,7 @@ class SelectiveSpec:
         self.build_policy()
 
     @classmethod
-    def parse(cls, options: dict[str, Any], where: str = "") -> SelectiveSpec:
+    def parse(cls, options: dict[str, Any], where: str = "") -> EvictionSpec:
         options = dict(options)
         name = options.pop("policy", None)
         if name not in POLICIES:
@@ -63,7 +63,7 @@ class SelectiveSpec:
         if isinstance(options.get("budget"), list):
             options["budget"] = tuple(options["budget"])
         return parse_spec(cls, name, options, dict.fromkeys(("compression_ratio", "budget", "slack")),
-                          options_of(POLICIES[name]), where, "selective", "policy")
+                          options_of(POLICIES[name]), where, "eviction", "policy")
 
     def build_policy(self) -> Policy:
         return POLICIES[self.policy](**self.options)

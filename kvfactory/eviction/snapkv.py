@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from kvfactory.errors import ConfigError
-from kvfactory.policies.base import Observation, Policy, check_positive, protect_last
+from kvfactory.eviction.base import Observation, Policy, check_positive, protect_last
 
 
 @dataclass

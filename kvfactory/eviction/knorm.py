@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfactory.errors import ConfigError
-from kvfactory.policies.base import Observation, Policy
+from kvfactory.eviction.base import Observation, Policy
 
 
 @dataclass
