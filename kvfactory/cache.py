@@ -222,8 +222,8 @@ class KVLayer(CacheLayerMixin):
         self.record_past = False
         self.seen = 0
         self.is_initialized = False
-        # a store that evicts in ``retain`` may rewrite memory a returned read still points at
-        self._copy_reads = type(store).retain is not LayerStore.retain
+        # a store that evicts may rewrite memory a returned read still points at
+        self._copy_reads = store.evicts
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -264,7 +264,7 @@ class KVLayer(CacheLayerMixin):
         else:
             keys, values = self.store.gather()
         if deferred:  # with no read, this drops what an earlier update left pending
-            observer = None if self.is_sliding or not hasattr(self.store, "observe") else self.store
+            observer = self.store if self.store.observes_attention and not self.is_sliding else None
             attention.defer(read, keys, self.store.layer_idx, observer)
         if self.is_sliding and self.record_past:
             visible = self.sliding_window - 1 + key_states.shape[-2]
@@ -466,10 +466,9 @@ class KVCache(Cache):
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, layers: list[KVLayer]) -> None:
         """Check the pool has room for ``layers`` to write before any of them does (``CacheFullError``):
         a step is written whole or not at all."""
-        check = getattr(self.shared, "check", None)
-        if check is not None:
+        if self.shared is not None:
             batch, new_tokens = key_states.shape[0], key_states.shape[-2]
-            check([request for layer in layers
+            self.shared.check([request for layer in layers
                    for request in layer.store.block_requests(new_tokens, batch, key_states, value_states)])
 
     # beams and returned sequences rearrange rows between steps: the routed hidden state follows
@@ -510,16 +509,16 @@ class KVCache(Cache):
         total = sum(reports, MemoryReport())
         seen = self.get_seq_length() * self.batch_size
         report = MemoryReport(total.allocated, total.used, seen).as_dict() | {"tokens_stored": total.tokens}
-        pool_report = getattr(self.shared, "memory_report", None)
-        if pool_report is not None:
-            report["pool_allocated"] = pool_report().allocated
-        if any(hasattr(layer.store, "peak_bytes") for layer in self.layers):
-            report["peak_allocated"] = sum(max(getattr(layer.store, "peak_bytes", 0), layer_report.allocated)
-                                           for layer, layer_report in zip(self.layers, reports, strict=True))
+        if self.shared is not None:
+            report["pool_allocated"] = self.shared.memory_report().allocated
+        peaks = [layer.store.peak_bytes() for layer in self.layers]
+        if any(peak is not None for peak in peaks):
+            report["peak_allocated"] = sum(max(peak or 0, layer_report.allocated)
+                                           for peak, layer_report in zip(peaks, reports, strict=True))
         if self.workspace is not None:
             report["workspace"] = self.workspace.nbytes
-            residual = sum((layer.store.residual_report() for layer in self.layers
-                            if hasattr(layer.store, "residual_report")), MemoryReport())
+            windows = [layer.store.residual_report() for layer in self.layers]
+            residual = sum((window for window in windows if window is not None), MemoryReport())
             report |= {"residual": residual.allocated, "residual_tokens": residual.tokens}
         return report
 
@@ -527,9 +526,7 @@ class KVCache(Cache):
         """Close the prompt: evicting caches compressing by ratio keep what comes next (a question
         fed after the compressed context) whole."""
         for layer in self.layers:
-            end = getattr(layer.store, "end_prefill", None)
-            if end is not None:
-                end()
+            layer.store.end_prefill()
 
     def routing_metrics(self) -> dict[str, float]:
         """A selector's routing metrics (``kvfactory.selectors.metrics``): hit rate, recall, bytes read."""
@@ -540,8 +537,8 @@ class KVCache(Cache):
 
     def quantization_error(self) -> dict[int, dict[str, float]]:
         """Per quantized layer: the relative MSE of its stored keys and values (sampled on writes)."""
-        return {i: layer.store.quantization_error() for i, layer in enumerate(self.layers)
-                if hasattr(layer.store, "quantization_error")}
+        errors = {i: layer.store.quantization_error() for i, layer in enumerate(self.layers)}
+        return {i: error for i, error in errors.items() if error is not None}
 
     # -- low-level interface (code outside transformers) -----------------------------------
     def append(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor,

@@ -12,14 +12,15 @@ from kvfactory.cache import (
     await_first_forward,
     use_kvfactory_attention,
 )
+from kvfactory.compose import LayerContext, compose_layer
 from kvfactory.config import CacheConfig, load_yaml, parse_config
-from kvfactory.eviction.store import EvictionStore
-from kvfactory.quantization.store import QuantizedStore
+from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
-from kvfactory.selectors.sparse import SparseStore
 from kvfactory.sizing import KVShape
+from kvfactory.storage.blocks import PagedPool
 from kvfactory.storage.forward_lock import ForwardLock
+from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
 
@@ -31,56 +32,46 @@ class KVCacheFactory:
     """
 
     def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
-                 pool: Any = None):
+                 pool: PagedPool | None = None):
         self.model_config = model_config
         self.config = parse_config(cache_config)
         self.windows = attention_layout(model_config)
         storage = self.config.storage
-        make_shared = getattr(storage.cls, "make_shared", None)
-        if pool is None and make_shared is not None:
-            pool = make_shared(storage.options, len(self.windows))
-        self.pool = pool
-        expect_layout = getattr(pool, "expect_layout", None)
-        if expect_layout is not None:  # every write of every layer is checked against the model's shape
+        if pool is None:
+            pool = storage.cls.make_shared(storage.options, len(self.windows))
+        elif not isinstance(pool, PagedPool) or not issubclass(storage.cls, PagedStore):
+            raise ConfigError("pool", type(pool).__name__, "a PagedPool (another factory's .pool) shared by "
+                              "paged storage")
+        self.pool: PagedPool | None = pool
+        if pool is not None:  # every write of every layer is checked against the model's shape
             shape = KVShape.from_config(model_config)
-            expect_layout(shape.kv_heads, shape.head_dim)
+            pool.expect_layout(shape.kv_heads, shape.head_dim)
         if self.config.quantization is not None:  # a per-layer codec list names every layer
             self.config.quantization.codec_name(0, len(self.windows))
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
         # caches of a factory (or of one pool) share memory: their forwards take turns
-        self.forward_lock = getattr(pool, "forward_lock", None) or ForwardLock()
+        self.forward_lock = pool.forward_lock if pool is not None else ForwardLock()
         selector = self.config.selector
         self.layer_selectors = {} if selector is None else selector.per_layer(model_config, [
             i for i, window in enumerate(self.windows) if window is None and i >= selector.dense_layers])
 
     @classmethod
-    def from_yaml(cls, path: str | Path, model_config: Any, pool: Any = None) -> KVCacheFactory:
+    def from_yaml(cls, path: str | Path, model_config: Any, pool: PagedPool | None = None) -> KVCacheFactory:
         return cls(model_config, load_yaml(path), pool=pool)
 
     def create_cache(self, seq_id: str | None = None) -> KVCache:
-        """A new, empty cache (a ``transformers.Cache``) for one sequence or batch."""
-        layers = []
+        """A new, empty cache (a ``transformers.Cache``) for one sequence or batch; its layers' stores
+        are composed by ``kvfactory.compose.compose_layer``."""
         config = self.config
-        quantization, eviction, selector = config.quantization, config.eviction, config.selector
         use_kvfactory_attention(self.model_config, config)
-        context = RoutingContext() if selector is not None else None
-        routing = RoutingMetrics(context) if selector is not None else None
+        context = RoutingContext() if config.selector is not None else None
+        routing = RoutingMetrics(context) if config.selector is not None else None
+        layers = []
         for layer_idx, window in enumerate(self.windows):
-            store = self.config.storage.build()
-            codecs = quantization.codecs(layer_idx, len(self.windows)) if quantization else None
-            if codecs is not None:
-                residual = quantization.residual_for(quantization.codec_name(layer_idx, len(self.windows)))
-                store = QuantizedStore(store, *codecs, residual, self.workspace)
-            if eviction is not None and window is None:  # sliding layers are bounded by their window
-                store = EvictionStore(store, eviction.build_policy(), eviction, len(self.windows))
-            if selector is not None and window is None:  # sliding layers read their window whole
-                spec = self.layer_selectors.get(layer_idx, selector)
-                store = SparseStore(store, spec.build_selector(), spec, routing, context, len(self.windows))
-            store.bind(layer_idx)
-            if self.pool is not None:
-                store.attach(self.pool)
-            layers.append(KVLayer(store, sliding_window=window))
-        cache = KVCache(layers, shared=self.pool, seq_id=seq_id, config=self.config, workspace=self.workspace,
+            layer = LayerContext(layer_idx, len(self.windows), window, self.pool, self.workspace,
+                                 self.layer_selectors.get(layer_idx, config.selector), routing, context)
+            layers.append(KVLayer(compose_layer(config, layer), sliding_window=window))
+        cache = KVCache(layers, shared=self.pool, seq_id=seq_id, config=config, workspace=self.workspace,
                         model_config=self.model_config, routing=routing, routing_context=context,
                         forward_lock=self.forward_lock)
         await_first_forward(cache)  # hooks the model it runs with (tokens written, OVAL's hidden state)

@@ -11,9 +11,11 @@ from kvfactory.errors import ConfigError
 
 
 def options_of(cls: type) -> dict[str, Any]:
-    """Config options of a strategy class: its init fields and their type hints."""
+    """Config options of a strategy class: its init fields and their type hints, except private ones and
+    those marked ``metadata={"option": False}`` (set by ``kvfactory.compose``, not by a config)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if f.init and not f.name.startswith("_") and f.metadata.get("option", True)}
 
 
 def type_ok(value: Any, hint: Any) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import apply_edit, generate
@@ -28,8 +30,12 @@ def kv(tokens: int, batch: int = B, seed: int = 0):
 def store(codec: str, residual: int = 8, inner: str = "dense", group_size: int = 4,
           page_size: int = 4, **pool: int) -> QuantizedStore:
     spec = QuantizationSpec(codec=codec, residual=residual, group_size=group_size)
-    base = DenseStore() if inner == "dense" else PagedStore(page_size=page_size)
-    built = QuantizedStore(base, *spec.codecs(0, 1), residual, ReadWorkspace())
+    codecs = spec.codecs(0, 1)
+    # storage built for the window, as kvfactory.compose builds it
+    unit = math.lcm(codecs[0].unit, codecs[1].unit)
+    window = PagedStore(page_size=page_size, kind="window")
+    base = DenseStore(reserve_tokens=unit) if inner == "dense" else window
+    built = QuantizedStore(base, *codecs, residual, ReadWorkspace())
     built.bind(0)
     if inner == "paged":
         built.attach(PagedStore.make_shared({"page_size": page_size, **pool}, 1))

@@ -68,6 +68,13 @@ class EvictionSpec:
     def build_policy(self) -> Policy:
         return POLICIES[self.policy](**self.options)
 
+    def slack_for(self, page_size: int | None) -> int:
+        """Tokens decoded between evictions: ``slack``, else one page of plain paged storage
+        (``page_size``), else ``DENSE_SLACK``."""
+        if self.slack is not None:
+            return self.slack
+        return page_size if page_size is not None else DENSE_SLACK
+
     def layer_target(self, layer_idx: int, num_layers: int) -> int | None:
         """This layer's token budget (None: compression by ratio)."""
         if isinstance(self.budget, tuple):

@@ -15,15 +15,11 @@ that keep fewer than the longest are filled with masked slots.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from kvfactory.eviction.base import Observation, Policy
-from kvfactory.eviction.spec import DENSE_SLACK, EvictionSpec
+from kvfactory.eviction.spec import EvictionSpec
 from kvfactory.storage.base import LayerStore, MemoryReport, WrappedStore, take_tokens
-from kvfactory.storage.dense import DenseStore
-from kvfactory.storage.paged import PagedStore
 
 
 def visible_columns(mask: torch.Tensor | None, query_len: int, batch: int,
@@ -40,22 +36,21 @@ PER_ROW = ("valid", "accumulated", "seen_rows")  # per batch row state that foll
 class EvictionStore(WrappedStore):
     """One layer's K/V in ``inner``, bounded by ``spec`` (see ``kvfactory.eviction.spec``)."""
 
-    def __init__(self, inner: LayerStore, policy: Policy, spec: EvictionSpec, num_layers: int) -> None:
+    evicts = True
+    observes_attention = True
+
+    def __init__(self, inner: LayerStore, policy: Policy, spec: EvictionSpec, num_layers: int,
+                 slack: int | None = None) -> None:
+        """``slack``: tokens decoded between evictions (``kvfactory.compose.eviction_slack``; default
+        ``spec.slack_for(None)``)."""
         self.inner, self.policy, self.spec, self.num_layers = inner, policy, spec, num_layers
         self.prefill_open = True
         self.valid: torch.Tensor | None = None  # [B, Hkv, T]: slot holds a real token
         self.seen_rows: torch.Tensor | None = None  # [B] real tokens seen per row
         self.padded = False  # a padded batch was seen: attention masks come from ``valid``
         self.accumulated: torch.Tensor | None = None  # [B, Hkv, T] attention mass (policy.accumulates)
-        self.peak_bytes = 0  # the most this layer held, right before an eviction
-        if isinstance(inner, DenseStore):  # a bounded cache needs no growth headroom
-            inner.growth, inner.reserve_tokens = 1.0, min(inner.reserve_tokens, self.slack)
-
-    @property
-    def slack(self) -> int:
-        if self.spec.slack is not None:
-            return self.spec.slack
-        return self.inner.page_size if isinstance(self.inner, PagedStore) else DENSE_SLACK
+        self._peak = 0  # the most this layer held, right before an eviction
+        self.slack = spec.slack_for(None) if slack is None else slack
 
     # -- storage, delegated -----------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -68,7 +63,7 @@ class EvictionStore(WrappedStore):
 
     def clear(self) -> None:
         self.inner.clear()
-        self.prefill_open, self.padded, self.peak_bytes = True, False, 0
+        self.prefill_open, self.padded, self._peak = True, False, 0
         self.valid = self.seen_rows = self.accumulated = None
 
     def keep(self, index: torch.Tensor) -> None:
@@ -100,9 +95,9 @@ class EvictionStore(WrappedStore):
 
     # -- forks and saved state (``kvfactory.manager``): the policy's bookkeeping goes along ---------
     def fork(self) -> EvictionStore:
-        twin = EvictionStore(self.inner.fork(), self.policy, self.spec, self.num_layers)
+        twin = EvictionStore(self.inner.fork(), self.policy, self.spec, self.num_layers, self.slack)
         twin.layer_idx = self.layer_idx
-        twin.prefill_open, twin.padded, twin.peak_bytes = self.prefill_open, self.padded, self.peak_bytes
+        twin.prefill_open, twin.padded, twin.peak_bytes = self.prefill_open, self.padded, self._peak
         for name in PER_ROW:
             value = getattr(self, name)
             setattr(twin, name, None if value is None else value.clone())
@@ -117,7 +112,7 @@ class EvictionStore(WrappedStore):
         if state:
             state |= {f"eviction.{name}": getattr(self, name) for name in PER_ROW
                       if getattr(self, name) is not None}
-            state["eviction.flags"] = torch.tensor([self.prefill_open, self.padded, self.peak_bytes])
+            state["eviction.flags"] = torch.tensor([self.prefill_open, self.padded, self._peak])
         return state
 
     def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -125,14 +120,13 @@ class EvictionStore(WrappedStore):
         for name in PER_ROW:
             setattr(self, name, tensors.get(f"eviction.{name}"))
         prefill_open, padded, peak = tensors["eviction.flags"].tolist()
-        self.prefill_open, self.padded, self.peak_bytes = bool(prefill_open), bool(padded), int(peak)
+        self.prefill_open, self.padded, self._peak = bool(prefill_open), bool(padded), int(peak)
 
     def memory_report(self) -> MemoryReport:
         return self.inner.memory_report()
 
-
-    def deferred_read(self) -> Any:
-        return self.inner.deferred_read()
+    def peak_bytes(self) -> int:
+        return self._peak
 
     # -- attention and eviction -------------------------------------------------------------
     def end_prefill(self) -> None:
@@ -215,7 +209,7 @@ class EvictionStore(WrappedStore):
         chosen = (ranks < targets.to(order.device)[:, None, None]).expand_as(order)
         index, position = order.sort(-1)
         # memory only grows between evictions: its peak is what the layer held right before one
-        self.peak_bytes = max(self.peak_bytes, self.inner.memory_report().allocated)
+        self._peak = max(self._peak, self.inner.memory_report().allocated)
         self.keep(index)
         self.valid = chosen.gather(-1, position)
 

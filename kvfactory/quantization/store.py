@@ -29,7 +29,6 @@ from kvfactory.codecs import Codec, Encoded, fused, native
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv, take_tokens
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
-from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
@@ -159,7 +158,9 @@ class PagedRuns:
 
 
 class QuantizedStore(LayerStore):
-    """One layer's K/V: codec-packed runs plus up to ``residual`` + one unit newest tokens in ``inner``."""
+    """One layer's K/V: codec-packed runs plus up to ``residual`` + one unit newest tokens in ``inner``
+    (built for that role by ``kvfactory.compose``: paged blocks of kind ``window``, dense headroom
+    of at most one unit)."""
 
     def __init__(self, inner: LayerStore, key_codec: Codec, value_codec: Codec, residual: int,
                  workspace: ReadWorkspace, sample_every: int = 16) -> None:
@@ -168,10 +169,6 @@ class QuantizedStore(LayerStore):
         self._flushes = 0
         self._error = torch.zeros(4, dtype=torch.float64)  # K error, K norm, V error, V norm (squared sums)
         self.unit = math.lcm(key_codec.unit, value_codec.unit)
-        if isinstance(inner, DenseStore):  # the window never holds more than residual + one unit
-            inner.reserve_tokens = min(inner.reserve_tokens, self.unit)
-        if isinstance(inner, PagedStore):
-            inner.kind = "window"
         self._packed: PackedRuns | PagedRuns | None = None  # made on first use (paged: once a pool is known)
         self._like: tuple[torch.Tensor, torch.Tensor] | None = None  # empty [B, H, 0, D] K and V
 

@@ -39,6 +39,8 @@ class SparseStore(WrappedStore):
     """One layer's paged K/V in ``inner`` (plain or quantized pages), read sparsely at decode as
     ``spec`` asks; ``inner`` serves whole pages (``pageable``, ``read_pages``, ``read_bytes``)."""
 
+    observes_attention = True  # shadow steps measure full attention for the same queries
+
     def __init__(self, inner: PagedStore | QuantizedStore, selector: Selector, spec: SelectorSpec,
                  metrics: RoutingMetrics, context: RoutingContext, num_layers: int) -> None:
         self.inner, self.selector, self.spec, self.metrics = inner, selector, spec, metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -17,7 +17,7 @@ from kvfactory.errors import ShapeError, UnsupportedError
 
 if TYPE_CHECKING:
     from kvfactory.attention import DeferredRead, NarrowRead
-    from kvfactory.storage.blocks import PoolSpec
+    from kvfactory.storage.blocks import PagedPool, PoolSpec
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,34 @@ class LayerStore(ABC):
 
     Subclasses implement the storage primitives; ``retain`` is the hook a strategy overrides to
     decide which stored tokens stay after a step has read them (the default keeps everything).
+
+    Capabilities are declared, as transformers' ``CacheLayerMixin`` declares ``is_sliding``: class
+    flags say what a store does beyond the primitives, and the optional reports below answer
+    ``None`` where a store has nothing to report, so no caller probes a store's attributes.
     """
+
+    #: ``retain`` or ``observe`` may drop stored tokens after a step read them, so a read handed to
+    #: attention must be a copy (set by itself for a subclass that overrides ``retain``).
+    evicts: ClassVar[bool] = False
+    #: takes part in its layer's attention call (``kvfactory.attention.Observer``): the mask it
+    #: attends with and what it sees afterwards (eviction scores, shadow measurements)
+    observes_attention: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "retain" in cls.__dict__ and "evicts" not in cls.__dict__:
+            cls.evicts = True
 
     layer_idx: int = 0
 
     def bind(self, layer_idx: int) -> None:
         """Called once by the factory: which model layer this store serves."""
         self.layer_idx = layer_idx
+
+    @classmethod
+    def make_shared(cls, options: dict, num_layers: int) -> PagedPool | None:
+        """The pool the caches of one factory share (paged storage), or None for storage without one."""
+        return None
 
     @abstractmethod
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -161,10 +182,27 @@ class LayerStore(ABC):
     def retain(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """Decide what stays after a step read the cache. Default: keep everything."""
 
+    def end_prefill(self) -> None:  # noqa: B027 - an optional hook, not abstract
+        """The prompt is complete (``KVCache.end_prefill``): what comes next is not prompt."""
+
+    # -- optional reports: None where the store has nothing to report -----------------------
+    def peak_bytes(self) -> int | None:
+        """The most bytes this store held (right before an eviction), for stores that evict."""
+        return None
+
+    def residual_report(self) -> MemoryReport | None:
+        """The full-precision window's share of ``memory_report`` (quantized storage)."""
+        return None
+
+    def quantization_error(self) -> dict[str, float] | None:
+        """Relative MSE of the keys and values stored so far (quantized storage)."""
+        return None
+
 
 class WrappedStore(LayerStore):
-    """A store that adds behaviour on top of another one, ``inner`` (a policy, a selector): binding,
-    pool attachment, reads, pool requests and whatever else ``inner`` offers are ``inner``'s."""
+    """A store that adds behaviour on top of another one, ``inner`` (a policy, a selector). Binding,
+    pool attachment, reads, pool requests and the optional hooks and reports are ``inner``'s unless the
+    wrapper overrides them; anything else of ``inner`` is reached as ``inner``'s, by name."""
 
     inner: LayerStore
 
@@ -174,11 +212,6 @@ class WrappedStore(LayerStore):
 
     def attach(self, pool: object) -> None:
         self.inner.attach(pool)
-
-    def __getattr__(self, name: str) -> Any:  # what the inner store adds (residual_report, page_size, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.gather()
@@ -193,3 +226,18 @@ class WrappedStore(LayerStore):
     def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor,
                        value: torch.Tensor) -> list[tuple[PoolSpec, int]]:
         return self.inner.block_requests(new_tokens, batch, key, value)
+
+    def deferred_read(self) -> DeferredRead | NarrowRead | None:
+        return self.inner.deferred_read()
+
+    def end_prefill(self) -> None:
+        self.inner.end_prefill()
+
+    def peak_bytes(self) -> int | None:
+        return self.inner.peak_bytes()
+
+    def residual_report(self) -> MemoryReport | None:
+        return self.inner.residual_report()
+
+    def quantization_error(self) -> dict[str, float] | None:
+        return self.inner.quantization_error()

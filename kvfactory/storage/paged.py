@@ -25,7 +25,8 @@ class PagedStore(LayerStore):
     """Paged KV storage of one layer: a block table over a shared ``PagedPool``.
 
     ``kind`` names the pool's blocks it takes (``kvfactory.storage.blocks``): ``kv``, or ``window``
-    when it holds the full-precision window in front of quantized pages.
+    when it holds the full-precision window in front of quantized pages (``kvfactory.compose`` sets
+    it; it is not a config option).
     """
 
     page_size: int = 16
@@ -34,7 +35,7 @@ class PagedStore(LayerStore):
     pool_bytes: int | None = None
 
     pool: PagedPool | None = field(default=None, init=False, repr=False)
-    kind: str = field(default="kv", init=False, repr=False)
+    kind: str = field(default="kv", repr=False, metadata={"option": False})
     _table: BlockTable = field(init=False, repr=False)
     # tokens dropped from the front (windows, partial swaps) and whether ``keep`` left gaps: blocks
     # that do not hold the sequence from its first token are never offered as a prefix (``block_ids``)
