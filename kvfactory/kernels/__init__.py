@@ -1,10 +1,10 @@
 """C kernels for the CPU hot paths, compiled on first use and called through ctypes.
 
-Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in about a second):
+Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in seconds, once):
 ``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``), ``pages.c`` scores and
 picks a layer's pages for the page selectors (``kvfactory.selectors.pages``), ``common.h`` is what
-they share. ``load(NAME)`` builds one with
-the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
+they share (the wheel ships the headers with the sources). ``load(NAME)`` builds one with the system
+C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
 ``$XDG_CACHE_HOME/kvfactory/kernels`` (or ``KVFACTORY_KERNEL_DIR``), named by a hash of the source,
 the flags and the CPU, written atomically so parallel processes share it. Without a working
 compiler it returns None after one warning, and callers keep their torch code paths.
