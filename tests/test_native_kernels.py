@@ -1,7 +1,11 @@
 """The C kernels equal their torch definitions: KIVI decode (``kvfactory.codecs.native``) against
-decoding the codes and multiplying, page scores and top pages (``kvfactory.selectors.pages``)."""
+decoding the codes and multiplying, page scores and top pages (``kvfactory.selectors.pages``); their
+declared signatures are those of the C source, and a call that does not fit them raises."""
 
 from __future__ import annotations
+
+import ctypes
+import re
 
 import pytest
 import torch
@@ -101,6 +105,60 @@ def test_the_library_is_built_once_and_shared(tmp_path, monkeypatch) -> None:
     built = first.stat().st_mtime_ns
     assert kernels.build("kivi", "cc") == first and first.stat().st_mtime_ns == built
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def _c_definitions(name: str) -> dict[str, str]:
+    """The exported (not static) function definitions of ``NAME.c``, whitespace collapsed, by name."""
+    text = kernels.source(name).read_text()
+    found = re.findall(r"^(?:void|int|float|int64_t) +\w+\([^)]*\)", text, flags=re.M)
+    return {re.match(r"\w+ +(\w+)", d).group(1): " ".join(d.split()) for d in found}
+
+
+@pytest.mark.parametrize("name", ["kivi", "pages"])
+def test_signatures_are_those_of_the_c_definitions(name) -> None:
+    """Every exported function is declared, with the C definition's types and parameter names."""
+    declared = {kernels.signature(p)[0]: " ".join(p.split()) for p in kernels.SIGNATURES[name]}
+    assert declared == _c_definitions(name) and declared
+    lib = kernels.load(name)
+    for function in declared:
+        assert isinstance(getattr(lib, function), ctypes._CFuncPtr)
+        assert len(getattr(lib, function).argtypes) == len(kernels.signature(declared[function])[2])
+
+
+def test_signature_types() -> None:
+    name, restype, params = kernels.signature("int f(int64_t n, const float *x, float s, int k, void *out)")
+    assert (name, restype) == ("f", ctypes.c_int)
+    assert params == (("n", ctypes.c_int64), ("x", ctypes.c_void_p), ("s", ctypes.c_float),
+                      ("k", ctypes.c_int), ("out", ctypes.c_void_p))
+    assert kernels.signature("void g(int64_t *out)")[1:] == (None, (("out", ctypes.c_void_p),))
+    with pytest.raises(KeyError):
+        kernels.signature("void h(double x)")  # a type the table does not map
+
+
+def test_a_call_that_does_not_fit_the_signature_raises() -> None:
+    """Wrong argument counts, keywords or types raise before any C code runs; a fitting call, by
+    position or by the C parameter names, works."""
+    lib = kernels.load("pages")
+    scores = torch.tensor([[3.0, 1.0, 2.0, 0.0]])
+    out = torch.full((1, 2), -1, dtype=torch.long)
+    args = (1, 4, scores.data_ptr(), 0, 4, 2, out.data_ptr())
+    with pytest.raises(TypeError, match="argument 'out' missing"):
+        lib.top_pages(*args[:-1])  # one short: the C code would read a garbage pointer
+    with pytest.raises(TypeError, match="exactly 7 arguments"):
+        lib.top_pages(*args, 0)  # one too many: plain ctypes argtypes would let this through
+    with pytest.raises(TypeError):
+        lib.top_pages(*args[:-1], output=out.data_ptr())  # not the C parameter's name
+    with pytest.raises(ctypes.ArgumentError):
+        lib.top_pages(1, 4.5, *args[2:])  # a float for an int64_t
+    with pytest.raises(ctypes.ArgumentError):
+        lib.top_pages(*args[:2], scores, *args[3:])  # a tensor, not its data pointer
+    with pytest.raises(TypeError, match="argument 'cb' missing"):
+        kernels.load("kivi").kivi_key_scores(*args)
+    assert (out == -1).all()  # nothing ran
+    assert lib.top_pages(*args) == 0 and sorted(out[0].tolist()) == [0, 2]
+    out.fill_(-1)
+    assert lib.top_pages(rows=1, P=4, scores=scores.data_ptr(), lo=1, hi=4, k=1, out=out.data_ptr()) == 0
+    assert out[0, 0] == 2
 
 
 def test_no_compiler_warns_and_leaves_the_torch_kernels(tmp_path, monkeypatch) -> None:

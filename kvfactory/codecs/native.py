@@ -18,8 +18,6 @@ import torch
 
 from kvfactory import kernels
 from kvfactory.errors import ShapeError
-from kvfactory.kernels import I64 as _I64
-from kvfactory.kernels import PTR as _PTR
 
 MAX_DIM, MAX_ROWS = 512, 64  # as in kivi.c
 
@@ -40,9 +38,9 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
 
 
 def _param(t: torch.Tensor) -> tuple[object, ...]:
-    """ctypes arguments for a scale or zero-point tensor: pointer, kind, table, strides of dims 0-2."""
+    """Kernel arguments for a scale or zero-point tensor: pointer, kind, table, strides of dims 0-2."""
     lut = _lut(t.dtype).data_ptr() if t.dtype.itemsize == 1 else None
-    return (_PTR(t.data_ptr()), kernels.KINDS[t.dtype], _PTR(lut), *(_I64(s) for s in t.stride()[:3]))
+    return (t.data_ptr(), kernels.KINDS[t.dtype], lut, *t.stride()[:3])
 
 
 def supports(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:
@@ -72,9 +70,8 @@ def key_scores(query: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
     out = torch.empty(b, h, r, n * g, dtype=torch.float32)
     cs = codes.stride()
     _library().kivi_key_scores(
-        _I64(b), _I64(h), _I64(r), _I64(d), ctypes.c_int(bits), _PTR(query.data_ptr()),
-        _PTR(codes.data_ptr()), _I64(cs[0]), _I64(cs[1]), _I64(cs[2]), _I64(n), _I64(g), _I64(p),
-        *_param(scale), *_param(zero), _PTR(out.data_ptr()), _I64(n * g))
+        b, h, r, d, bits, query.data_ptr(), codes.data_ptr(), *cs[:3], n, g, p,
+        *_param(scale), *_param(zero), out.data_ptr(), n * g)
     return out
 
 
@@ -100,7 +97,6 @@ def value_sums(probs: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
     out = torch.empty(b, h, r, head_dim, dtype=torch.float32)
     cs = codes.stride()
     _library().kivi_value_sums(
-        _I64(b), _I64(h), _I64(r), _I64(head_dim), ctypes.c_int(bits), _I64(group), _PTR(probs.data_ptr()),
-        _I64(row), _PTR(codes.data_ptr()), _I64(cs[0]), _I64(cs[1]), _I64(cs[2]), _I64(t), _I64(p),
-        *_param(scale), *_param(zero), _PTR(out.data_ptr()))
+        b, h, r, head_dim, bits, group, probs.data_ptr(), row, codes.data_ptr(), *cs[:3], t, p,
+        *_param(scale), *_param(zero), out.data_ptr())
     return out

@@ -1,13 +1,18 @@
 """C kernels for the CPU hot paths, compiled on first use and called through ctypes.
 
-Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in about a second):
+Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in seconds, once):
 ``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``), ``pages.c`` scores and
 picks a layer's pages for the page selectors (``kvfactory.selectors.pages``), ``common.h`` is what
-they share. ``load(NAME)`` builds one with
-the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
+they share (the wheel ships the headers with the sources). ``load(NAME)`` builds one with the system
+C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
 ``$XDG_CACHE_HOME/kvfactory/kernels`` (or ``KVFACTORY_KERNEL_DIR``), named by a hash of the source,
 the flags and the CPU, written atomically so parallel processes share it. Without a working
 compiler it returns None after one warning, and callers keep their torch code paths.
+
+Every function a library exports is declared once, in ``SIGNATURES`` as its C definition reads, and
+``load`` binds it with those types and parameter names: a call with a wrong argument count, a
+missing or unknown keyword, or a value ctypes cannot convert raises (TypeError, ctypes.ArgumentError)
+instead of passing the C code garbage. Pointers are ``c_void_p`` (callers pass ``tensor.data_ptr()``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,51 @@ LIBS = ["-lm"]  # after the source, as linkers resolve in order
 I64, PTR = ctypes.c_int64, ctypes.c_void_p
 # the dtype codes of common.h (F32, F16, BF16, LUT8: FP8 read through a 256-entry table)
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
+
+# What each library exports, copied from its C definitions (tests/test_native_kernels.py checks them).
+SIGNATURES = {
+    "kivi": (
+        "void kivi_key_scores(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query, "
+        "const uint8_t *codes, int64_t cb, int64_t ch, int64_t cn, int64_t N, int64_t G, int64_t P, "
+        "const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, int64_t sn, "
+        "const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zn, "
+        "float *scores, int64_t row)",
+        "void kivi_value_sums(int64_t B, int64_t H, int64_t R, int64_t D, int bits, int64_t group, "
+        "const float *probs, int64_t row, const uint8_t *codes, int64_t cb, int64_t ch, int64_t ct, "
+        "int64_t T, int64_t P, const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, "
+        "int64_t st, const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zt, "
+        "float *out)",
+    ),
+    "pages": (
+        "int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, "
+        "const void *features, int kind, int64_t fb, int64_t fh, int64_t fp, int mode, float split, "
+        "float scale, float *scores)",
+        "int top_pages(int64_t rows, int64_t P, const float *scores, int64_t lo, int64_t hi, int64_t k, "
+        "int64_t *out)",
+    ),
+}
+_C_TYPES = {"void": None, "int": ctypes.c_int, "int64_t": I64, "float": ctypes.c_float}
+
+
+def signature(prototype: str) -> tuple[str, type | None, tuple[tuple[str, type], ...]]:
+    """``(name, return type, ((parameter, type), ...))`` of a C prototype in ctypes types, every pointer
+    a ``c_void_p``; a scalar type outside ``int``, ``int64_t`` and ``float`` raises KeyError."""
+    head, _, params = prototype.strip().removesuffix(")").partition("(")
+    restype, name = head.split()
+    parsed = []
+    for param in params.split(","):
+        kind, _, pname = param.strip().replace("*", "* ").rpartition(" ")
+        parsed.append((pname, PTR if "*" in kind else _C_TYPES[kind.strip()]))
+    return name, _C_TYPES[restype], tuple(parsed)
+
+
+def _bind(lib: ctypes.CDLL, name: str) -> ctypes.CDLL:
+    """``lib`` with each function of ``SIGNATURES[name]`` replaced by one that checks its arguments."""
+    for prototype in SIGNATURES[name]:
+        function, restype, params = signature(prototype)
+        prototype_type = ctypes.CFUNCTYPE(restype, *(t for _, t in params))
+        setattr(lib, function, prototype_type((function, lib), tuple((1, p) for p, _ in params)))
+    return lib
 
 
 def source(name: str) -> Path:
@@ -72,14 +122,15 @@ def build(name: str, compiler: str) -> Path:
 
 @cache
 def load(name: str) -> ctypes.CDLL | None:
-    """``NAME.c`` built and loaded (once per process); None, with a warning, if it cannot be built."""
+    """``NAME.c`` built and loaded (once per process) with its ``SIGNATURES`` bound; None, with a
+    warning, if it cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         warnings.warn(f"kvfactory: no C compiler found for the {name} kernels; using the torch code path "
                       "instead", stacklevel=3)
         return None
     try:
-        return ctypes.CDLL(str(build(name, compiler)))
+        return _bind(ctypes.CDLL(str(build(name, compiler))), name)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"kvfactory: building the C {name} kernels failed ({detail}); using the torch code "

@@ -16,7 +16,6 @@ a bound, means to nearest. On the CPU the scores and the top pages come from C k
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Callable
 
@@ -77,11 +76,8 @@ def _dots(rows: torch.Tensor, features: torch.Tensor, mode: int, split: float | 
     rows = rows.float().contiguous()
     out = torch.empty((b, h, r, p) if mode == ROWS else (b, h, p), dtype=torch.float32)
     fs = features.stride()
-    if lib.page_scores(kernels.I64(b), kernels.I64(h), kernels.I64(r), kernels.I64(f), kernels.I64(p),
-                       kernels.PTR(rows.data_ptr()), kernels.PTR(features.data_ptr()),
-                       kernels.KINDS[features.dtype], kernels.I64(fs[0]), kernels.I64(fs[1]),
-                       kernels.I64(fs[2]), mode, ctypes.c_float(-1.0 if split is None else split),
-                       ctypes.c_float(scale), kernels.PTR(out.data_ptr())):
+    if lib.page_scores(b, h, r, f, p, rows.data_ptr(), features.data_ptr(), kernels.KINDS[features.dtype],
+                       *fs[:3], mode, -1.0 if split is None else split, scale, out.data_ptr()):
         raise MemoryError(f"page_scores: no memory for {r} query rows over {p} pages")
     return out
 
@@ -94,8 +90,7 @@ def top_pages(scores: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
     b, h, p = scores.shape
     scores = scores.contiguous()
     out = torch.empty(b, h, k, dtype=torch.long)
-    if lib.top_pages(kernels.I64(b * h), kernels.I64(p), kernels.PTR(scores.data_ptr()), kernels.I64(lo),
-                     kernels.I64(hi), kernels.I64(k), kernels.PTR(out.data_ptr())):
+    if lib.top_pages(b * h, p, scores.data_ptr(), lo, hi, k, out.data_ptr()):
         raise MemoryError(f"top_pages: no memory to rank {hi - lo} pages")
     return out
 

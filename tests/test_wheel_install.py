@@ -1,0 +1,95 @@
+"""The built wheel carries what the C kernels need: installed into a fresh virtualenv, kvfactory builds
+and loads both kernel libraries from its own files (``kivi.c``, ``pages.c`` and ``common.h``), not
+the torch fallback. The new environment reaches torch and the other dependencies through a ``.pth``
+line naming the running environment's site-packages (nothing is downloaded); a path line does not run
+that directory's ``.pth`` files, so the running environment's editable kvfactory stays out."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run in the new environment: which kvfactory it imports, and the kernels' results against torch.
+PROBE = """
+import json, sys
+import torch
+import kvfactory
+from kvfactory import kernels
+from kvfactory.codecs import native
+from kvfactory.codecs.kivi import KiviKeyCodec
+from kvfactory.selectors.pages import top_pages
+
+codec = KiviKeyCodec(bits=4)
+enc = codec.encode(torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0)))
+query = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(1))
+t = enc.tensors
+scores = native.key_scores(query, t["codes"], t["scale"], t["zero"], 4)
+expected = query @ codec.decode(enc).transpose(-1, -2)
+ranked = torch.tensor([[[0.5, 3.0, -1.0, 2.0, 1.0]]])
+print(json.dumps({
+    "kvfactory": kvfactory.__file__, "torch": torch.__file__,
+    "finders": [getattr(f, "__module__", "") for f in sys.meta_path],  # classes or instances
+    "libraries": {name: kernels.load(name) is not None for name in kernels.SIGNATURES},
+    "key_scores_error": (scores - expected).abs().max().item(),
+    "top_pages": sorted(top_pages(ranked, 0, 5, 2).flatten().tolist()),
+}))
+"""
+
+
+def _copy_project(dest: Path) -> Path:
+    """The files a wheel is built from, copied so the build's egg-info and build/ stay out of the tree."""
+    shutil.copytree(ROOT / "kvfactory", dest / "kvfactory", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler on this machine")
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    project = _copy_project(tmp_path / "project")
+    dist = tmp_path / "dist"
+    subprocess.run([*pip, "wheel", str(project), "--no-deps", "--no-build-isolation", "--no-index",
+                    "-w", str(dist)], check=True, timeout=120)
+    (wheel,) = dist.glob("kvfactory-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"kvfactory/kernels/{f}" for f in ("__init__.py", "kivi.c", "pages.c", "common.h")} <= shipped
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+                   check=True, timeout=120)
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    shared = dict.fromkeys(sysconfig.get_path(p) for p in ("purelib", "platlib"))
+    (site / "shared-environment.pth").write_text("".join(f"{p}\n" for p in shared))
+
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVFACTORY_KERNEL_DIR")}
+    env |= {"XDG_CACHE_HOME": str(cache), "PYTHONNOUSERSITE": "1"}
+    run = subprocess.run([python, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    probe = json.loads(run.stdout)
+
+    assert Path(probe["kvfactory"]).is_relative_to(site)  # the wheel's copy, not a checkout's
+    assert not any("editable" in finder for finder in probe["finders"])
+    assert any(Path(probe["torch"]).is_relative_to(p) for p in shared)
+    assert probe["libraries"] == {"kivi": True, "pages": True}, run.stderr  # the build's warning
+    built = sorted(p.name.split("-")[0] for p in (cache / "kvfactory" / "kernels").glob("*.so"))
+    assert built == ["kivi", "pages"]  # compiled here, from the installed sources
+    assert probe["key_scores_error"] < 1e-4
+    assert probe["top_pages"] == [1, 3]
