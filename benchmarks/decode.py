@@ -1,6 +1,6 @@
 """Decode speed of kvfactory dense and paged caches against DynamicCache, in the same run.
 
-Protocol (DESIGN.md): SmolLM2-135M, fp32, CPU, ``torch.set_num_threads(1)``, greedy, prompts of
+Protocol (docs/evaluation.md): SmolLM2-135M, fp32, CPU, ``torch.set_num_threads(1)``, greedy, prompts of
 L in {2048, 6144} WikiText-2 tokens, 64 new tokens, batch 1 and 8, decode tokens/s excluding
 prefill, median of >= 3 runs, ratio to DynamicCache measured in the same run.
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The report in docs/evaluation.md, with one command: kvfactory's lossless configs and transformers'
-# own caches (kvfactory eval), NVIDIA kvpress's presses x ratios on the same prompts (run.sh), then
-# one report with both (kvfactory report).
+# The harness run in docs/benchmarks.md ("Harness"), with one command: kvfactory's lossless configs
+# and transformers' own caches (kvfactory eval), NVIDIA kvpress's presses x ratios on the same
+# prompts (run.sh), then one report with both (kvfactory report).
 #   bash benchmarks/peers/full_run.sh [OUT] [kvfactory eval options...]     (OUT: results/full)
 # Options with --cache replace the default caches (e.g. --cache snapkv@0.75 --cache tova@0.75 for
 # kvfactory's eviction policies beside kvpress's presses). Retrieval runs with --question after:

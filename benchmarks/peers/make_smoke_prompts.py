@@ -3,8 +3,8 @@
 Each line is one record in the peers' prompt format (see README.md):
 ``{"task", "context", "depth", "prompt", "question", "answer", "id"}``; the model reads
 ``prompt + question`` verbatim (the prompt ends with the separator). The passkey format is
-DESIGN.md's: the filler repeated to about ``context`` tokens (approximated by words), the key
-line at ``depth``, then the question.
+the harness's (docs/evaluation.md): the filler repeated to about ``context`` tokens (approximated
+by words), the key line at ``depth``, then the question.
 
     python benchmarks/peers/make_smoke_prompts.py OUT.jsonl [--context 512] [--depths 0.3,0.7]
 """

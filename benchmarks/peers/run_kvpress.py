@@ -37,8 +37,8 @@ Prompt formats (``--prompt-format``, retrieval records only):
            are kvpress's own.
   kvpress  kvpress's own preprocessing with the chat template removed: BOS + prompt, then
            ``question + "\\n"`` (kvpress appends a newline after the question when no template).
-  chat     kvpress's own preprocessing with SmolLM2's chat template (DESIGN.md: passkey fails
-           with it even with a full cache).
+  chat     kvpress's own preprocessing with SmolLM2's chat template (passkey fails with it
+           even with a full cache on this model).
 
     python benchmarks/peers/run_kvpress.py --prompts P.jsonl --out R.jsonl \\
         [--presses streaming_llm,snapkv] [--ratios 0.5] [--no-baseline] [--resume] [--per-press]
@@ -569,7 +569,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
                    help="attention implementation; observed_attention (kvpress's ObservedAttentionPress, "
                    "scored from the attention weights) needs eager")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (DESIGN.md: 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (docs/evaluation.md: 1)")
     p.add_argument("--model-dir", help="a converted HF model folder instead of the embedded GGUF")
     return p.parse_args(argv)
 
