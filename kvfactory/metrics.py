@@ -2,8 +2,8 @@
 
 ``RoutingExporter`` collects the ``RoutingMetrics`` of the caches it tracks (by name) into a
 ``prometheus_client`` registry, read at scrape time, and serves them over HTTP. ``HitRateAlert``
-calls back when the hit rate of the shadow samples stays under a threshold for a while (the
-OVAL seed's 0.82 for three minutes, after which it retrains the router's warm-up).
+calls back when the hit rate of the shadow samples stays under a threshold for a while (default
+0.82 for three minutes: a router whose picks drift from full attention can then be retrained).
 """
 
 from __future__ import annotations

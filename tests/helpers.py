@@ -13,7 +13,7 @@ import torch
 
 from kvfactory.selectors.oval.router import Router, RouterShape
 
-LOGITS_ATOL = 1e-5  # DESIGN.md: lossless configs give logits within 1e-5 of DynamicCache in fp32
+LOGITS_ATOL = 1e-5  # README "Guarantees": lossless configs give logits within 1e-5 of DynamicCache in fp32
 
 
 @torch.no_grad()

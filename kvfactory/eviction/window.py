@@ -1,7 +1,6 @@
 """Sliding window with optional attention sinks: keep the first ``n_sink`` and the most recent tokens.
 
-"Keep the first N and the last M" (a ``SelectiveKVCache``'s usual rule) is this policy with
-``n_sink = N`` and a budget of ``N + M``.
+"Keep the first N and the last M" is this policy with ``n_sink = N`` and a budget of ``N + M``.
 """
 
 from __future__ import annotations
