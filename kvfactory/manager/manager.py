@@ -7,9 +7,10 @@ the factory's paged pool. The manager adds what serving needs around them:
   writes into a shared one) and ``with manager.sequence(id) as cache`` (freed on exit);
 - prefix sharing (``prefix.py``): ``create(id, prompt=token_ids)`` starts the cache from the cached full
   blocks of the longest known prefix, so generation prefills only the rest; a sequence's full blocks
-  are cached under the ids of the tokens really written into them (recorded from the decoder's
-  ``input_ids``, never from the declared prompt) while it holds them from its first token, stay
-  cached after ``free`` (LRU, reclaimed when the pool needs room) and can be pinned; the seed's
+  are cached when they fill, under the ids of the tokens really written into them (recorded from
+  the decoder's ``input_ids``, never from the declared prompt) while it holds them from its first
+  token; they stay cached after ``free``, wait in one eviction-ordered queue once no sequence uses
+  them (reused on a prefix hit, evicted from its head when the pool needs room) and can be pinned;
   explicit ``mark_as_shareable`` / ``attach_shared_cache`` too;
 - ``pause`` / ``prefetch`` / ``resume``: the sequence's K/V (or only its oldest pages: a partial swap)
   moves to a host tier (CPU tensors, within ``host_bytes``) and its blocks go back to the pool;
