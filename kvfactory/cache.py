@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -29,6 +29,7 @@ from kvfactory import attention
 from kvfactory.errors import ConfigError, SequenceStateError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 from kvfactory.storage.forward_lock import ForwardLock
+from kvfactory.storage.paged import BlockTableStore, PagedStore
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ATTENTION = "kvfactory"  # the attn_implementation name of kvfactory_attention
@@ -147,6 +148,7 @@ def _after_decoder(module: torch.nn.Module, args: tuple, kwargs: dict, output: A
             return
         cache.check_attention(getattr(module, "config", None))
         cache.record_tokens(kwargs.get("input_ids"))
+        cache.notify_written()
         context = cache.routing_context
         hidden = getattr(output, "last_hidden_state", None)
         if context is not None and hidden is not None:
@@ -340,8 +342,27 @@ class KVLayer(CacheLayerMixin):
     prefetch = offload
 
 
+class SequenceHooks(Protocol):
+    """What a cache owned by a ``KVCacheManager`` asks and tells its sequence record
+    (``kvfactory.manager.sequence.Sequence``): the manager's state stays in the record."""
+
+    def check_write(self) -> None:
+        """Raise ``SequenceStateError`` if the sequence takes no write now (it is paused)."""
+
+    def written(self, cache: KVCache) -> None:
+        """A write completed: a forward, or one layer's low-level ``append`` (``cache.written_tokens()``
+        names the tokens once every layer holds them)."""
+
+    def truncated(self, cache: KVCache) -> None:
+        """Tokens were removed from the end (``crop``) or all of them (``reset``)."""
+
+
 class KVCache(Cache):
-    """A transformers ``Cache`` built by ``KVCacheFactory``; see the module docstring."""
+    """A transformers ``Cache`` built by ``KVCacheFactory``; see the module docstring.
+
+    ``seq_id`` names it (``create_cache``, error messages); ``hooks`` is set by a ``KVCacheManager``
+    for the caches it owns (``SequenceHooks``), else None.
+    """
 
     def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
                  config: Any = None, workspace: Any = None, model_config: Any = None, routing: Any = None,
@@ -350,8 +371,7 @@ class KVCache(Cache):
         self.forward_lock = forward_lock or ForwardLock()  # shared with the factory's other caches
         self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
         self.model_config = model_config
-        self.paused = False  # set by KVCacheManager.pause: its tokens live in the host tier
-        self.cached_tokens = 0  # tokens it started with from shared blocks (adopt_blocks)
+        self.hooks: SequenceHooks | None = None
         self.routing = routing  # a selector's RoutingMetrics (kvfactory.selectors.metrics), else None
         self.routing_context = routing_context  # what its layers' selectors share (selectors.base)
         # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
@@ -402,12 +422,21 @@ class KVCache(Cache):
     def reset(self) -> None:
         with self.forward_lock.held():
             super().reset()
-        self.token_ids = []
+            self.token_ids = []
+            if self.hooks is not None:
+                self.hooks.truncated(self)
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
         if self.token_ids is not None:
             del self.token_ids[self.get_seq_length():]
+        if self.hooks is not None:
+            self.hooks.truncated(self)
+
+    def notify_written(self) -> None:
+        """A write (a forward, or a low-level append of one layer) completed: tell the hooks."""
+        if self.hooks is not None:
+            self.hooks.written(self)
 
     def check_attention(self, decoder_config: Any) -> None:
         """After a forward of the decoder configured by ``decoder_config``: the cache handed K/V over in
@@ -423,9 +452,8 @@ class KVCache(Cache):
                               f"from the model's own config, KVCacheFactory(model.config, ...)")
 
     def _check_live(self) -> None:
-        if self.paused:
-            raise SequenceStateError(f"sequence {self.seq_id!r} is paused (its KV is in the host tier): "
-                                     f"resume it before generating")
+        if self.hooks is not None:
+            self.hooks.check_write()
 
     def fork(self, seq_id: str | None = None) -> KVCache:
         """A cache holding the same tokens that continues on its own: paged blocks are shared by refcount
@@ -460,8 +488,38 @@ class KVCache(Cache):
         for layer, layer_ids in zip(self.layers, ids, strict=True):
             layer.store.adopt(layer_ids, tokens)
             layer.seen, layer.is_initialized, layer.device = tokens, True, device
-        self.cached_tokens = tokens
         self.token_ids = None if token_ids is None else list(token_ids)
+
+    # -- the block-table API of kvfactory.manager (``storage.paged.BlockTableStore``) --------------
+    def paged_stores(self) -> list[BlockTableStore] | None:
+        """Every layer's store when each is plain paged pages (blocks a manager may share with other
+        sequences and swap out in part), else None (quantized pages, eviction policies, dense)."""
+        stores = [layer.store for layer in self.layers]
+        return stores if all(type(store) is PagedStore for store in stores) else None
+
+    def prefix_blocks(self) -> list[torch.Tensor] | None:
+        """Per layer, the pool blocks ``[blocks]`` of this one-row cache holding every token it has seen,
+        from token 0 (``PagedStore.block_ids``), else None."""
+        stores, tokens = self.paged_stores(), self.get_seq_length()
+        if stores is None:
+            return None
+        ids = [store.block_ids() for store in stores]
+        if any(i is None or i.shape[0] != 1 or store.size() != tokens or layer.seen != tokens
+               for i, store, layer in zip(ids, stores, self.layers, strict=True)):
+            return None
+        return [i[0] for i in ids]
+
+    def pages_from_start(self) -> bool:
+        """Every layer is plain pages holding its stored tokens from its first block's start (the
+        oldest pages can be swapped out and put back, ``drop_front`` / ``PagedStore.prepend``)."""
+        stores = self.paged_stores()
+        return stores is not None and all(store.block_ids() is not None for store in stores)
+
+    def drop_front(self, tokens: int) -> None:
+        """Give the blocks of the oldest ``tokens`` stored tokens of every layer back (a partial swap)."""
+        with self.forward_lock.held():
+            for layer in self.layers:
+                layer.store.drop_front(tokens)
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, layers: list[KVLayer]) -> None:
         """Check the pool has room for ``layers`` to write before any of them does (``CacheFullError``):
@@ -551,8 +609,9 @@ class KVCache(Cache):
         with self.forward_lock.held():
             self._reserve(key, value, self.layers[layer_idx:layer_idx + 1])
             self.layers[layer_idx].append(key, value)
-        if layer_idx == 0:
-            self.record_tokens(token_ids)
+            if layer_idx == 0:
+                self.record_tokens(token_ids)
+            self.notify_written()
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of all stored keys and values of layer ``layer_idx``."""

@@ -143,6 +143,16 @@ class PoolMachine(RuleBasedStateMachine):
             assert len(free) == len(set(free)) and set(free) == {i for i, c in enumerate(refcount) if c == 0}
 
     @invariant()
+    def the_free_queue_holds_exactly_the_cached_blocks_no_sequence_uses(self) -> None:
+        """Unpinned entries whose blocks only the index references, each once, and nothing else."""
+        pools, index = self.manager._pools(), self.manager.index
+        idle = {name for name, entry in index.entries.items() if not entry.pinned and all(
+            pool.refcount[block] == 1 for pool, block in zip(pools, entry.ids, strict=True))}
+        assert set(index.free_queue) == idle
+        for layer, pool in enumerate(pools):
+            assert set(pool.cached.nonzero()[0].tolist()) == {e.ids[layer] for e in index.entries.values()}
+
+    @invariant()
     def cached_blocks_hold_their_tokens_kv(self) -> None:
         """Every prefix-index entry names a block written with exactly those tokens at those positions."""
         pools = self.manager._pools()

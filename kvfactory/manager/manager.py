@@ -7,9 +7,10 @@ the factory's paged pool. The manager adds what serving needs around them:
   writes into a shared one) and ``with manager.sequence(id) as cache`` (freed on exit);
 - prefix sharing (``prefix.py``): ``create(id, prompt=token_ids)`` starts the cache from the cached full
   blocks of the longest known prefix, so generation prefills only the rest; a sequence's full blocks
-  are cached under the ids of the tokens really written into them (recorded from the decoder's
-  ``input_ids``, never from the declared prompt) while it holds them from its first token, stay
-  cached after ``free`` (LRU, reclaimed when the pool needs room) and can be pinned; the seed's
+  are cached when they fill, under the ids of the tokens really written into them (recorded from
+  the decoder's ``input_ids``, never from the declared prompt) while it holds them from its first
+  token; they stay cached after ``free``, wait in one eviction-ordered queue once no sequence uses
+  them (reused on a prefix hit, evicted from its head when the pool needs room) and can be pinned;
   explicit ``mark_as_shareable`` / ``attach_shared_cache`` too;
 - ``pause`` / ``prefetch`` / ``resume``: the sequence's K/V (or only its oldest pages: a partial swap)
   moves to a host tier (CPU tensors, within ``host_bytes``) and its blocks go back to the pool;
@@ -17,7 +18,13 @@ the factory's paged pool. The manager adds what serving needs around them:
   which writes it back bit-exactly; ``swap_out(blocks)`` makes room by swapping out the oldest pages
   of the least recently used sequences (by when the manager last handed them out);
 - ``save`` / ``load`` (``persist.py``): safetensors + checked metadata, written atomically;
-- ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved.
+- ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved (it only
+  reads).
+
+Each sequence is a ``Sequence`` record (``sequence.py``): its cache, its status (waiting, running,
+paused, prefetching, finished; transitions are checked there), its host copy, prefetch and prefix
+state. The manager reaches the stores only through the cache's block-table methods
+(``KVCache.prefix_blocks``, ``adopt_blocks``, ``pages_from_start``, ``drop_front``) and the pool's.
 
 Quantized pages and eviction policies are managed too: forks share the pages, pauses and saves keep
 quantized pages packed (never decoded) and a policy's bookkeeping with its tokens; prefixes are
@@ -31,8 +38,9 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import abc
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +60,12 @@ from kvfactory.errors import (
 from kvfactory.factory import KVCacheFactory
 from kvfactory.manager.persist import load_state, save_state
 from kvfactory.manager.prefix import PrefixIndex, block_hashes
+from kvfactory.manager.sequence import Sequence, SequenceStatus
 from kvfactory.manager.state import SequenceState
-from kvfactory.storage.blocks import PagedPool
+from kvfactory.storage.blocks import BlockPool, PagedPool
 from kvfactory.storage.paged import PagedStore
+
+Prompt = abc.Sequence[int] | torch.Tensor
 
 SILENT_LOOKUPS = 8  # prompts looked up without a single cached block before the manager warns
 
@@ -108,67 +119,70 @@ class KVCacheManager:
         self.host_bytes = host_bytes
         self.index = PrefixIndex()
         self.pool.reclaimers.append(self._reclaim)
-        self._caches: dict[str, KVCache] = {}
-        self._host: dict[str, SequenceState] = {}  # paused sequences' K/V
+        self._sequences: dict[str, Sequence] = {}
         self._shared: dict[str, _Shared] = {}
-        self._prompt_tokens: dict[str, int] = {}  # sequences created with a prompt: its tokens to cache
-        self._prefetched: dict[str, Future[SequenceState]] = {}
-        self._touched: dict[str, int] = {}  # sequence -> when the manager last handed it out (LRU order)
         self._clock = 0
         self._closed = False
         self._prefetcher: ThreadPoolExecutor | None = None
         self.counters = _Counters()
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def create(self, seq_id: str, prompt: Sequence[int] | torch.Tensor | None = None) -> KVCache:
+    def create(self, seq_id: str, prompt: Prompt | None = None) -> KVCache:
         """A new empty cache for ``seq_id``; with ``prompt`` (its token ids) and prefix caching on, it
         starts holding the longest cached prefix of whole blocks (see ``cached_tokens``)."""
         self._check_new(seq_id)
         cache = self.factory.create_cache(seq_id)
+        record = Sequence(seq_id, cache)
         if prompt is not None and self.prefix_caching:
             tokens = torch.as_tensor(prompt).flatten().tolist()
             names = block_hashes(tokens[:-1], self.page_size)  # at least one token is left to prefill
-            self._publish_prefixes()
             found = self.index.match(names)
             if found:
                 ids = torch.tensor([entry.ids for entry in found]).T  # [layers, blocks]
                 cached = len(found) * self.page_size
                 cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached])
+                record.cached_tokens = record.hashed_tokens = cached
             self._count_prompt(len(tokens), len(found) * self.page_size)
-            self._prompt_tokens[seq_id] = len(tokens) - 1
-        return self._register(seq_id, cache)
+            record.prompt_tokens = len(tokens) - 1
+            record.on_written = self._hash_filled
+        return self._register(record)
 
     def get(self, seq_id: str) -> KVCache:
-        cache = self._cache(seq_id)
-        self._touch(seq_id)
-        return cache
+        record = self._record(seq_id)
+        self._touch(record)
+        return record.cache
+
+    def record(self, seq_id: str) -> Sequence:
+        """The ``Sequence`` record of ``seq_id``: its status, host copy and prefix state (a scheduler
+        reads it; the manager's calls change it)."""
+        return self._record(seq_id)
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence; its prompt's full blocks stay cached for later prompts."""
-        cache = self._cache(seq_id)
-        self._publish_prefixes()
-        self._prompt_tokens.pop(seq_id, None)
-        self._host.pop(seq_id, None)
-        self._prefetched.pop(seq_id, None)
-        cache.paused = False
+        record = self._record(seq_id)
+        record.move("free")
+        record.host = record.prefetch = None
+        cache = record.cache
+        cache.hooks = None
         cache.reset()
-        del self._caches[seq_id], self._touched[seq_id]
+        del self._sequences[seq_id]
 
     def fork(self, seq_id: str, new_id: str) -> KVCache:
         """A new sequence holding ``seq_id``'s tokens in the same blocks (copy-on-write)."""
         self._check_new(new_id)
-        cache = self._live(seq_id).fork(new_id)
+        source = self._live(seq_id, "fork")
+        record = Sequence(new_id, source.cache.fork(new_id), status=source.status)
         self.counters.forks += 1
-        return self._register(new_id, cache)
+        return self._register(record)
 
     @contextmanager
-    def sequence(self, seq_id: str, prompt: Sequence[int] | torch.Tensor | None = None) -> Iterator[KVCache]:
+    def sequence(self, seq_id: str, prompt: Prompt | None = None) -> Iterator[KVCache]:
         """``create`` on entry, ``free`` on exit."""
         cache = self.create(seq_id, prompt)
         try:
             yield cache
         finally:
-            if seq_id in self._caches:
+            if seq_id in self._sequences:
                 self.free(seq_id)
 
     def __enter__(self) -> KVCacheManager:
@@ -181,7 +195,7 @@ class KVCacheManager:
         """Free every sequence, shared prefix and cached block; the manager takes no calls afterwards."""
         if self._closed:
             return
-        for seq_id in list(self._caches):
+        for seq_id in list(self._sequences):
             self.free(seq_id)
         for shared_id in list(self._shared):
             self.release_shared(shared_id)
@@ -194,61 +208,59 @@ class KVCacheManager:
         self._closed = True
 
     def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self._caches
+        return seq_id in self._sequences
 
     def __len__(self) -> int:
-        return len(self._caches)
+        return len(self._sequences)
 
     def sequences(self) -> list[str]:
-        return list(self._caches)
+        return list(self._sequences)
 
     # -- host tier ------------------------------------------------------------------------------
     def pause(self, seq_id: str, blocks: int | None = None) -> int:
         """Move the sequence's K/V to the host tier and give its blocks back; with ``blocks``, only its
         oldest ``blocks`` pages per layer (a partial swap; the recent ones stay). Returns the bytes moved."""
-        cache = self._live(seq_id)
-        self._publish_prefixes()
+        record = self._record(seq_id)
+        record.check("pause")
+        cache = record.cache
         stored = cache.size()
         front = None if blocks is None or blocks * self.page_size >= stored else blocks * self.page_size
-        whole = all(type(layer.store) is PagedStore and layer.store.block_ids() is not None
-                    for layer in cache.layers)
-        if front is not None and (blocks < 1 or not whole):
+        if front is not None and (blocks < 1 or not cache.pages_from_start()):
             raise SequenceStateError(f"pause({seq_id!r}, blocks={blocks}): a partial swap moves >= 1 whole "
                                      f"plain pages from the first stored token")
         state = SequenceState.capture(cache, tokens=front)
-        held = sum(s.nbytes for s in self._host.values())
+        held = self._host_bytes()
         if self.host_bytes is not None and held + state.nbytes > self.host_bytes:
             raise SequenceStateError(f"pause({seq_id!r}): the host tier holds {held} of {self.host_bytes} "
                                      f"bytes, this sequence needs {state.nbytes} more")
         if front is None:
             cache.reset()
         else:
-            for layer in cache.layers:
-                layer.store.drop_front(front)
-        cache.paused = True
-        self._host[seq_id] = state
+            cache.drop_front(front)
+        record.move("pause")
+        record.host = state
         self.counters.bytes_to_host += state.nbytes
         self.counters.pauses += 1
         return state.nbytes
 
-    def swap_out(self, blocks: int, keep: Sequence[str] = ()) -> dict[str, int]:
+    def swap_out(self, blocks: int, keep: abc.Sequence[str] = ()) -> dict[str, int]:
         """Free ``blocks`` pool blocks in every layer by swapping out the oldest pages of the least
         recently used live sequences (``pause(seq_id, blocks=...)``), sparing ``keep``; returns the
         pages moved per sequence. ``CacheFullError`` when even that is not enough (what was moved stays
         paused)."""
         self._check_open()
         moved: dict[str, int] = {}
-        for seq_id in sorted(self._touched, key=self._touched.__getitem__):
+        for record in sorted(self._sequences.values(), key=lambda r: r.last_used):
             short = blocks - min((len(p.free) for p in self._pools(None)), default=blocks)
             if short <= 0:
                 break
-            cache = self._caches[seq_id]
+            cache = record.cache
             pages = cache.size() // self.page_size
-            if seq_id in keep or seq_id in self._host or pages == 0:
+            if record.seq_id in keep or record.paused or pages == 0:
                 continue
-            partial = all(type(layer.store) is PagedStore for layer in cache.layers)  # else all of it
-            moved[seq_id] = min(short, pages) if partial else pages
-            self.pause(seq_id, blocks=moved[seq_id] if partial else None)
+            partial = cache.paged_stores() is not None  # else all of it
+            moved[record.seq_id] = min(short, pages) if partial else pages
+            self.pause(record.seq_id, blocks=moved[record.seq_id] if partial else None)
         pools = self._pools(None)
         free = min((len(p.free) for p in pools), default=0)
         if pools and free < blocks:
@@ -259,55 +271,53 @@ class KVCacheManager:
     def prefetch(self, seq_id: str) -> None:
         """Start moving a paused sequence's K/V towards the pool's device on a background thread (a
         CUDA stream on GPU), so that ``resume`` only writes blocks; ``resume`` waits for it if needed."""
-        self._cache(seq_id)
-        if seq_id not in self._host:
-            raise SequenceStateError(f"prefetch({seq_id!r}): the sequence is not paused")
-        if seq_id not in self._prefetched:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfactory-prefetch")
-            self._prefetched[seq_id] = self._prefetcher.submit(self._host[seq_id].staged, self._device())
-            self.counters.prefetches += 1
+        record = self._record(seq_id)
+        if record.status is SequenceStatus.PREFETCHING:  # once is enough
+            return
+        record.move("prefetch")
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfactory-prefetch")
+        record.prefetch = self._prefetcher.submit(record.host.staged, self._device())
+        self.counters.prefetches += 1
 
     def resume(self, seq_id: str) -> KVCache:
         """Bring a paused sequence back into the pool (``CacheFullError``: it stays paused)."""
-        cache = self._cache(seq_id)
-        if seq_id not in self._host:
-            raise SequenceStateError(f"resume({seq_id!r}): the sequence is not paused")
-        state = self._host[seq_id]
-        future = self._prefetched.pop(seq_id, None)
+        record = self._record(seq_id)
+        record.check("resume")
+        cache, state, future = record.cache, record.host, record.prefetch
         if future is not None:
             waited = time.perf_counter()
             if not future.done():
                 self.counters.stalls += 1
             state = future.result()
             self.counters.stall_seconds += time.perf_counter() - waited
-        cache.paused = False
         try:
             state.restore(cache, self._device())
         except BaseException:
             if not state.front:
                 cache.reset()
-            cache.paused = True
-            raise
-        del self._host[seq_id]
-        self._touch(seq_id)
+            raise  # still paused (or prefetching, its staged copy kept for the next resume)
+        record.move("resume")
+        record.host = record.prefetch = None
+        record.hashed_tokens = 0  # its blocks are new: offer them to the prefix cache again
+        self._hash_filled(record)
+        self._touch(record)
         self.counters.bytes_from_host += state.nbytes
         self.counters.resumes += 1
         return cache
 
     def is_paused(self, seq_id: str) -> bool:
-        self._cache(seq_id)
-        return seq_id in self._host
+        return self._record(seq_id).paused
 
     # -- persistence ----------------------------------------------------------------------------
     def save(self, seq_id: str, path: str | Path) -> None:
         """Write the sequence (live or paused) to ``path`` (safetensors, atomically)."""
-        cache = self._cache(seq_id)
-        state = self._host.get(seq_id)
+        record = self._record(seq_id)
+        state = record.host
         if state is None:
-            state = SequenceState.capture(cache)
+            state = SequenceState.capture(record.cache)
         elif state.front:  # a partial swap: the oldest pages from the host tier, the rest from the pool
-            state = state.joined(SequenceState.capture(cache))
+            state = state.joined(SequenceState.capture(record.cache))
         save_state(state, path, self.factory.model_config, self.factory.config.raw, seq_id)
 
     def load(self, path: str | Path, seq_id: str | None = None) -> KVCache:
@@ -322,30 +332,29 @@ class KVCacheManager:
         except BaseException:
             self.free(seq_id)
             raise
+        self._sequences[seq_id].move("write")
         return cache
 
     # -- explicit sharing -----------------------------------------------------------------------
     def mark_as_shareable(self, seq_id: str, start: int = 0, end: int | None = None) -> str:
         """Keep tokens ``[start, end)`` of the sequence (``start`` 0: K/V hold absolute positions) for
         ``attach_shared_cache``, pinned until ``release_shared``; returns the shared id (``seq_id``)."""
-        cache = self._live(seq_id)
-        if any(type(layer.store) is not PagedStore for layer in cache.layers):
+        cache = self._live(seq_id, "mark_as_shareable").cache
+        if cache.paged_stores() is None:
             raise UnsupportedError(f"mark_as_shareable({seq_id!r}): prefixes are shared between plain pages")
         stored = cache.get_seq_length()
         end = stored if end is None else end
         if start != 0 or not 0 < end <= stored:
             raise SequenceStateError(f"mark_as_shareable({seq_id!r}, {start}, {end}): a shared prefix is "
                                      f"[0, end) with 0 < end <= {stored} tokens held")
+        held = cache.prefix_blocks()
+        if held is None:
+            raise SequenceStateError(f"mark_as_shareable({seq_id!r}): some layer does not hold one row of "
+                                     f"the sequence's tokens from its first")
         if seq_id in self._shared:
             self.release_shared(seq_id)
         blocks = -(-end // self.page_size)
-        ids = []
-        for layer in cache.layers:
-            store_ids = layer.store.block_ids()
-            if store_ids is None or store_ids.shape[0] != 1 or layer.store.size() != stored:
-                raise SequenceStateError(f"mark_as_shareable({seq_id!r}): layer {layer.store.layer_idx} does "
-                                         f"not hold one row of the sequence's first tokens")
-            ids.append(store_ids[:, :blocks].clone())
+        ids = [layer_ids[None, :blocks].clone() for layer_ids in held]
         for pool, layer_ids in zip(self._pools(), ids, strict=True):
             pool.incref(layer_ids)
         written = cache.written_tokens()
@@ -360,7 +369,7 @@ class KVCacheManager:
         shared = self._shared[shared_id]
         cache = self.factory.create_cache(new_seq_id)
         cache.adopt_blocks(shared.ids, shared.tokens, self._device(), shared.token_ids)
-        return self._register(new_seq_id, cache)
+        return self._register(Sequence(new_seq_id, cache, cached_tokens=shared.tokens))
 
     def release_shared(self, shared_id: str) -> None:
         self._check_open()
@@ -370,27 +379,28 @@ class KVCacheManager:
         for layer, ids in zip(self._pools(), shared.ids, strict=True):
             layer.decref(ids)
 
-    def pin_prefix(self, prompt: Sequence[int] | torch.Tensor) -> int:
+    def pin_prefix(self, prompt: Prompt) -> int:
         """Never reclaim the cached blocks of ``prompt`` (a system prompt); returns how many are pinned."""
         self._check_open()
-        self._publish_prefixes()
         return self.index.pin(block_hashes(torch.as_tensor(prompt).flatten().tolist(), self.page_size))
 
     def cached_tokens(self, seq_id: str) -> int:
         """Tokens the sequence started with from cached or shared blocks at ``create``/``attach``."""
-        return self._cache(seq_id).cached_tokens
+        return self._record(seq_id).cached_tokens
 
     # -- accounting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Sequences, pool blocks (all layers and kinds), prefix cache and host tier, as numbers."""
-        self._publish_prefixes()
+        """Sequences, pool blocks (all layers and kinds), prefix cache and host tier, as numbers; it
+        only reads."""
         pools = self._pools(None)
         total = sum(p.num_blocks for p in pools)
         free = sum(len(p.free) for p in pools)
         c, index = self.counters, self.index
         looked = index.hit_blocks + index.missed_blocks
         return {
-            "sequences": len(self._caches), "paused": len(self._host), "shared_prefixes": len(self._shared),
+            "sequences": len(self._sequences),
+            "paused": sum(record.paused for record in self._sequences.values()),
+            "shared_prefixes": len(self._shared),
             "pool_blocks": total, "pool_blocks_free": free, "pool_blocks_used": total - free,
             "prefix_cached_blocks": len(index),
             "prefix_pinned_blocks": sum(e.pinned for e in index.entries.values()),
@@ -398,76 +408,75 @@ class KVCacheManager:
             "prefix_hit_rate": index.hit_blocks / looked if looked else float("nan"),
             "prefix_evicted_blocks": index.evicted,
             "prompt_tokens": c.prompt_tokens, "prompt_tokens_cached": c.prompt_tokens_cached,
-            "host_bytes": sum(s.nbytes for s in self._host.values()), "host_budget_bytes": self.host_bytes,
+            "host_bytes": self._host_bytes(), "host_budget_bytes": self.host_bytes,
             "bytes_to_host": c.bytes_to_host, "bytes_from_host": c.bytes_from_host,
             "pauses": c.pauses, "resumes": c.resumes, "forks": c.forks, "prefetches": c.prefetches,
             "prefetch_stalls": c.stalls, "prefetch_stall_seconds": c.stall_seconds,
         }
 
     # -- internals ------------------------------------------------------------------------------
-    def _touch(self, seq_id: str) -> None:
+    def _touch(self, record: Sequence) -> None:
         self._clock += 1
-        self._touched[seq_id] = self._clock
+        record.last_used = self._clock
 
-    def _register(self, seq_id: str, cache: KVCache) -> KVCache:
-        self._caches[seq_id] = cache
-        self._touch(seq_id)
-        return cache
+    def _register(self, record: Sequence) -> KVCache:
+        record.cache.hooks = record
+        self._sequences[record.seq_id] = record
+        self._touch(record)
+        return record.cache
 
     def _check_open(self) -> None:
         if self._closed:
             raise SequenceStateError("this KVCacheManager is closed: create a new one")
 
-    def _cache(self, seq_id: str) -> KVCache:
+    def _record(self, seq_id: str) -> Sequence:
         self._check_open()
         try:
-            return self._caches[seq_id]
+            return self._sequences[seq_id]
         except KeyError:
-            raise UnknownSequenceError(seq_id, list(self._caches)) from None
+            raise UnknownSequenceError(seq_id, list(self._sequences)) from None
 
-    def _live(self, seq_id: str) -> KVCache:
-        cache = self._cache(seq_id)
-        if seq_id in self._host:
-            raise SequenceStateError(f"sequence {seq_id!r} is paused: resume it first")
-        return cache
+    def _live(self, seq_id: str, action: str) -> Sequence:
+        record = self._record(seq_id)
+        record.require_live(action)
+        return record
 
     def _check_new(self, seq_id: str) -> None:
         self._check_open()
-        if seq_id in self._caches:
+        if seq_id in self._sequences:
             raise SequenceStateError(f"sequence {seq_id!r} exists already; free it or choose another id")
 
-    def _pools(self, kind: str | None = "kv") -> list:
+    def _pools(self, kind: str | None = "kv") -> list[BlockPool]:
         """The block pools of ``kind`` (plain pages; None: every kind), by layer."""
-        return [self.pool.pools[key] for key in sorted(self.pool.pools) if kind in (None, key[0])]
+        return self.pool.block_pools(kind)
 
     def _device(self) -> torch.device:
         pools = self._pools()
         return pools[0].k.device if pools else torch.device("cpu")
 
-    def _publish_prefixes(self) -> None:
-        """Index the full prompt blocks that live sequences hold, named by the tokens really written into
-        them (``KVCache.written_tokens``), while each layer still holds its sequence from token 0."""
-        pools = self._pools()
-        for seq_id, prompt_tokens in self._prompt_tokens.items():
-            cache, tokens = self._caches[seq_id], self._caches[seq_id].written_tokens()
-            if tokens is None or seq_id in self._host:
-                continue
-            stores = [layer.store for layer in cache.layers]
-            if any(type(store) is not PagedStore or store.block_ids() is None or store.batch_size != 1
-                   or store.size() != len(tokens) for store in stores):
-                continue
-            names = block_hashes(tokens[:prompt_tokens], self.page_size)
-            ids = [store.block_ids()[0, :len(names)].tolist() for store in stores]
-            for i, name in enumerate(names):
-                self.index.insert(name, pools, [layer_ids[i] for layer_ids in ids])
+    def _host_bytes(self) -> int:
+        return sum(r.host.nbytes for r in self._sequences.values() if r.host is not None)
+
+    def _hash_filled(self, record: Sequence) -> None:
+        """The fill point: cache the prompt blocks of ``record`` filled since the last call, named by the
+        tokens really written into them (``KVCache.written_tokens``), while every layer still holds the
+        sequence from token 0 in one row (``KVCache.prefix_blocks``)."""
+        cache, limit, page = record.cache, record.prompt_tokens, self.page_size
+        if limit is None or record.paused:
+            return
+        tokens = cache.written_tokens()
+        if tokens is None or min(len(tokens), limit) // page <= record.hashed_tokens // page:
+            return
+        blocks = cache.prefix_blocks()
+        if blocks is None:
+            return
+        start = record.hashed_tokens // page
+        full = self.index.add_filled(tokens[:limit], page, self._pools(), blocks, start)
+        record.hashed_tokens = full * page
 
     def _reclaim(self) -> bool:
-        """Drop the least recently used cached block no sequence uses (the pool needs room)."""
-        name = self.index.oldest_reclaimable()
-        if name is None:
-            return False
-        self.index.drop(name)
-        return True
+        """Evict the head of the prefix cache's free-block queue (the pool needs room)."""
+        return self.index.reclaim()
 
     def _count_prompt(self, tokens: int, cached: int) -> None:
         c = self.counters

@@ -3,10 +3,13 @@
 A ``BlockPool`` holds one kind of fixed-size block for one layer: named tensors laid out
 ``[kv_heads, num_blocks, units_per_block, ...]`` (plain K/V: a unit is a token; packed K/V: a
 unit is a codec unit, ``kvfactory.codecs``), with a free list (least recently freed first) and
-refcounts. A ``PagedPool`` holds every block pool its caches use, by kind and layer. A
-``BlockTable`` is one store's block ids per batch row over one block pool: it grows, writes and
-reads them, shares blocks between rows and copies a shared block before writing into it, as in
-vLLM's block manager and nano-vllm's ``block_manager.py``.
+refcounts. Blocks a prefix cache references are marked ``cached``; the pool tells its
+``watchers`` (``BlockWatcher``) whenever such a block becomes idle (only the prefix cache holds it)
+or is used again, so the prefix cache keeps its idle blocks in one eviction-ordered queue without
+scanning (``kvfactory.manager.prefix``). A ``PagedPool`` holds every block pool its caches use,
+by kind and layer. A ``BlockTable`` is one store's block ids per batch row over one block pool:
+it grows, writes and reads them, shares blocks between rows and copies a shared block before
+writing into it, as in vLLM's block manager and nano-vllm's ``block_manager.py``.
 
 Block kinds: ``kv`` (plain paged K/V), ``packed`` (quantized pages: codec codes, scales and zero
 points) and ``window`` (the full-precision window of recent tokens in front of quantized pages).
@@ -22,6 +25,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -59,6 +63,14 @@ class PoolSpec:
             ("v", (value.shape[1], page_size, value.shape[3]), value.dtype)), key.device)
 
 
+class BlockWatcher(Protocol):
+    """What a prefix cache hears from the pools of the blocks it references (``BlockPool.watchers``)."""
+
+    def blocks_idle(self, pool: BlockPool, blocks: np.ndarray, idle: np.ndarray) -> None:
+        """``cached`` blocks whose references just changed: ``idle[i]``, block ``blocks[i]``'s only
+        reference is the prefix cache's own (a watcher ignores the blocks it does not cache)."""
+
+
 class BlockPool:
     """Fixed-size blocks of one kind and layer, with a free list and refcounts.
 
@@ -76,6 +88,8 @@ class BlockPool:
         self.refcount = np.zeros(initial, dtype=np.int32)
         self.any_shared = False  # some block has refcount > 1: writes must check copy-on-write
         self.free: deque[int] = deque(range(initial))
+        self.cached = np.zeros(initial, dtype=bool)  # blocks a prefix cache references (``hold_cached``)
+        self.watchers: list[BlockWatcher] = []  # the prefix caches holding some of its blocks
 
     @property
     def k(self) -> torch.Tensor:
@@ -117,11 +131,14 @@ class BlockPool:
                 grown[:, :old] = t
                 self.tensors[name] = grown
         self.refcount = np.concatenate([self.refcount, np.zeros(new - old, dtype=np.int32)])
+        self.cached = np.concatenate([self.cached, np.zeros(new - old, dtype=bool)])
         self.free.extend(range(old, new))
 
     def incref(self, ids: torch.Tensor) -> None:
-        np.add.at(self.refcount, ids.flatten().cpu().numpy(), 1)
+        ids = ids.flatten().cpu().numpy()
+        np.add.at(self.refcount, ids, 1)
         self.any_shared = bool((self.refcount > 1).any())
+        self._report(ids)
 
     def decref(self, ids: torch.Tensor) -> None:
         ids = ids.flatten().cpu().numpy()
@@ -136,6 +153,32 @@ class BlockPool:
             raise RuntimeError(f"layer {self.layer_idx}: block freed more often than referenced")
         self.free.extend(touched[self.refcount[touched] == 0].tolist())
         self.any_shared = bool((self.refcount > 1).any())
+        self._report(touched)
+
+    def hold_cached(self, blocks: list[int], watcher: BlockWatcher) -> None:
+        """The prefix cache takes a reference to ``blocks`` (filled by a sequence that holds them) and
+        hears from now on when they become idle or are used again."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        if watcher not in self.watchers:
+            self.watchers.append(watcher)
+        self.cached[ids] = True
+        self.incref(torch.from_numpy(ids))
+
+    def release_cached(self, blocks: list[int]) -> None:
+        """The prefix cache drops its reference to ``blocks`` (freed once no sequence holds them)."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        self.cached[ids] = False
+        self.decref(torch.from_numpy(ids))
+
+    def _report(self, touched: np.ndarray) -> None:
+        """Tell the watchers about the cached blocks among ``touched`` whose references changed."""
+        if not self.watchers or not touched.size:
+            return
+        blocks = touched[self.cached[touched]]
+        if blocks.size:
+            idle = self.refcount[blocks] == 1
+            for watcher in self.watchers:
+                watcher.blocks_idle(self, blocks, idle)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy block contents ``src[i] -> dst[i]`` (copy-on-write)."""
@@ -219,6 +262,10 @@ class PagedPool:
             return None
         raise ShapeError(f"layer {spec.layer_idx}: {spec.kind} blocks of {describe(spec)} do not fit the "
                          f"pool's {describe(pool.spec)}, which holds blocks in use")
+
+    def block_pools(self, kind: str | None = "kv") -> list[BlockPool]:
+        """The block pools of ``kind`` (None: every kind), by kind and layer."""
+        return [self.pools[key] for key in sorted(self.pools) if kind in (None, key[0])]
 
     @property
     def layers(self) -> dict[int, BlockPool]:

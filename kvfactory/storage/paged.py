@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -18,6 +19,31 @@ from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
 
 MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
+
+
+class BlockTableStore(Protocol):
+    """The block-table API between a ``KVCacheManager`` and the stores, used through ``KVCache``
+    (``prefix_blocks``, ``adopt_blocks``, ``pages_from_start``, ``drop_front``): the manager never
+    reads a store's block table itself. ``PagedStore`` (plain pages) implements it; stores of
+    quantized pages or with an eviction policy take no part (they are forked, paused and saved whole)."""
+
+    def size(self) -> int:
+        """Tokens stored per batch row."""
+
+    def held_blocks(self) -> torch.Tensor | None:
+        """Every block ``[batch, blocks]`` the store references (accounting)."""
+
+    def block_ids(self) -> torch.Tensor | None:
+        """The blocks holding the stored tokens from the sequence's token 0, else None."""
+
+    def adopt(self, ids: torch.Tensor, tokens: int) -> None:
+        """Start an empty store from shared blocks of its layer's pool (referenced, copied on write)."""
+
+    def drop_front(self, n: int) -> None:
+        """Give back the blocks of the oldest ``n`` stored tokens."""
+
+    def prepend(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Put whole pages back in front (a partial swap coming back)."""
 
 
 @dataclass(eq=False)
@@ -136,7 +162,7 @@ class PagedStore(LayerStore):
         block_pool.decref(self._ids[:, kept_blocks:])
         table.ids = self._ids[:, :kept_blocks]
 
-    # -- sharing blocks (forks and cached prefixes, ``kvfactory.manager``) ------------------------
+    # -- the block-table API (``BlockTableStore``: forks, cached prefixes, partial swaps) -----------
     def fork(self) -> PagedStore:
         """A store of the same tokens in the same blocks, refcounted: whichever of the two writes
         into a shared block first gets its own copy (copy-on-write)."""
