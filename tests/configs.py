@@ -135,11 +135,12 @@ def selector(name: str, bound: float, quantization: dict[str, Any] | None = None
              **own: Any) -> Row:
     """A selector row: reads half the pages per decode step (pages of 4), then a quarter (pages of 2);
     ``summaries``: it keeps per-page key summaries besides the K/V."""
-    inner = [] if quantization is None else [{"name": "quantized", **quantization}]
+    quantize = [] if quantization is None else [{"name": "quantized", **quantization}]
+    window_off = [] if quantization is None else [{"name": "quantized", **quantization, "residual": 0}]
     entry = {"name": name, "dense_layers": 0, **own}  # the tiny models have 2 layers: route both
     return Row(name + ("" if quantization is None else f"+{quantization['codec']}"),
-               composite(*inner, entry | {"read_budget": 0.5}),
-               composite(*inner, entry | {"read_budget": 0.25}, page_size=2), bound, raises=SPARSE,
+               composite(*quantize, entry | {"read_budget": 0.5}),
+               composite(*window_off, entry | {"read_budget": 0.25}, page_size=2), bound, raises=SPARSE,
                bytes_per_token=("fp32" if quantization is None else quantization["codec"])
                + (SUMMARIES if summaries else ""),
                kvfactory_attention=True)
@@ -153,6 +154,7 @@ def preset(name: str, bound: float, **expect: Any) -> Row:
 
 KIVI_SMALL = {"residual": 8, "group_size": 8}
 KIVI_DEMANDING = {"residual": 0, "group_size": 4}
+KIVI_PAGES = {"residual": 4, "group_size": 4}  # quantized pages of 4 tokens: a selector has pages to choose
 
 ROWS: list[Row] = [
     # storage
@@ -189,6 +191,10 @@ ROWS: list[Row] = [
     selector("random", 0.6),
     selector("recent", 0.6),
     selector("full", 0.04, quantization={"codec": "int4", **KIVI_SMALL}, summaries=False),
+    selector("quest", 0.6, quantization={"codec": "int4", **KIVI_PAGES}),
+    selector("oval", 0.6, quantization={"codec": "int4", **KIVI_PAGES}, router=ROUTER),
+    selector("random", 0.6, quantization={"codec": "int4", **KIVI_PAGES}),
+    selector("recent", 0.6, quantization={"codec": "int4", **KIVI_PAGES}),
     selector("quest", 0.6, quantization={"codec": "int8"}),
     # presets
     preset("dense", 0.0, raises=DENSE),
@@ -208,6 +214,7 @@ ROWS: list[Row] = [
         raises=DENSE | {FORK: (UnsupportedError, "FirstAndLast cannot be forked")}),
 ]
 
+BY_ID = {row.id: row for row in ROWS}
 LEVELS = ("small", "demanding")
 CASES = [(row, level) for row in ROWS for level in LEVELS if level == "small" or row.demanding != row.small]
 CASE_IDS = [f"{row.id}/{level}" for row, level in CASES]
