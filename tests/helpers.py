@@ -13,7 +13,7 @@ import torch
 
 from kvfactory.selectors.oval.router import Router, RouterShape
 
-LOGITS_ATOL = 1e-5  # DESIGN.md: lossless configs give logits within 1e-5 of DynamicCache in fp32
+LOGITS_ATOL = 1e-5  # lossless configs give logits within 1e-5 of DynamicCache in fp32
 
 
 @torch.no_grad()
@@ -33,6 +33,23 @@ def generate(model: Any, inputs: dict[str, torch.Tensor], cache: Any, seed: int 
 def max_logit_diff(ref: Any, out: Any) -> float:
     assert len(ref.logits) == len(out.logits), "different number of generation steps"
     return max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True))
+
+
+def diff_before_divergence(ref: Any, out: Any) -> float:
+    """The largest logit difference of two generations at the steps where every row had been fed the
+    same tokens: each row's steps up to and including its first different token (a lossy cache's
+    error, without the noise of comparing different continuations)."""
+    assert ref.sequences.shape[0] == out.sequences.shape[0], "different numbers of rows"
+    steps = len(ref.logits)
+    new = ref.sequences.shape[1] - steps, out.sequences.shape[1] - len(out.logits)
+    assert new[0] == new[1], "different prompt widths"
+    worst = 0.0
+    for row in range(ref.sequences.shape[0]):
+        same = ref.sequences[row, new[0]:] == out.sequences[row, new[0]:][:steps]
+        last = int(same.long().cumprod(0).sum().item())  # steps before the first different token
+        for step in range(min(last + 1, steps, len(out.logits))):
+            worst = max(worst, (ref.logits[step][row] - out.logits[step][row]).abs().max().item())
+    return worst
 
 
 def assert_same_generation(ref: Any, out: Any, atol: float = LOGITS_ATOL) -> None:
