@@ -35,6 +35,23 @@ def max_logit_diff(ref: Any, out: Any) -> float:
     return max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits, strict=True))
 
 
+def diff_before_divergence(ref: Any, out: Any) -> float:
+    """The largest logit difference of two generations at the steps where every row had been fed the
+    same tokens: each row's steps up to and including its first different token (a lossy cache's
+    error, without the noise of comparing different continuations)."""
+    assert ref.sequences.shape[0] == out.sequences.shape[0], "different numbers of rows"
+    steps = len(ref.logits)
+    new = ref.sequences.shape[1] - steps, out.sequences.shape[1] - len(out.logits)
+    assert new[0] == new[1], "different prompt widths"
+    worst = 0.0
+    for row in range(ref.sequences.shape[0]):
+        same = ref.sequences[row, new[0]:] == out.sequences[row, new[0]:][:steps]
+        last = int(same.long().cumprod(0).sum().item())  # steps before the first different token
+        for step in range(min(last + 1, steps, len(out.logits))):
+            worst = max(worst, (ref.logits[step][row] - out.logits[step][row]).abs().max().item())
+    return worst
+
+
 def assert_same_generation(ref: Any, out: Any, atol: float = LOGITS_ATOL) -> None:
     """Identical tokens and logits within ``atol`` at every step (and beam scores, if any)."""
     assert ref.sequences.shape == out.sequences.shape, (ref.sequences.shape, out.sequences.shape)

@@ -10,19 +10,20 @@ import functools
 
 import pytest
 import torch
+from configs import CASES
 from helpers import assert_same_generation, generate, kv_slot_bytes, max_logit_diff
 from tiny_models import MISTRAL_WINDOW, PROMPT_LEN, TINY_IDS, left_padded_batch, random_prompt, tiny_model
 from transformers import DynamicCache
 
 from kvfactory import KVCacheFactory
 
-LOSSLESS = {
-    "dense": {"type": "dense"},
-    "paged1": {"type": "paged", "page_size": 1},
-    "paged4": {"type": "paged", "page_size": 4},
-    "paged16": {"type": "paged", "page_size": 16},
-    "paged256": {"type": "paged", "page_size": 256},
-}
+# The shared matrix's lossless rows that leave the attention alone (storage: dense and paged with
+# pages of 1, 4, 16 and 256 tokens), each distinct config once.
+LOSSLESS: dict[str, dict] = {}
+for row, level in CASES:
+    if row.lossless and not row.kvfactory_attention and row.config(level) not in LOSSLESS.values():
+        LOSSLESS[f"{row.id}/{level}"] = row.config(level)
+DENSE, PAGED4 = "dense/small", "paged/small"
 
 # mode -> (inputs, generate kwargs, seed)
 MODES = {
@@ -69,6 +70,11 @@ def test_lossless_matches_dynamic_cache(arch: str, mode: str, config: str) -> No
         assert torch.equal(mine.values, theirs.values), f"layer {i} values"
 
 
+def test_the_lossless_storage_rows_cover_dense_and_every_page_size() -> None:
+    assert {config.get("page_size") for config in LOSSLESS.values()} >= {None, 1, 4, 16, 256}
+    assert LOSSLESS[DENSE] == {"type": "dense"} and LOSSLESS[PAGED4] == {"type": "paged", "page_size": 4}
+
+
 def test_sampling_modes_really_sample() -> None:
     """Guards the matrix above: the sampling modes draw tokens that greedy decoding would not."""
     sampled, _ = _reference("llama", "sample")
@@ -108,7 +114,7 @@ def test_sliding_layers_release_blocks(page_size: int) -> None:
     assert report["used"] == report["tokens_stored"] * kv_slot_bytes(model.config)
 
 
-@pytest.mark.parametrize("config", ["dense", "paged4"])
+@pytest.mark.parametrize("config", [DENSE, PAGED4])
 @pytest.mark.parametrize("arch", ["llama", "mistral-sw8", "gpt2"])
 def test_continuing_generation_with_the_same_cache(arch: str, config: str) -> None:
     """A second ``generate`` call on the grown sequence reuses the cache (multi-turn chat)."""
@@ -127,7 +133,7 @@ def test_continuing_generation_with_the_same_cache(arch: str, config: str) -> No
     assert caches[1].get_seq_length() == caches[0].get_seq_length() == 12 + 5 + 6 + 4
 
 
-@pytest.mark.parametrize("config", ["dense", "paged4"])
+@pytest.mark.parametrize("config", [DENSE, PAGED4])
 @pytest.mark.parametrize("arch", ["llama", "mistral-sw8"])
 def test_prompt_lookup_decoding_matches_dynamic_cache(arch: str, config: str) -> None:
     """Assisted (prompt-lookup) decoding crops rejected draft tokens; on sliding-window layers
@@ -141,7 +147,7 @@ def test_prompt_lookup_decoding_matches_dynamic_cache(arch: str, config: str) ->
     assert_same_generation(ref, out)
 
 
-@pytest.mark.parametrize("config", ["dense", "paged4"])
+@pytest.mark.parametrize("config", [DENSE, PAGED4])
 def test_cache_keyword_of_generate(config: str) -> None:
     """transformers 5 also takes the cache as ``generate(cache=...)`` (``past_key_values`` is deprecated)."""
     model = tiny_model("qwen2")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import FirstLastRetain, assert_same_generation, generate, layer_sizes
+from configs import FirstAndLast
+from helpers import assert_same_generation, generate, layer_sizes
 from tiny_models import random_prompt, tiny_config, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
@@ -20,7 +20,6 @@ from kvfactory import (
     PagedPool,
     PagedStore,
     ShapeError,
-    register_cache_strategy,
 )
 
 MODEL_CONFIG = tiny_config("llama")  # 2 layers, 2 KV heads, head_dim 16
@@ -102,27 +101,19 @@ def test_from_yaml_with_a_shared_pool(tmp_path) -> None:
     assert used_blocks(first.pool)[0] == 2 and sum(used_blocks(first.pool).values()) == 2
 
 
-# -- a user strategy registered by name ---------------------------------------------------------
-
-@dataclass(eq=False)
-class FirstLastStore(FirstLastRetain, DenseStore):
-    """Dense storage keeping the first ``first`` and the last ``last`` stored tokens."""
-
-
-register_cache_strategy("test_first_last", FirstLastStore)
-
+# -- a user strategy registered by name: the README's FirstAndLast (registered by configs.py) -----
 
 def kept_positions(seen: int, first: int, last: int) -> torch.Tensor:
     return torch.cat([torch.arange(first), torch.arange(seen - last, seen)])
 
 
 @pytest.mark.parametrize("cache_config", [
-    {"type": "test_first_last"},
-    {"type": "composite", "strategies": [{"name": "test_first_last", "first": 4, "last": 8}]},
+    {"type": "first_and_last", "last": 8},
+    {"type": "composite", "strategies": [{"name": "first_and_last", "first": 4, "last": 8}]},
 ])
 def test_user_strategy_prefill_keeps_exact_keys(cache_config) -> None:
     """After a 30-token prefill every layer holds the DynamicCache keys/values at the kept positions."""
-    assert "test_first_last" in kvfactory.registered_strategies()
+    assert "first_and_last" in kvfactory.registered_strategies()
     model = tiny_model("llama")
     prompt = random_prompt(30, seed=5)
     cache = KVCacheFactory(model.config, cache_config).create_cache()
@@ -143,8 +134,8 @@ def test_user_strategy_prefill_keeps_exact_keys(cache_config) -> None:
 
 def test_user_strategy_in_generate_never_shifts_positions() -> None:
     model = tiny_model("llama")
-    factory = KVCacheFactory(model.config, {"type": "test_first_last", "first": 4, "last": 8})
-    assert all(isinstance(s, FirstLastStore) and (s.first, s.last) == (4, 8)
+    factory = KVCacheFactory(model.config, {"type": "first_and_last", "first": 4, "last": 8})
+    assert all(isinstance(s, FirstAndLast) and (s.first, s.last) == (4, 8)
                for s in stores(factory.create_cache()))
     cache = factory.create_cache()
     prompt = random_prompt(30, seed=6)

@@ -9,7 +9,7 @@ import torch
 from helpers import apply_edit, generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import left_padded_batch, random_prompt, tiny_config, tiny_model
+from tiny_models import random_prompt, tiny_config, tiny_model
 from transformers import DynamicCache
 
 from kvfactory import CacheFullError, ConfigError, DenseStore, KVCacheFactory, PagedStore
@@ -266,22 +266,6 @@ def test_generation_stays_close_to_dynamic_cache(codec: str) -> None:
     first = (ref.logits[0] - out.logits[0]).abs().max().item()
     assert 0 < first < 0.05  # lossy, but close
     assert cache.memory_report()["workspace"] > 0
-
-
-@pytest.mark.parametrize("config", [
-    {"type": "dense", "quantization": {"codec": "int4", "residual": 4, "group_size": 8}},
-    {"type": "paged", "page_size": 4, "quantization": {"codec": "int2", "residual": 0, "group_size": 8}},
-])
-def test_left_padded_batch_and_beam_search_run(config: dict) -> None:
-    model = tiny_model("llama")
-    inputs = left_padded_batch([30, 22, 17])
-    cache = KVCacheFactory(model.config, config).create_cache()
-    out = generate(model, inputs, cache, max_new_tokens=10)
-    assert out.sequences.shape[0] == inputs["input_ids"].shape[0]
-    assert cache.get_seq_length() == inputs["input_ids"].shape[1] + 9
-    cache = KVCacheFactory(model.config, config).create_cache()
-    beams = generate(model, inputs, cache, max_new_tokens=6, num_beams=3, num_return_sequences=2)
-    assert beams.sequences.shape[0] == 2 * inputs["input_ids"].shape[0]
 
 
 @pytest.mark.parametrize("codec", ["int4", "int8"])

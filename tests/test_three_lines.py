@@ -10,16 +10,16 @@ import logging
 
 import pytest
 import torch
-from helpers import generate, tiny_router
+from configs import BY_ID, CASE_IDS, CASES, Row
+from helpers import generate
 from tiny_models import TINY_HIDDEN, random_prompt, tiny_config
 from transformers import AutoModelForCausalLM, BloomConfig
 
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory import cache as adapter
-from kvfactory.eviction import POLICIES
-from kvfactory.selectors import SELECTORS
 
 PAGE = 4
+INT4 = BY_ID["int4-paged"].config("small")
 
 
 def plain_model(name: str = "llama") -> torch.nn.Module:
@@ -34,54 +34,35 @@ def composite(entry: dict) -> dict:
     return {"type": "composite", "strategies": [{"name": "paged", "page_size": PAGE}, entry]}
 
 
-CONFIGS = {
-    "int4": {"type": "paged", "page_size": PAGE, "quantization": {"codec": "int4", "residual": 8}},
-    **{f"{policy}": composite({"name": "eviction", "policy": policy, "compression_ratio": 0.5})
-       for policy in sorted(POLICIES)},
-    **{f"{selector}": composite({"name": selector, "read_budget": 0.25, "dense_layers": 0})
-       for selector in sorted(SELECTORS)},
-    "int4+snapkv": {"type": "composite", "strategies": [
-        {"name": "paged", "page_size": PAGE}, {"name": "quantized", "codec": "int4", "residual": 8},
-        {"name": "eviction", "policy": "snapkv", "compression_ratio": 0.5}]},
-    "int4+quest": {"type": "composite", "strategies": [
-        {"name": "paged", "page_size": PAGE}, {"name": "quantized", "codec": "int4", "residual": 8},
-        {"name": "quest", "read_budget": 0.25, "dense_layers": 0}]},
-}
-
-
-def with_router(config: dict) -> dict:
-    """OVAL needs a router for the tiny model's shapes (the shipped one is SmolLM2's)."""
-    config = copy.deepcopy(config)
-    for entry in config.get("strategies", []):
-        if entry.get("name") == "oval":
-            entry["router"] = tiny_router(TINY_HIDDEN, 2, 16, (0, 1))
-    return config
-
-
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_every_strategy_works_through_the_three_lines(name: str, caplog) -> None:
+@pytest.mark.parametrize(("row", "level"), CASES, ids=CASE_IDS)
+def test_every_strategy_works_through_the_three_lines(row: Row, level: str, caplog) -> None:
+    """A row that needs kvfactory's attention switches a plain SDPA model to it, saying so once; the
+    others leave the model alone."""
     model = plain_model()
-    factory = KVCacheFactory(model_config=model.config, cache_config=with_router(CONFIGS[name]))
+    factory = KVCacheFactory(model_config=model.config, cache_config=row.config(level))
     with caplog.at_level(logging.WARNING, logger="kvfactory"):
         cache = factory.create_cache()
         factory.create_cache()
     switches = [r for r in caplog.records if "attn_implementation" in r.getMessage()]
-    assert len(switches) == 1 and "'sdpa' to 'kvfactory'" in switches[0].getMessage()
+    if row.kvfactory_attention:
+        assert len(switches) == 1 and "'sdpa' to 'kvfactory'" in switches[0].getMessage()
+    else:
+        assert not switches
     out = generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=5, min_new_tokens=5)
     assert out.sequences.shape == (1, 45)
     assert cache.get_seq_length() == 44
-    assert model.config._attn_implementation == "kvfactory"
+    assert model.config._attn_implementation == ("kvfactory" if row.kvfactory_attention else "sdpa")
     if cache.routing is not None:  # the selector read each decode step, OVAL from the decoder's state
         assert cache.routing_metrics()["steps"] == 4
         assert cache.routing_context.hidden.shape == (1, TINY_HIDDEN)
-    if cache.config.eviction is not None:  # the policy compressed the prompt inside attention
+    if row.evicts:  # the policy compressed the prompt inside attention
         assert cache.size(0) < 44
 
 
 def test_the_finder_hook_is_gone_once_no_cache_awaits_its_first_forward() -> None:
     gc.collect()  # caches other tests dropped
     model = plain_model()
-    cache = KVCacheFactory(model.config, CONFIGS["quest"]).create_cache()
+    cache = KVCacheFactory(model.config, BY_ID["quest"].config("small")).create_cache()
     assert adapter._finder is not None and cache in adapter._first_forward
     generate(model, {"input_ids": random_prompt(20)}, cache, max_new_tokens=2)
     assert cache not in adapter._first_forward and model.get_decoder()._kvfactory_watched
@@ -89,17 +70,11 @@ def test_the_finder_hook_is_gone_once_no_cache_awaits_its_first_forward() -> Non
     assert (adapter._finder is None) == (len(adapter._first_forward) == 0)
 
 
-def test_lossless_configs_leave_the_attention_alone() -> None:
-    model = plain_model()
-    KVCacheFactory(model.config, {"type": "paged", "page_size": PAGE}).create_cache()
-    assert model.config._attn_implementation == "sdpa"
-
-
 def test_a_cache_built_from_another_config_object_refuses_the_forward() -> None:
     """A config that is not the model's own is switched alone: the model still runs SDPA, which would
     attend over part of the K/V. The forward fails before it returns logits."""
     model = plain_model()
-    cache = KVCacheFactory(copy.deepcopy(model.config), CONFIGS["int4"]).create_cache()
+    cache = KVCacheFactory(copy.deepcopy(model.config), INT4).create_cache()
     with pytest.raises(ConfigError, match=r"KVCacheFactory\(model.config"):
         generate(model, {"input_ids": random_prompt(20)}, cache, max_new_tokens=3)
     assert model.config._attn_implementation == "sdpa"
@@ -111,7 +86,7 @@ def test_an_architecture_without_attention_dispatch_gets_one_clear_error() -> No
     with pytest.raises(ConfigError, match="BloomForCausalLM") as err:
         KVCacheFactory(config, policy).create_cache()
     assert "'quantization': 'int4'" in str(err.value)
-    quantized = KVCacheFactory(config, CONFIGS["int4"]).create_cache()  # read whole by Bloom's attention
+    quantized = KVCacheFactory(config, INT4).create_cache()  # read whole by Bloom's attention
     model = AutoModelForCausalLM.from_config(config).eval()
     generate(model, {"input_ids": random_prompt(20)}, quantized, max_new_tokens=3)
     assert quantized.get_seq_length() == 22 and config._attn_implementation != "kvfactory"

@@ -1,0 +1,174 @@
+"""Cross-cutting generation tests over the shared matrix (``configs.py``): greedy exactness or the
+row's loss bound, left-padded batches, beam search and the memory report, on a tiny random llama."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from configs import BEAMS, CASE_IDS, CASES, MIXED, OPERATIONS, PADDED, ROWS, SUMMARIES, Row
+from helpers import LOGITS_ATOL, assert_same_generation, diff_before_divergence, generate, kv_slot_bytes
+from tiny_models import left_padded_batch, random_prompt, tiny_model
+from transformers import DynamicCache
+
+from kvfactory import KVCacheFactory
+from kvfactory.codecs import make_codec
+from kvfactory.eviction import POLICIES
+from kvfactory.presets import preset_names
+from kvfactory.selectors import SELECTORS
+
+PROMPT, NEW = 24, 6
+PADDED_LENGTHS = [PROMPT, 15, 7]
+BEAM_LENGTHS = [PROMPT, 13]
+cases = pytest.mark.parametrize(("row", "level"), CASES, ids=CASE_IDS)
+
+
+def model():
+    return tiny_model("llama")
+
+
+def greedy_inputs() -> dict[str, torch.Tensor]:
+    ids = random_prompt(PROMPT)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+MODES = {
+    "greedy": (greedy_inputs, {}),
+    "padded": (lambda: left_padded_batch(PADDED_LENGTHS, seed=3), {}),
+    "beams": (lambda: left_padded_batch(BEAM_LENGTHS, seed=5),
+              {"num_beams": 2, "num_return_sequences": 2, "output_scores": True, "max_new_tokens": 5}),
+}
+
+
+def run(mode: str, cache) -> object:
+    make_inputs, kwargs = MODES[mode]
+    return generate(model(), make_inputs(), cache, **({"max_new_tokens": NEW} | kwargs))
+
+
+@functools.cache
+def reference(mode: str):
+    return run(mode, DynamicCache(config=model().config))
+
+
+def check(row: Row, ref, out) -> None:
+    """Lossless: the same generation; lossy: within the row's bound before the tokens differ."""
+    if row.lossless:
+        assert_same_generation(ref, out)
+    else:
+        assert out.sequences.shape == ref.sequences.shape
+        assert diff_before_divergence(ref, out) <= row.bound
+
+
+# -- the matrix itself ----------------------------------------------------------------------------
+
+def test_every_row_states_every_operation_and_builds() -> None:
+    assert len({row.id for row in ROWS}) == len(ROWS)
+    for row in ROWS:
+        assert set(row.raises) <= set(OPERATIONS), row.id
+        assert row.bound >= 0.0, row.id
+        for level in ("small", "demanding"):
+            KVCacheFactory(model().config, row.config(level))
+
+
+def test_every_registered_policy_selector_codec_and_preset_has_a_row() -> None:
+    """A new policy, selector or preset fails here until it gets its rows."""
+    entries = [entry for row in ROWS for level in ("small", "demanding")
+               for entry in row.config(level).get("strategies", [])]
+    policies = {(e["policy"], "budget" in e) for e in entries if e["name"] == "eviction"}
+    assert policies >= {(p, by_budget) for p in POLICIES for by_budget in (False, True)}
+    assert {e["name"] for e in entries} >= set(SELECTORS)
+    presets = {row.id.removeprefix("preset:") for row in ROWS if row.id.startswith("preset:")}
+    assert presets >= set(preset_names()) | {"snapkv@0.5", "quest@0.25"}  # files and NAME@FRACTION
+    assert {row.bytes_per_token.removesuffix(SUMMARIES) for row in ROWS} >= {"int8", "fp8", "int4", "int2"}
+
+
+# -- generation -----------------------------------------------------------------------------------
+
+@cases
+def test_greedy_is_exact_or_within_the_bound(row: Row, level: str) -> None:
+    cache = KVCacheFactory(model().config, row.config(level)).create_cache()
+    ref, out = reference("greedy"), run("greedy", cache)
+    check(row, ref, out)
+    if not row.lossless:  # a lossy row really is lossy here (else its bound says nothing)
+        assert diff_before_divergence(ref, out) > LOGITS_ATOL
+    seen = PROMPT + NEW - 1
+    assert cache.get_seq_length() == seen
+    stored = [cache.size(i) for i in range(len(cache.layers))]
+    assert all(n < seen for n in stored) if row.evicts else stored == [seen] * len(stored)
+
+
+@cases
+def test_left_padded_batch(row: Row, level: str) -> None:
+    cache = KVCacheFactory(model().config, row.config(level)).create_cache()
+    if not row.supports(PADDED):
+        error, match = row.raises[PADDED]
+        with pytest.raises(error, match=match):
+            run("padded", cache)
+        return
+    check(row, reference("padded"), run("padded", cache))
+    assert cache.get_seq_length() == max(PADDED_LENGTHS) + NEW - 1
+
+
+@cases
+def test_beam_search(row: Row, level: str) -> None:
+    cache = KVCacheFactory(model().config, row.config(level)).create_cache()
+    if not row.supports(BEAMS):
+        error, match = row.raises[BEAMS]
+        with pytest.raises(error, match=match):
+            run("beams", cache)
+        return
+    ref, out = reference("beams"), run("beams", cache)
+    assert out.sequences.shape[0] == 2 * len(BEAM_LENGTHS)
+    if row.lossless:
+        assert_same_generation(ref, out)
+    else:  # beams reorder rows by their scores: a lossy run may rank them its own way
+        assert torch.isfinite(out.sequences_scores).all()
+        if torch.equal(out.sequences, ref.sequences):
+            torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, atol=row.bound, rtol=0)
+    assert cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+def codec_bytes(codec: str, kv_heads: int, head_dim: int, group_size: int | None) -> int:
+    options = {"group_size": group_size} if codec in ("int4", "int2") and group_size else {}
+    return sum(make_codec(codec, role, **options).bytes_per_token(kv_heads, head_dim)
+               for role in ("key", "value"))
+
+
+def quantization_options(config: dict) -> dict:
+    if "quantization" in config:
+        value = config["quantization"]
+        return {"codec": value} if isinstance(value, str) else value
+    return next(e for e in config["strategies"] if e["name"] == "quantized")
+
+
+@cases
+def test_memory_report(row: Row, level: str) -> None:
+    """allocated >= used >= 0; used is what the row's tokens cost; clear() gives everything back."""
+    config = row.config(level)
+    cache = KVCacheFactory(model().config, config).create_cache()
+    run("greedy", cache)
+    report = cache.memory_report()
+    assert report["allocated"] >= report["used"] >= 0 and report["tokens_stored"] > 0
+    assert report["tokens_stored"] == sum(cache.size(i) for i in range(len(cache.layers)))
+    slot = kv_slot_bytes(model().config)
+    stored, window = report["tokens_stored"], report.get("residual_tokens", report["tokens_stored"])
+    if row.bytes_per_token == MIXED:
+        assert window < stored and report["used"] < stored * slot
+        return
+    codec, summaries = row.bytes_per_token.removesuffix(SUMMARIES), row.bytes_per_token.endswith(SUMMARIES)
+    if codec == "fp32":
+        expected = stored * slot
+    else:  # quantized tokens cost the codec's bytes, the full-precision window fp32
+        assert window < stored, "nothing was quantized"
+        assert report["workspace"] > 0
+        per_token = codec_bytes(codec, 2, 16, quantization_options(config).get("group_size"))
+        expected = (stored - window) * per_token + window * slot
+    if summaries:
+        assert report["used"] > expected
+    else:
+        assert report["used"] == pytest.approx(expected, rel=0.02)
+    cache.clear()
+    assert cache.get_seq_length() == 0 and cache.memory_report()["allocated"] == 0
