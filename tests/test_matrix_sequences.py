@@ -107,13 +107,14 @@ def test_save_and_load(row: Row, level: str, tmp_path: Path) -> None:
 
 
 def greedy_steps(cache, ids: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
-    """The last-position logits of a prefill and of ``steps`` greedy decode steps, one at a time."""
-    with torch.no_grad():
-        logits = model()(ids, past_key_values=cache).logits[:, -1]
+    """The last-position logits of a prefill and of ``steps`` greedy decode steps, one at a time (each
+    forward in its own ``no_grad``: a generator suspended inside one would leak it to the caller)."""
+    logits = None
+    for _ in range(steps + 1):
+        step = ids if logits is None else logits.argmax(-1, keepdim=True)
+        with torch.no_grad():
+            logits = model()(step, past_key_values=cache).logits[:, -1]
         yield logits
-        for _ in range(steps):
-            logits = model()(logits.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
-            yield logits
 
 
 @cases
