@@ -215,3 +215,21 @@ def test_cache_filled_in_inference_mode_continues_under_no_grad(cache_config) ->
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         cache.layers[0].batch_repeat_interleave(2)  # reorder/expand outside inference_mode too
     assert cache.get_seq_length() == 16 and cache.layers[0].store.batch_size == 2
+
+
+def test_blocks_come_back_when_a_cache_is_collected_during_fake_tensor_tracing() -> None:
+    """torch.compile traces under a fake-tensor mode; a block table's finalizer run by the garbage
+    collector then must still give its blocks back (it once refused the real ids and kept them)."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    store = PagedStore(page_size=4)
+    pool = store.ensure_pool()
+    store.append(*kv(9))
+    (block_pool,) = pool.pools.values()
+    assert int((block_pool.refcount > 0).sum()) == 3
+    with FakeTensorMode():
+        del store
+        gc.collect()
+    assert int((block_pool.refcount > 0).sum()) == 0

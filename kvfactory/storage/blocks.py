@@ -29,6 +29,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from kvfactory.errors import CacheFullError, ConfigError, ShapeError
 from kvfactory.storage.base import MemoryReport
@@ -69,6 +70,14 @@ class BlockWatcher(Protocol):
     def blocks_idle(self, pool: BlockPool, blocks: np.ndarray, idle: np.ndarray) -> None:
         """``cached`` blocks whose references just changed: ``idle[i]``, block ``blocks[i]``'s only
         reference is the prefix cache's own (a watcher ignores the blocks it does not cache)."""
+
+
+def _block_ids(ids: torch.Tensor) -> np.ndarray:
+    """Block ids as a flat numpy array, outside any active torch dispatch mode: a block table's
+    finalizer may run while ``torch.compile`` traces under a fake-tensor mode, which refuses ops on
+    these real tensors and would leave the blocks held."""
+    with _disable_current_modes():
+        return ids.flatten().cpu().numpy()
 
 
 class BlockPool:
@@ -135,13 +144,13 @@ class BlockPool:
         self.free.extend(range(old, new))
 
     def incref(self, ids: torch.Tensor) -> None:
-        ids = ids.flatten().cpu().numpy()
+        ids = _block_ids(ids)
         np.add.at(self.refcount, ids, 1)
         self.any_shared = bool((self.refcount > 1).any())
         self._report(ids)
 
     def decref(self, ids: torch.Tensor) -> None:
-        ids = ids.flatten().cpu().numpy()
+        ids = _block_ids(ids)
         if ids.size == 0:
             return
         np.add.at(self.refcount, ids, -1)
