@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -30,6 +30,13 @@ from kvfactory.errors import ConfigError, SequenceStateError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import BlockTableStore, PagedStore
+
+if TYPE_CHECKING:
+    from kvfactory.config import CacheConfig
+    from kvfactory.selectors.base import RoutingContext
+    from kvfactory.selectors.metrics import RoutingMetrics
+    from kvfactory.storage.blocks import PagedPool
+    from kvfactory.storage.workspace import ReadWorkspace
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ATTENTION = "kvfactory"  # the attn_implementation name of kvfactory_attention
@@ -364,16 +371,20 @@ class KVCache(Cache):
     for the caches it owns (``SequenceHooks``), else None.
     """
 
-    def __init__(self, layers: list[KVLayer], shared: Any = None, seq_id: str | None = None,
-                 config: Any = None, workspace: Any = None, model_config: Any = None, routing: Any = None,
-                 routing_context: Any = None, forward_lock: ForwardLock | None = None):
+    def __init__(self, layers: list[KVLayer], shared: PagedPool | None = None, seq_id: str | None = None,
+                 config: CacheConfig | None = None, workspace: ReadWorkspace | None = None,
+                 model_config: Any = None, routing: RoutingMetrics | None = None,
+                 routing_context: RoutingContext | None = None, forward_lock: ForwardLock | None = None):
         super().__init__(layers=layers)
         self.forward_lock = forward_lock or ForwardLock()  # shared with the factory's other caches
-        self.shared, self.seq_id, self.config, self.workspace = shared, seq_id, config, workspace
+        self.shared: PagedPool | None = shared  # the pool of paged storage, shared with the factory
+        self.seq_id = seq_id
+        self.config: CacheConfig | None = config
+        self.workspace: ReadWorkspace | None = workspace  # quantized reads decode into it
         self.model_config = model_config
         self.hooks: SequenceHooks | None = None
-        self.routing = routing  # a selector's RoutingMetrics (kvfactory.selectors.metrics), else None
-        self.routing_context = routing_context  # what its layers' selectors share (selectors.base)
+        self.routing: RoutingMetrics | None = routing  # a selector's metrics, shared by its layers
+        self.routing_context: RoutingContext | None = routing_context  # what its layers' selectors share
         # the config the model's attention dispatch reads: kvfactory's attention allows deferred reads
         self._attention_config = None if model_config is None else model_config.get_text_config(decoder=True)
         self._deferred = False  # the last forward handed K/V to kvfactory's attention in pieces
