@@ -9,8 +9,8 @@ included), ``recall`` (attention mass on the pages read, from the default shadow
 router p50 / p99 and ``router_p50_share_of_step`` / ``router_p99_share_of_step`` (over one
 decode step's time).
 ``paged16/attn`` is the same storage read whole, the lossless reference.
-DESIGN.md's targets at 6144 tokens and read budget 1/8: >= 1.3x DynamicCache at batch 1 and
->= 2x at batch 8; router p99 <= 5 % of a decode step.
+The targets at 6144 tokens and read budget 1/8 (docs/sparse-reads.md): >= 1.3x DynamicCache at
+batch 1 and >= 2x at batch 8; router p99 <= 5 % of a decode step.
 
     python benchmarks/oval.py [--lengths 6144] [--batches 1,8] [--runs 3] [--configs quest/0.125,...]
 """

@@ -1,7 +1,7 @@
 """The selector interface: score a layer's pages for one decode step, read the best.
 
 A selector is a dataclass whose fields are its hyperparameters. ``page_scores`` sees the step's
-queries grouped by KV head, the layer's page bases (``kvfactory.selectors.pages``) and what the
+queries grouped by KV head, the layer's page summaries (``kvfactory.selectors.pages``) and what the
 cache's selectors share (``RoutingContext``: the decoder's last hidden state, per-step memos) and
 returns one score per page and KV head, higher = read; ``kvfactory.selectors.sparse.SparseStore``
 always adds the sink and local pages and reads the top-scoring rest up to the read budget.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import PageSummaries
 
 if TYPE_CHECKING:
     from kvfactory.selectors.layer_budgets import LayerProfile
@@ -46,8 +46,8 @@ class Selector(ABC):
     """Scores pages of one layer; one instance per layer store."""
 
     reads_all: ClassVar[bool] = False  # True: decode reads every page whatever the budget
-    reads_bases: ClassVar[bool] = True  # scoring reads the page bases (counted in the bytes read)
-    uses_mean: ClassVar[bool] = False  # the page bases keep each page's mean key
+    reads_summaries: ClassVar[bool] = True  # scoring reads the page summaries (counted in the bytes read)
+    uses_mean: ClassVar[bool] = False  # the page summaries keep each page's mean key
     prompt_weight: ClassVar[float] = 0.0  # ``SelectorSpec.prompt_weight`` where the config leaves it unset
 
     @classmethod
@@ -61,12 +61,11 @@ class Selector(ABC):
 
     def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A map of page features ``[B, Hkv, n, F]`` to the ``[B, Hkv, n, E]`` this selector scores, for
-        the bases to keep up to date (``PageBases.set_embedding``); None: it reads the features."""
+        the summaries to keep up to date (``PageSummaries.set_embedding``); None: it reads the features."""
         return None
 
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
-        """Called with the indices of the pages this layer read in this step (``[B, Hkv, k]`` per head
-        with fixed pages; a flat list of every page any head read with dynamic ones)."""
+        """Called with the indices of the pages this layer read in this step, ``[B, Hkv, k]`` per head."""
 
     def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
         """``scores [..., P]`` from ``page_scores`` (queries of ``head_dim`` channels) ranked with
@@ -76,6 +75,7 @@ class Selector(ABC):
         return scores.float().softmax(-1).add_(prompt)
 
     @abstractmethod
-    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
+                    ) -> torch.Tensor:
         """``queries [B, Hkv, R, D]`` (the query heads of each KV head, after RoPE) against the
-        ``bases.pages`` stored pages: ``[B, Hkv, pages]`` scores, higher = read."""
+        ``summaries.pages`` stored pages: ``[B, Hkv, pages]`` scores, higher = read."""

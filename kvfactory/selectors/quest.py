@@ -31,7 +31,7 @@ import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
-from kvfactory.selectors.pages import PageBases, best_dot, softmax_mass
+from kvfactory.selectors.pages import PageSummaries, best_dot, softmax_mass
 
 if TYPE_CHECKING:
     from kvfactory.selectors.layer_budgets import LayerProfile
@@ -65,8 +65,9 @@ class QuestSelector(Selector):
             return options
         return options | {"bound_scale": scale}
 
-    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
-        bounds = bases.bounds  # [B, Hkv, pages, 2D]
+    def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
+                    ) -> torch.Tensor:
+        bounds = summaries.bounds  # [B, Hkv, pages, 2D]
         if self.aggregate == "max":
             return best_dot(queries, bounds, split=self.bound_scale)
         return softmax_mass(queries, bounds, queries.shape[-1] ** -0.5, split=self.bound_scale)

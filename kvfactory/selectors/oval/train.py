@@ -4,7 +4,7 @@
    each with full attention. At ``positions`` sampled query positions ``t`` per chunk, every routed
    layer records the attention mass each page of 16 tokens gets from the query at ``t`` (the
    group's query heads averaged per KV head, causal), Quest's score for comparison, the pages'
-   bases (key maximum, minimum and mean per channel) and the decoder's last hidden state at
+   summaries (key maximum, minimum and mean per channel) and the decoder's last hidden state at
    ``t - 1`` (what the router sees when decoding the token at ``t``).
 2. **Training.** The router's logits over the candidate pages (after the sink page, before the
    current one, which are always read) are fitted to the teacher's mass with KL divergence plus a
