@@ -2,11 +2,11 @@
 
 Quest (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference")
 ranks a page by ``sum_c max(q_c min_c, q_c max_c)`` and reads the top pages under the read budget;
-``paper`` is that (``bound_scale`` 1, a KV head's query heads joined by their best bound,
-``aggregate`` "max", nothing else). Each other row adds one candidate knob to it, or two. The
-defaults ``kvfactory.selectors`` ships are chosen from this table, on text the evaluation never
-reports: windows of the two Gutenberg books in ``shared/data`` (never the passkey / needle prompts,
-WikiText or Alice).
+``paper`` is that alone (a KV head's query heads joined by their best bound, one budget for every
+layer, no prompt term). Each other row adds candidate knobs to it. The defaults
+``kvfactory.selectors`` ships are chosen from this table, on text the evaluation never reports:
+windows of the two Gutenberg books in ``shared/data`` (never the passkey / needle prompts, WikiText
+or Alice).
 
 Per window, SmolLM2 (fp32, 1 thread) prefills ``--context`` tokens through a 16-token paged cache
 with the selector at read budget ``--budget``, then decodes the book's next ``--steps`` tokens
@@ -36,24 +36,15 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 # book: first tokens of its windows (Pride and Prejudice after the 4 x 6144 tokens the shipped
 # layer profile was calibrated on)
 WINDOWS = {"pg84_frankenstein.txt": (30000, 60000), "pg1342_pride_and_prejudice.txt": (60000, 90000)}
-PAPER = {"bound_scale": 1.0, "aggregate": "max", "prompt_weight": 0.0, "layer_budgets": "uniform"}
-CONFIGS: dict[str, dict[str, Any]] = {  # Quest options over the paper's
+PAPER = {"prompt_weight": 0.0, "layer_budgets": "uniform"}  # Quest's bound alone, one budget per layer
+CONFIGS: dict[str, dict[str, Any]] = {  # options over the paper's
     "paper": {},
     "no sink page": {"sink_pages": 0},
-    "softmax": {"aggregate": "softmax"},
-    "scale 0.5": {"bound_scale": 0.5},
     "prompt_weight 0.5": {"prompt_weight": 0.5},
     "prompt_weight 1": {"prompt_weight": 1.0},
     "prompt_weight 2": {"prompt_weight": 2.0},
     "prompt_weight 4": {"prompt_weight": 4.0},
-    "layer split": {"layer_budgets": "auto"},
-    "softmax + scale 0.5": {"aggregate": "softmax", "bound_scale": 0.5},
-    "softmax + layer split": {"aggregate": "softmax", "layer_budgets": "auto", "bound_scale": 1.0},
-    "prompt_weight 2 + softmax": {"prompt_weight": 2.0, "aggregate": "softmax"},
-    "prompt_weight 2 + scale 0.5": {"prompt_weight": 2.0, "bound_scale": 0.5},
-    "prompt_weight 2 + layer split": {"prompt_weight": 2.0, "layer_budgets": "auto"},
-    "shipped before": {
-        "aggregate": "softmax", "bound_scale": None, "layer_budgets": "auto", "prompt_weight": 2.0},
+    "shipped: prompt_weight 2 + layer split": {"prompt_weight": 2.0, "layer_budgets": "auto"},
 }
 
 

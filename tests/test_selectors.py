@@ -87,10 +87,11 @@ def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
 @pytest.mark.parametrize(("option", "value", "names"), [
     ("bases_dtype", "float32", "summary_dtype"), ("prompt_mix", 1.0, "prompt_weight"),
     ("dynamic_pages", True, "removed"), ("max_page", 32, "removed"), ("entropy_jump", 2.0, "removed"),
-    ("decay", False, "always applied"),
+    ("decay", False, "always applied"), ("bound_scale", 0.5, "paper's bound"),
+    ("aggregate", "softmax", "best bound"), ("prompt_window", 8, "last 32 queries"),
 ])
 def test_old_option_spellings_name_what_to_write_instead(option: str, value, names: str) -> None:
-    config = {"type": "composite", "strategies": [{"name": "paged"}, {"name": "oval", option: value}]}
+    config = {"type": "composite", "strategies": [{"name": "paged"}, {"name": "quest", option: value}]}
     with pytest.raises(ConfigError, match=names) as err:
         KVCacheFactory(tiny_model("llama").config, config)
     assert err.value.key == f"strategies[1].{option}"
@@ -177,7 +178,7 @@ def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype)
     summaries = PageSummaries(PAGE, dtype=dtype)
     summaries.append(keys)
     queries = torch.randn(1, 2, 1, 8, generator=gen)  # one query head per KV head: the bound is Quest's
-    quest = QuestSelector(bound_scale=1.0, aggregate="max")
+    quest = QuestSelector()
     bound = quest.page_scores(queries, summaries, RoutingContext())
     exact = (queries @ keys.transpose(-1, -2)).view(1, 2, 10, PAGE).amax(-1)
     assert (bound >= exact - 1e-5).all()
@@ -189,10 +190,9 @@ def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype)
                                (queries @ keys.transpose(-1, -2))[:, :, 0], **tolerance)
 
 
-@pytest.mark.parametrize("aggregate", ["max", "softmax"])
-@pytest.mark.parametrize("scale", [0.0, 0.5, 0.8, 1.0])
-def test_quest_scores_the_centre_plus_a_share_of_each_channels_half_width(scale: float, aggregate: str
-                                                                          ) -> None:
+def test_quest_scores_each_query_heads_bound_and_keeps_the_best() -> None:
+    """A page's score: the best of a KV head's query heads' ``q · centre + |q| · half-width`` (the
+    paper's bound, ``sum_c max(q_c min_c, q_c max_c)``), for every page at once."""
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(2, 3, 40, 8, generator=gen) * torch.linspace(0.2, 3.0, 8)
     summaries = PageSummaries(PAGE, dtype=torch.float32)
@@ -200,28 +200,12 @@ def test_quest_scores_the_centre_plus_a_share_of_each_channels_half_width(scale:
     queries = torch.randn(2, 3, 4, 8, generator=gen) * 2  # 4 query rows per KV head
     pages = keys.view(2, 3, -1, PAGE, 8)
     centre, half = (pages.amax(3) + pages.amin(3)) / 2, (pages.amax(3) - pages.amin(3)) / 2
-    rows = queries @ centre.transpose(-1, -2) + scale * queries.abs() @ half.transpose(-1, -2)  # [B, H, R, P]
-    # max: the best row's score; softmax: each row's attention share of the pages, summed over the rows
-    expected = rows.amax(2) if aggregate == "max" else (rows * 8 ** -0.5).softmax(-1).sum(2)
-    quest = QuestSelector(bound_scale=scale, aggregate=aggregate)
-    scores = quest.page_scores(queries, summaries, RoutingContext())
-    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_quest_softmax_aggregate_reads_each_heads_favourite_before_a_higher_raw_score() -> None:
-    # one KV head, two query heads, three one-key pages: head 0 wants page 0, head 1 wants page 1;
-    # page 2 is both heads' second choice, yet has a higher dot product than page 1 (head 0's scale)
-    keys = torch.tensor([[[[8.0, 0.0], [0.0, 3.0], [6.0, 1.0]]]])
-    summaries = PageSummaries(1, dtype=torch.float32)
-    summaries.append(keys)
-    queries = torch.tensor([[[[4.0, 0.0], [0.0, 2.0]]]])
-    by_max = QuestSelector(aggregate="max").page_scores(queries, summaries, RoutingContext())[0, 0]
-    by_softmax = QuestSelector(aggregate="softmax").page_scores(queries, summaries, RoutingContext())[0, 0]
-    attention = (queries[0, 0] @ keys[0, 0].T * 2 ** -0.5).softmax(-1)  # [heads, pages]
-    assert attention[1, 1] > 0.9  # head 1 attends to page 1
-    assert by_max.topk(2).indices.sort().values.tolist() == [0, 2]  # the best score drops page 1
-    assert by_softmax.topk(2).indices.sort().values.tolist() == [0, 1]
-    torch.testing.assert_close(by_softmax, attention.sum(0))  # one key per page: the attention itself
+    rows = queries @ centre.transpose(-1, -2) + queries.abs() @ half.transpose(-1, -2)  # [B, H, R, P]
+    bound = (queries[..., None, :] * pages.amax(3)[:, :, None]).maximum(
+        queries[..., None, :] * pages.amin(3)[:, :, None]).sum(-1)  # the paper's form
+    torch.testing.assert_close(rows, bound, rtol=1e-5, atol=1e-5)
+    scores = QuestSelector().page_scores(queries, summaries, RoutingContext())
+    torch.testing.assert_close(scores, rows.amax(2), rtol=1e-5, atol=1e-5)
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
@@ -310,23 +294,20 @@ def test_prompt_weight_defaults_to_the_selectors_own() -> None:
     assert SelectorSpec.parse("recent", {"prompt_weight": 2}).prompt_weight == 2.0
 
 
-@pytest.mark.parametrize("aggregate", ["softmax", "max"])
-def test_quest_ranks_its_attention_shares_plus_the_prompts(aggregate: str) -> None:
-    """The shares weighed against the prompt's: the query heads' summed softmax shares normalised,
-    or the best head's bound as a logit at attention's temperature; either way Quest's own order."""
+def test_quest_ranks_its_attention_shares_plus_the_prompts() -> None:
+    """The shares weighed against the prompt's: the best head's bound as a logit at attention's
+    temperature; with no prompt, Quest's own order."""
     gen = torch.Generator().manual_seed(5)
     keys = torch.randn(1, 2, 64, 8, generator=gen)
-    store = store_with("quest", keys, keys, aggregate=aggregate, bound_scale=1.0)
+    store = store_with("quest", keys, keys)
     queries = torch.randn(1, 2, 3, 8, generator=gen)
     scores = store.selector.page_scores(queries, store.summaries, store.context)
     assert torch.equal(store.selector.with_prompt(scores, torch.zeros_like(scores), 8).argsort(-1),
                        scores.argsort(-1))  # no prompt: Quest's own order
-    shares = scores / scores.sum(-1, keepdim=True)
-    if aggregate == "max":
-        q, bounds = queries[:, :, :, None], store.summaries.bounds.float()  # the bound: each channel's larger
-        best = (q * bounds[:, :, None, :, :8]).maximum(q * bounds[:, :, None, :, 8:]).sum(-1).amax(2)
-        torch.testing.assert_close(scores, best, rtol=1e-3, atol=1e-4)
-        shares = (best * 8 ** -0.5).softmax(-1)
+    q, bounds = queries[:, :, :, None], store.summaries.bounds.float()  # the bound: each channel's larger
+    best = (q * bounds[:, :, None, :, :8]).maximum(q * bounds[:, :, None, :, 8:]).sum(-1).amax(2)
+    torch.testing.assert_close(scores, best, rtol=1e-3, atol=1e-4)
+    shares = (best * 8 ** -0.5).softmax(-1)
     prompt = torch.rand(scores.shape, generator=gen) * 0.2
     ranked = store.selector.with_prompt(scores, prompt, 8)
     assert torch.equal(ranked.argsort(-1), (shares + prompt).argsort(-1))

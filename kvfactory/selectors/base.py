@@ -12,14 +12,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvfactory.selectors.pages import PageSummaries
-
-if TYPE_CHECKING:
-    from kvfactory.selectors.layer_budgets import LayerProfile
 
 
 @dataclass
@@ -49,12 +46,6 @@ class Selector(ABC):
     reads_summaries: ClassVar[bool] = True  # scoring reads the page summaries (counted in the bytes read)
     uses_mean: ClassVar[bool] = False  # the page summaries keep each page's mean key
     prompt_weight: ClassVar[float] = 0.0  # ``SelectorSpec.prompt_weight`` where the config leaves it unset
-
-    @classmethod
-    def profiled_options(cls, options: dict[str, Any], profile: LayerProfile, layer: int) -> dict[str, Any]:
-        """The hyperparameters ``layer`` runs with, given the config's ``options`` and the layer
-        profile the read budget is split by (``layer_budgets.py``): the config's, unless overridden."""
-        return options
 
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
