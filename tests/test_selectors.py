@@ -68,14 +68,10 @@ def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: s
     ({"name": "quest", "sink_pages": -1}, "strategies[1].sink_pages"),
     ({"name": "quest", "shadow_every": 1.5}, "strategies[1].shadow_every"),
     ({"name": "quest", "seed": 1}, "strategies[1].seed"),
-    ({"name": "quest", "bound_scale": 1.5}, "strategies[1].bound_scale"),
-    ({"name": "quest", "bound_scale": -0.1}, "strategies[1].bound_scale"),
-    ({"name": "quest", "aggregate": "mean"}, "strategies[1].aggregate"),
     ({"name": "random", "seed": "x"}, "strategies[1].seed"),
     ({"name": "quest", "prompt_weight": -0.5}, "strategies[1].prompt_weight"),
     ({"name": "quest", "prompt_weight": float("inf")}, "strategies[1].prompt_weight"),
     ({"name": "quest", "prompt_pages": 0.5}, "strategies[1].prompt_pages"),
-    ({"name": "quest", "prompt_window": 0}, "strategies[1].prompt_window"),
 ])
 def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     config = {"type": "composite", "strategies": [{"name": "paged"}, entry]}
