@@ -4,13 +4,13 @@ The same measurement as ``benchmarks/decode.py`` (SmolLM2, fp32, 1 thread, promp
 6144 WikiText tokens, batch 1 and 8, 64 new tokens, interleaved runs, medians, ratios to
 DynamicCache in the same run), over 16-token pages read by a selector at a read budget, decoded
 with ``attn_implementation="kvfactory"`` (sparse reads happen inside kvfactory's attention).
-Each selector row adds ``read_fraction`` (KV bytes decode read over all stored, page bases
+Each selector row adds ``read_fraction`` (KV bytes decode read over all stored, page summaries
 included), ``recall`` (attention mass on the pages read, from the default shadow steps),
 router p50 / p99 and ``router_p50_share_of_step`` / ``router_p99_share_of_step`` (over one
 decode step's time).
 ``paged16/attn`` is the same storage read whole, the lossless reference.
-The targets at 6144 tokens and read budget 1/8: >= 1.3x DynamicCache at batch 1 and
->= 2x at batch 8; router p99 <= 5 % of a decode step.
+The targets at 6144 tokens and read budget 1/8 (docs/sparse-reads.md): >= 1.3x DynamicCache at
+batch 1 and >= 2x at batch 8; router p99 <= 5 % of a decode step.
 
     python benchmarks/oval.py [--lengths 6144] [--batches 1,8] [--runs 3] [--configs quest/0.125,...]
 """

@@ -1,7 +1,7 @@
 """Which pages each method would read, on held-out text: OVAL's router against Quest, recent pages,
 random pages and the oracle, at several read budgets, from one teacher pass (no decoding).
 
-The teacher (``kvfactory.selectors.oval.train``) runs the frozen SmolLM2 with full attention over
+The teacher (``kvfactory.selectors.teacher``) runs the frozen SmolLM2 with full attention over
 ``--chunks`` chunks of ``--chunk`` tokens of a book the shipped router was not trained on
 (Frankenstein; it was trained on Pride and Prejudice) and records, at ``--positions`` query
 positions per chunk, the attention mass per 16-token page. Each method then picks pages at each
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kvfactory.models import load_model
+from kvfactory.selectors import teacher
 from kvfactory.selectors.oval import load_router, router_path
 from kvfactory.selectors.oval import train as oval_train
 
@@ -50,9 +51,9 @@ def main() -> None:
     started = time.perf_counter()
     model, tokenizer = load_model()
     router = load_router(str(router_path(args.router)))
-    ids = oval_train.cap(oval_train.tokens_of(tokenizer, [args.text.read_text()]), args.chunks, args.chunk)
-    chunks = oval_train.collect(model, ids, router.shape.layers, args.positions, args.chunk, seed=1,
-                                advance=lambda: print(".", end="", file=sys.stderr, flush=True))
+    ids = teacher.cap(teacher.tokens_of(tokenizer, [args.text.read_text()]), args.chunks, args.chunk)
+    chunks = teacher.collect(model, ids, router.shape.layers, args.positions, args.chunk, seed=1,
+                             advance=lambda: print(".", end="", file=sys.stderr, flush=True))
     results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True)
                for budget in map(float, args.budgets.split(","))}
     report = {"benchmark": "oval_routing", "text": args.text.name, "tokens": ids.numel(),

@@ -1,11 +1,12 @@
-"""How Quest should rank pages: recall against ``bound_scale`` and ``aggregate`` on held-out books.
+"""Variants of Quest's ranking, offline on held-out books: ranges scaled, heads joined by softmax.
 
-Quest (``kvfactory.selectors.quest``) ranks a page by ``q · centre + s |q| · half-width`` per key
-channel (s = 1 is the paper's upper bound, the package ships s = 0.5) and joins a KV head's query
-heads by the best score (``max``, the paper's) or by their summed softmax over the pages
-(``softmax``, shipped). This measures both choices on text the evaluation never uses: one
-``--context``-token window of each Gutenberg book in ``shared/data`` goes through the frozen
-SmolLM2 once with full attention (the teacher pass of ``kvfactory oval train``), and at
+Quest (``kvfactory.selectors.quest``) ranks a page by its bound ``q · centre + |q| · half-width``
+per key channel and joins a KV head's query heads by the best score, as the paper. This measures,
+without decoding, variants the package does not ship: ranges scaled by s about their centres
+(``q · centre + s |q| · half-width``, s = 1 the bound) and query heads joined by their summed
+softmax over the pages (``softmax``) instead of the best score (``max``), on text the evaluation
+never uses: one ``--context``-token window of each Gutenberg book in ``shared/data`` goes through
+the frozen SmolLM2 once with full attention (``kvfactory.selectors.teacher``), and at
 ``--positions`` query positions every routed layer's pages are ranked with each s and aggregate
 at each read budget as sparse decode does (the sink and current page always read). Prints JSON:
 recall and hit rate per book, budget, aggregate and s, plus the oracle (the pages with the most
@@ -13,7 +14,7 @@ mass, per layer and KV head) and ``oracle_pooled`` (the oracle free to move the 
 layers and KV heads), which bound what any page selector can read.
 
 ``--bound-tokens`` also ranks with key bounds kept per 8 or 4 tokens instead of per page (keys
-``quest_{aggregate}_{s}_b{tokens}``): tighter bounds, but a step then reads ``bases_fraction`` of
+``quest_{aggregate}_{s}_b{tokens}``): tighter bounds, but a step then reads ``summary_fraction`` of
 the full K/V in bounds (float16 bounds of float32 K/V), against 1/32 per 16 tokens, so compare
 them with 16-token bounds at the budget that reads the same bytes in all.
 
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kvfactory.models import load_model
+from kvfactory.selectors import teacher
 from kvfactory.selectors.oval import load_router, router_path
 from kvfactory.selectors.oval import train as oval_train
 
@@ -51,27 +53,27 @@ def main() -> None:
     torch.set_num_threads(2)
     started = time.perf_counter()
     tokens = [int(t) for t in args.bound_tokens.split(",")]
-    variants = [oval_train.QuestVariant(float(s), a, t) for t in tokens for a in args.aggregates.split(",")
+    variants = [teacher.QuestVariant(float(s), a, t) for t in tokens for a in args.aggregates.split(",")
                 for s in args.scales.split(",")]
     model, tokenizer = load_model()
     router = load_router(str(router_path("embedded")))
     results = {}
     for book, first in BOOKS.items():
-        ids = oval_train.tokens_of(tokenizer, [(DATA / book).read_text()])[first:first + args.context]
-        chunks = oval_train.collect(model, ids, router.shape.layers, args.positions, args.context, seed=1,
-                                    variants=variants)
+        ids = teacher.tokens_of(tokenizer, [(DATA / book).read_text()])[first:first + args.context]
+        chunks = teacher.collect(model, ids, router.shape.layers, args.positions, args.context, seed=1,
+                                 variants=variants)
         results[book] = {}
         for budget in map(float, args.budgets.split(",")):
             row, oracles = {}, {}
             for variant in variants:  # the ablations (for the pooled oracle) once per budget
                 ranked = [dataclasses.replace(c, quest=c.quest_at[variant]) for c in chunks]
                 report = oval_train.evaluate(router, ranked, budget, ablations=not oracles)
-                finer = "" if variant.bound_tokens == oval_train.PAGE else f"_b{variant.bound_tokens}"
+                finer = "" if variant.bound_tokens == teacher.PAGE else f"_b{variant.bound_tokens}"
                 row[f"quest_{variant.aggregate}_{variant.scale:g}{finer}"] = report["quest"]
                 oracles = oracles or {name: report[name] for name in ("oracle", "oracle_pooled")}
             results[book][budget] = row | oracles
     print(json.dumps({"benchmark": "quest_scale", "context": args.context, "positions": args.positions,
-                      "bases_fraction": {t: 1 / (2 * t) for t in tokens},
+                      "summary_fraction": {t: 1 / (2 * t) for t in tokens},
                       "seconds": round(time.perf_counter() - started, 1), "results": results}, indent=2))
 
 

@@ -274,7 +274,7 @@ def read_text(path: Path, param_hint: str | None = None) -> str:
                                  param_hint=param_hint) from exc
 
 
-oval_app = typer.Typer(help="Page routing: train an OVAL router, calibrate per-layer read budgets.",
+oval_app = typer.Typer(help="OVAL page routing: train a router.",
                        no_args_is_help=True)
 app.add_typer(oval_app, name="oval")
 
@@ -316,8 +316,12 @@ def oval_train(
         json_out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-@oval_app.command("calibrate")
-def oval_calibrate(
+selectors_app = typer.Typer(help="Sparse reads: calibrate per-layer read budgets.", no_args_is_help=True)
+app.add_typer(selectors_app, name="selectors")
+
+
+@selectors_app.command("calibrate")
+def selectors_calibrate(
     text: Annotated[list[Path], typer.Option(help="UTF-8 text to calibrate on (repeat; not evaluation text)")
                     ],
     out: Annotated[Path, typer.Option(help="the profile to write (JSON)")] = Path("layer_budgets.json"),
@@ -330,13 +334,13 @@ def oval_calibrate(
     = 0.125,
     threads: ThreadsOption = 2,
 ) -> None:
-    """Measure how much attention mass each layer's best pages hold at each read budget and which
-    Quest bound scale ranks them best, and write the profile that `"layer_budgets"` splits a read
-    budget between layers by."""
+    """Measure how much attention mass each layer's best pages (Quest's ranking) hold at each read
+    budget, and write the profile that `"layer_budgets"` splits a read budget between layers by."""
     import torch
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvfactory.selectors.oval import calibrate, train
+    from kvfactory.selectors import calibrate
+    from kvfactory.selectors.oval import train
 
     texts = [read_text(path) for path in text]
     torch.set_num_threads(threads)
@@ -360,7 +364,12 @@ def oval_calibrate(
                   f"{layers[0]}..{layers[-1]}. At read budget {budget:g}: recall {uniform:.3f} with one "
                   f"budget, {fitted:.3f} split as "
                   + " ".join(f"{layer}:{b:.3f}" for layer, b in split.items()))
-    console.print("Quest's bound scale per layer: "
-                  + " ".join(f"{layer}:{profile.bound_scale(layer):g}" for layer in layers))
     console.print(f"Use it as {{\"name\": \"quest\", \"read_budget\": {budget:g}, "
                   f"\"layer_budgets\": \"{out}\"}}")
+
+
+@oval_app.command("calibrate", hidden=True, context_settings={"ignore_unknown_options": True,
+                                                             "allow_extra_args": True})
+def oval_calibrate() -> None:
+    """Moved: read-budget calibration is `kvfactory selectors calibrate` (it is not OVAL's)."""
+    raise typer.BadParameter("moved to `kvfactory selectors calibrate`")

@@ -154,13 +154,13 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                           f"a storage strategy ({registered_strategies()}) besides "
                           f"'{QUANTIZED}', '{EVICTION}' and selectors {sorted(SELECTORS)}")
     if selector is not None:
-        check_selector_composition(storage, eviction, selector, quantization)
+        check_selector_composition(storage, eviction, selector)
     return CacheConfig(storage, dict(config), quantization, eviction, selector)
 
 
 def check_selector_composition(storage: StrategySpec, eviction: EvictionSpec | None,
-                               selector: SelectorSpec, quantization: QuantizationSpec | None) -> None:
-    """A selector reads pages: it needs paged storage (plain or quantized; dynamic pages: plain), and
+                               selector: SelectorSpec) -> None:
+    """A selector reads pages: it needs paged storage (plain or quantized), and
     does not yet read evicting caches."""
     if not issubclass(storage.cls, PagedStore):
         raise ConfigError("strategies", storage.name, f"a paged storage strategy under selector "
@@ -168,9 +168,6 @@ def check_selector_composition(storage: StrategySpec, eviction: EvictionSpec | N
     if eviction is not None:
         raise ConfigError("strategies", EVICTION, f"no '{EVICTION}' entry with selector "
                           f"'{selector.selector}': selectors over evicting caches are not supported yet")
-    if selector.dynamic_pages and quantization is not None:
-        raise ConfigError("dynamic_pages", True, "plain paged storage (dynamic pages read single tokens, "
-                          "which quantized pages do not serve)")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
-import math
 
 import pytest
 import torch
@@ -16,8 +14,8 @@ from typer.testing import CliRunner
 
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.cli import app
+from kvfactory.selectors import calibrate, teacher
 from kvfactory.selectors.layer_budgets import STEPS, LayerProfile, embedded_profile_path, model_shape, resolve
-from kvfactory.selectors.oval import calibrate
 from kvfactory.selectors.oval import train as oval_train
 from kvfactory.selectors.spec import SelectorSpec
 
@@ -38,17 +36,15 @@ def rising_curves(layers: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("budget", [1 / 16, 0.125, 0.3])
-@pytest.mark.parametrize("floor", [0.0, 0.75])
-def test_the_split_is_the_best_one_with_the_same_mean_budget(seed: int, budget: float, floor: float) -> None:
+def test_the_split_is_the_best_one_with_the_same_mean_budget(seed: int, budget: float) -> None:
     curves = rising_curves(3, seed)
     profile = profile_of(curves, (2, 3, 4))
-    split = profile.allocate(budget, [2, 3, 4], floor)
+    split = profile.allocate(budget, [2, 3, 4])
     units = round(budget * STEPS * 3)
     assert sum(split.values()) * STEPS == pytest.approx(units)  # as many pages in all as one budget
-    assert min(split.values()) >= floor * budget - 1e-12
-    lowest = max(1, math.ceil(floor * budget * STEPS - 1e-9))
+    assert min(split.values()) >= 1 / STEPS
     best = max(sum(curves[i, u - 1] for i, u in enumerate(us))
-               for us in itertools.product(range(lowest, STEPS + 1), repeat=3) if sum(us) == units)
+               for us in itertools.product(range(1, STEPS + 1), repeat=3) if sum(us) == units)
     assert profile.mean_recall(split) * 3 == pytest.approx(float(best))
     assert profile.mean_recall(split) >= profile.mean_recall(dict.fromkeys(split, budget)) - 1e-12
 
@@ -57,9 +53,7 @@ def test_a_layer_that_saturates_gives_its_pages_to_one_that_does_not() -> None:
     quick = torch.ones(STEPS, dtype=torch.float64)  # all its mass in its first 1/64
     slow = torch.arange(1, STEPS + 1, dtype=torch.float64) / STEPS  # recall equal to the budget
     profile = profile_of(torch.stack([quick, slow]), (0, 1))
-    assert profile.allocate(0.25, [0, 1], floor=0.0) == {0: 1 / STEPS, 1: 0.5 - 1 / STEPS}
-    assert profile.allocate(0.25, [0, 1], floor=0.5) == {0: 0.125, 1: 0.375}  # no less than half
-    assert profile.allocate(0.25, [0, 1], floor=1.0) == {0: 0.25, 1: 0.25}
+    assert profile.allocate(0.25, [0, 1]) == {0: 1 / STEPS, 1: 0.5 - 1 / STEPS}
 
 
 def test_the_split_covers_only_the_layers_asked_and_small_budgets_stay_even() -> None:
@@ -72,22 +66,18 @@ def test_the_split_covers_only_the_layers_asked_and_small_budgets_stay_even() ->
 
 def test_a_profile_round_trips_and_broken_files_are_refused(tmp_path) -> None:
     path = tmp_path / "profile.json"
-    for scales in (None, (0.2, 0.8)):
-        profile = dataclasses.replace(profile_of(rising_curves(2, 0), (0, 1)), bound_scales=scales)
-        profile.save(path)
-        assert LayerProfile.load(path) == profile and [p.name for p in tmp_path.iterdir()] == ["profile.json"]
-    assert profile.bound_scale(1) == 0.8
+    profile = profile_of(rising_curves(2, 0), (0, 1))
+    profile.save(path)
+    assert LayerProfile.load(path) == profile and [p.name for p in tmp_path.iterdir()] == ["profile.json"]
     text = path.read_text()
     data = json.loads(text)
     broken = {"truncated": text[:len(text) // 2],
               "other steps": json.dumps(data | {"steps": 32}),
               "short row": json.dumps(data | {"recall": [data["recall"][0][:10], data["recall"][1]]}),
-              "no layers": json.dumps({k: v for k, v in data.items() if k != "layers"}),
-              "one scale short": json.dumps(data | {"bound_scales": [0.2]}),
-              "scale over 1": json.dumps(data | {"bound_scales": [0.2, 1.5]})}
+              "no layers": json.dumps({k: v for k, v in data.items() if k != "layers"})}
     for content in broken.values():
         path.write_text(content)
-        with pytest.raises(ConfigError, match="layer_budgets.*kvfactory oval calibrate"):
+        with pytest.raises(ConfigError, match="layer_budgets.*kvfactory selectors calibrate"):
             LayerProfile.load(path)
     with pytest.raises(ConfigError, match="FileNotFoundError"):
         LayerProfile.load(tmp_path / "missing.json")
@@ -115,11 +105,7 @@ def test_the_shipped_split_reads_one_eighth_in_all_and_more_where_attention_spre
     assert shipped.mean_recall(split) > shipped.mean_recall(dict.fromkeys(split, 0.125)) + 0.01
     spread = min(shipped.layers, key=lambda layer: shipped.recall[shipped.layers.index(layer)][7])
     assert split[spread] > 0.125  # the layer whose pages hold least at 1/8 reads more
-    assert min(split.values()) == 0.75 * 0.125  # and none reads less than 3/4 of the budget
-    assert shipped.allocate(0.125, list(shipped.layers), floor=0.0)[18] < 0.75 * 0.125
-    # Quest's full bound ranks the early layers' pages best, the pages' centres the later layers'
-    assert min(shipped.bound_scale(layer) for layer in range(3, 10)) > 0.5
-    assert max(shipped.bound_scale(layer) for layer in range(11, 30)) < 0.5
+    assert max(split.values()) > 2 * 0.125 > 2 * min(split.values())  # layers differ widely
 
 
 def test_a_config_names_a_profile_file_with_a_read_budget(tmp_path) -> None:
@@ -127,8 +113,8 @@ def test_a_config_names_a_profile_file_with_a_read_budget(tmp_path) -> None:
         SelectorSpec.parse("quest", {"layer_budgets": str(tmp_path / "missing.json")})
     path = tmp_path / "profile.json"
     profile_of(rising_curves(2, 0), (0, 1)).save(path)
-    with pytest.raises(ConfigError, match=r"layer_floor.*\[0, 1\]"):
-        SelectorSpec.parse("quest", {"layer_floor": 1.5})
+    with pytest.raises(ConfigError, match="no floor"):
+        SelectorSpec.parse("quest", {"layer_floor": 0.5})
     with pytest.raises(ConfigError, match="with read_budget, not top_k"):
         SelectorSpec.parse("quest", {"layer_budgets": str(path), "top_k": 4})
     spec = SelectorSpec.parse("quest", {"layer_budgets": str(path), "read_budget": 0.25, "dense_layers": 0})
@@ -137,24 +123,6 @@ def test_a_config_names_a_profile_file_with_a_read_budget(tmp_path) -> None:
     assert all(s.layer_budgets == "uniform" and s.selector == "quest" for s in layers.values())
     top_k = SelectorSpec.parse("quest", {"top_k": 3}).per_layer(tiny_config("llama"), [0, 1])
     assert all(s.top_k == 3 for s in top_k.values())
-
-
-def test_quest_layers_rank_with_the_profiles_bound_scale_unless_the_config_sets_one(tmp_path) -> None:
-    path = tmp_path / "profile.json"
-    dataclasses.replace(profile_of(rising_curves(2, 0), (0, 1)), bound_scales=(0.2, 0.8)).save(path)
-
-    def scales(name: str, **options) -> list[float | None]:
-        spec = SelectorSpec.parse(name, {"layer_budgets": str(path), "dense_layers": 0} | options)
-        return [getattr(s.build_selector(), "bound_scale", None)
-                for s in spec.per_layer(tiny_config("llama"), [0, 1]).values()]
-
-    assert scales("quest") == [0.2, 0.8]
-    assert scales("quest", aggregate="softmax") == [0.2, 0.8]
-    assert scales("quest", bound_scale=1.0) == [1.0, 1.0]  # the config's own scale wins
-    assert scales("quest", aggregate="max") == [0.5, 0.5]  # the profile's scales were fitted to softmax
-    assert scales("recent") == [None, None]
-    assert SelectorSpec.parse("quest", {"layer_budgets": "uniform"}).per_layer(
-        tiny_config("llama"), [0, 1])[0].build_selector().bound_scale == 0.5
 
 
 def test_a_cache_reads_each_layers_share_of_the_budget(tmp_path) -> None:
@@ -168,7 +136,7 @@ def test_a_cache_reads_each_layers_share_of_the_budget(tmp_path) -> None:
         config = {"type": "composite", "strategies": [
             {"name": "paged", "page_size": PAGE},
             {"name": "quest", "read_budget": 0.25, "dense_layers": 0, "layer_budgets": setting,
-             "layer_floor": 0.0, "prompt_weight": 0}]}  # pages counted over steps: Quest's own choice
+             "prompt_weight": 0}]}  # pages counted over steps: Quest's own choice
         with attn_implementation(model, "kvfactory"), torch.no_grad():
             cache = KVCacheFactory(model.config, config).create_cache()
             out = model.generate(**left_padded_batch([60, 45], seed=4), past_key_values=cache,
@@ -184,7 +152,7 @@ def test_the_curves_are_the_teachers_quest_recall_at_each_budget() -> None:
     model = tiny_model("llama", max_position_embeddings=1024)
     ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
     router = oval_train.new_router(model, 0, "tiny")
-    chunks = oval_train.collect(model, ids, router.shape.layers, 8, 256, seed=0)
+    chunks = teacher.collect(model, ids, router.shape.layers, 8, 256, seed=0)
     curves = calibrate.recall_curves(chunks)
     assert curves.shape == (2, STEPS) and bool((curves.diff(dim=-1) >= -1e-6).all())
     for u in (4, 8, 16, 40):
@@ -193,20 +161,9 @@ def test_the_curves_are_the_teachers_quest_recall_at_each_budget() -> None:
     assert curves[:, -1].tolist() == pytest.approx([1.0, 1.0], abs=1e-2)  # every page: all the mass
 
 
-def test_calibration_keeps_each_layers_best_bound_scale_and_its_curve() -> None:
-    model = tiny_model("llama", max_position_embeddings=1024)
-    ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
-    layers = oval_train.new_router(model, 0, "tiny").shape.layers
-    chunks = oval_train.collect(model, ids, layers, 8, 256, seed=0,
-                                variants=calibrate.scale_variants(calibrate.SCALES))
-    assert calibrate.recall_curves(chunks, [0.5] * len(layers)).tolist() == \
-        calibrate.recall_curves(chunks).tolist()  # 0.5 with softmax: the shipped Quest
-    scales, curves = calibrate.best_scales(chunks)
-    assert torch.equal(curves, calibrate.recall_curves(chunks, scales))
-    lo, hi = calibrate.CHOSEN_BY
-    for scale in calibrate.SCALES:
-        other = calibrate.recall_curves(chunks, [scale] * len(layers))
-        assert bool((curves[:, lo - 1:hi].mean(-1) >= other[:, lo - 1:hi].mean(-1)).all())
+def test_read_budget_calibration_moved_out_of_oval() -> None:
+    result = CliRunner().invoke(app, ["oval", "calibrate", "--text", "book.txt"])
+    assert result.exit_code != 0 and "kvfactory selectors calibrate" in result.output
 
 
 @pytest.mark.slow
@@ -217,7 +174,7 @@ def test_the_calibrate_command_writes_a_profile_the_config_accepts(tmp_path, smo
     if not book.exists():
         pytest.skip("the Gutenberg books of shared/data are not here")
     out = tmp_path / "profile.json"
-    result = CliRunner().invoke(app, ["oval", "calibrate", "--text", str(book), "--out", str(out),
+    result = CliRunner().invoke(app, ["selectors", "calibrate", "--text", str(book), "--out", str(out),
                                       "--context", "1024", "--windows", "1", "--positions", "8"])
     assert result.exit_code == 0, result.output
     assert "recall" in result.output and "layer_budgets" in result.output
@@ -230,8 +187,7 @@ def test_the_calibrate_command_writes_a_profile_the_config_accepts(tmp_path, smo
 @pytest.mark.slow
 def test_the_shipped_profile_reads_more_attention_on_a_book_it_was_not_fitted_on(smollm2) -> None:
     """Fitted on *Pride and Prejudice*; on a 6144-token window of *Frankenstein* the shipped split
-    holds more of Quest's attention mass at 1/8 than one budget for every layer, and the profile's
-    bound scales more than one scale for every layer."""
+    holds more of Quest's attention mass at 1/8 than one budget for every layer."""
     from conftest import DATA_DIR
 
     book = DATA_DIR / "pg84_frankenstein.txt"
@@ -239,11 +195,8 @@ def test_the_shipped_profile_reads_more_attention_on_a_book_it_was_not_fitted_on
         pytest.skip("the Gutenberg books of shared/data are not here")
     model, tokenizer = smollm2
     shipped = LayerProfile.load(embedded_profile_path())
-    ids = oval_train.tokens_of(tokenizer, [book.read_text(encoding="utf-8")])[30000:30000 + 6144]
-    chunks = oval_train.collect(model, ids, shipped.layers, 16, 6144, seed=1,
-                                variants=calibrate.scale_variants(shipped.bound_scales))
-    one_scale = profile_of(calibrate.recall_curves(chunks), shipped.layers, model.config)
-    profiled = profile_of(calibrate.recall_curves(chunks, shipped.bound_scales), shipped.layers, model.config)
+    ids = teacher.tokens_of(tokenizer, [book.read_text(encoding="utf-8")])[30000:30000 + 6144]
+    chunks = teacher.collect(model, ids, shipped.layers, 16, 6144, seed=1)
+    measured = profile_of(calibrate.recall_curves(chunks), shipped.layers, model.config)
     split = shipped.allocate(0.125, list(shipped.layers))
-    assert one_scale.mean_recall(split) > one_scale.mean_recall(dict.fromkeys(split, 0.125)) + 0.005
-    assert profiled.mean_recall(split) > one_scale.mean_recall(split) + 0.002
+    assert measured.mean_recall(split) > measured.mean_recall(dict.fromkeys(split, 0.125)) + 0.005

@@ -10,17 +10,17 @@ from tiny_models import random_prompt, tiny_model
 from typer.testing import CliRunner
 
 from kvfactory.cli import app
+from kvfactory.selectors import teacher
 from kvfactory.selectors.oval import train as oval_train
 from kvfactory.selectors.oval.router import Router
-from kvfactory.selectors.quest import QuestSelector
 
 
 def test_the_teacher_records_full_attention_mass_per_page() -> None:
     gen = torch.Generator().manual_seed(0)
     query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
     positions = torch.tensor([20, 47, 63])
-    variants = [(1.0, "softmax"), (1.0, "max")]
-    features, mass, quest, other = oval_train.page_record(query, key, positions, 0.5, variants=variants)
+    variants = [(0.5, "softmax"), (1.0, "softmax")]
+    features, mass, quest, other = teacher.page_record(query, key, positions, 0.5, variants=variants)
     assert features.shape == (2, 4, 24) and mass.shape == quest.shape == (3, 2, 4)
     for s, t in enumerate(positions.tolist()):
         for h in range(2):
@@ -32,16 +32,16 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
             pages = key[0, h].view(4, 16, 8)
             centre, half = (pages.amax(1) + pages.amin(1)) / 2, (pages.amax(1) - pages.amin(1)) / 2
             stored = t // 16 + 1  # the pages the cache holds at this query
-            ranked = {}  # Quest as the selector ranks pages (softmax aggregate), at bound_scale 0.5 and 1
-            for scale in (QuestSelector.bound_scale, 1.0):
+            for scale in (0.5, 1.0):  # the softmax variants, ranges scaled by 0.5 and 1
                 scores = torch.stack([centre[:stored] @ query[0, g, t]
                                       + scale * half[:stored] @ query[0, g, t].abs() for g in group])
-                ranked[scale] = torch.cat([(scores * 8 ** -0.5).softmax(-1).sum(0), torch.zeros(4 - stored)])
-            assert QuestSelector.aggregate == "softmax"
-            torch.testing.assert_close(quest[s, h], ranked[QuestSelector.bound_scale])
-            torch.testing.assert_close(other[1.0, "softmax"][s, h], ranked[1.0])
+                shares = torch.cat([(scores * 8 ** -0.5).softmax(-1).sum(0), torch.zeros(4 - stored)])
+                torch.testing.assert_close(other[scale, "softmax"][s, h], shares)
+            # Quest as the selector ranks pages: the paper's bound, the KV head's best query head
+            bound = torch.stack([centre @ query[0, g, t] + half @ query[0, g, t].abs() for g in group])
+            torch.testing.assert_close(quest[s, h], bound.amax(0))
             exact = torch.stack([(query[0, g, t] @ pages.transpose(-1, -2)).amax(-1) for g in group]).amax(0)
-            assert (other[1.0, "max"][s, h] >= exact - 1e-5).all()  # Quest's own ranking: an upper bound
+            assert (quest[s, h] >= exact - 1e-5).all()  # an upper bound of every key's score
     torch.testing.assert_close(features[..., 16:], key[0].view(2, 4, 16, 8).mean(2))
 
 
@@ -51,24 +51,24 @@ def test_with_a_bound_per_token_quests_softmax_shares_are_the_attention_itself()
     gen = torch.Generator().manual_seed(1)
     query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
     positions = torch.tensor([15, 47, 63])
-    variant = oval_train.QuestVariant
+    variant = teacher.QuestVariant
     variants = [variant(0.5, "softmax", 1), variant(0.5, "softmax", 8), variant(0.5, "softmax"),
                 variant(1.0, "max", 4), variant(1.0, "max")]
-    _, mass, quest, other = oval_train.page_record(query, key, positions, 8 ** -0.5, variants=variants)
+    _, mass, quest, other = teacher.page_record(query, key, positions, 8 ** -0.5, variants=variants)
     assert torch.allclose(other[variants[0]], 2 * mass, atol=1e-5)  # two query heads per KV head
-    assert torch.equal(other[variants[2]], quest)  # 16 tokens: the page, as the selector ships
+    assert torch.equal(other[variants[4]], quest)  # 16 tokens, the bound, the best head: the selector's
     assert other[variants[1]].shape == quest.shape and not torch.allclose(other[variants[1]], quest)
     finer, page = other[variants[3]], other[variants[4]]  # Quest's upper bound, over 4 tokens and 16
     assert bool((finer <= page + 1e-5).all()) and bool((finer < page - 1e-3).any())
     with pytest.raises(ValueError, match="bound_tokens 3 does not divide"):
-        oval_train.page_record(query, key, positions, 8 ** -0.5, variants=[variant(0.5, "softmax", 3)])
+        teacher.page_record(query, key, positions, 8 ** -0.5, variants=[variant(0.5, "softmax", 3)])
 
 
 def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
     model = tiny_model("llama", max_position_embeddings=1024)
     ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
     router = oval_train.new_router(model, 0, "tiny")
-    chunks = oval_train.collect(model, ids, router.shape.layers, 8, 256, seed=0)
+    chunks = teacher.collect(model, ids, router.shape.layers, 8, 256, seed=0)
     assert len(chunks) == 4 and chunks[0].mass.shape == (8, 2, 2, 16)
     assert torch.allclose(chunks[0].mass.float().sum(-1), torch.ones(8, 2, 2), atol=1e-2)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Page selectors (sparse decode): one shared matrix over every registered selector, plus Quest's
-bound, the page bases and the routing metrics against direct computations."""
+bound, the page summaries and the routing metrics against direct computations."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.quantization.store import QuantizedStore
-from kvfactory.selectors import SELECTORS, PageBases
+from kvfactory.selectors import SELECTORS, PageSummaries
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.quest import QuestSelector
-from kvfactory.selectors.sparse import SparseRead, SparseStore
+from kvfactory.selectors.sparse import PROMPT_WINDOW, SparseRead, SparseStore
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
@@ -68,18 +68,10 @@ def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: s
     ({"name": "quest", "sink_pages": -1}, "strategies[1].sink_pages"),
     ({"name": "quest", "shadow_every": 1.5}, "strategies[1].shadow_every"),
     ({"name": "quest", "seed": 1}, "strategies[1].seed"),
-    ({"name": "quest", "bound_scale": 1.5}, "strategies[1].bound_scale"),
-    ({"name": "quest", "bound_scale": -0.1}, "strategies[1].bound_scale"),
-    ({"name": "quest", "aggregate": "mean"}, "strategies[1].aggregate"),
     ({"name": "random", "seed": "x"}, "strategies[1].seed"),
-    ({"name": "quest", "dynamic_pages": True, "top_k": 4}, "strategies[1].top_k"),
-    ({"name": "quest", "dynamic_pages": True, "max_page": 0}, "strategies[1].max_page"),
-    ({"name": "quest", "entropy_jump": -1.0}, "strategies[1].entropy_jump"),
     ({"name": "quest", "prompt_weight": -0.5}, "strategies[1].prompt_weight"),
     ({"name": "quest", "prompt_weight": float("inf")}, "strategies[1].prompt_weight"),
     ({"name": "quest", "prompt_pages": 0.5}, "strategies[1].prompt_pages"),
-    ({"name": "quest", "prompt_window": 0}, "strategies[1].prompt_window"),
-    ({"name": "quest", "dynamic_pages": True, "prompt_weight": 0.25}, "strategies[1].prompt_weight"),
 ])
 def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     config = {"type": "composite", "strategies": [{"name": "paged"}, entry]}
@@ -88,12 +80,31 @@ def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     assert err.value.key == key
 
 
+@pytest.mark.parametrize(("option", "value", "names"), [
+    ("bases_dtype", "float32", "summary_dtype"), ("prompt_mix", 1.0, "prompt_weight"),
+    ("dynamic_pages", True, "removed"), ("max_page", 32, "removed"), ("entropy_jump", 2.0, "removed"),
+    ("decay", False, "always applied"), ("bound_scale", 0.5, "paper's bound"),
+    ("aggregate", "softmax", "best bound"), ("prompt_window", 8, "last 32 queries"),
+])
+def test_old_option_spellings_name_what_to_write_instead(option: str, value, names: str) -> None:
+    config = {"type": "composite", "strategies": [{"name": "paged"}, {"name": "quest", option: value}]}
+    with pytest.raises(ConfigError, match=names) as err:
+        KVCacheFactory(tiny_model("llama").config, config)
+    assert err.value.key == f"strategies[1].{option}"
+
+
+def test_the_dynamic_pages_preset_names_its_removal() -> None:
+    from kvfactory.presets import load_preset
+
+    with pytest.raises(ConfigError, match="dynamic pages were removed"):
+        load_preset("quest-dynamic@0.125")
+    assert load_preset("quest@0.125")["strategies"][1] == {"name": "quest", "read_budget": 0.125}
+
+
 @pytest.mark.parametrize(("strategies", "match"), [
     ([{"name": "dense"}, {"name": "quest"}], "paged storage"),
     ([{"name": "paged"}, {"name": "eviction", "policy": "h2o", "budget": 8}, {"name": "quest"}], "evicting"),
     ([{"name": "paged"}, {"name": "quest"}, {"name": "recent"}], "one selector"),
-    ([{"name": "paged"}, {"name": "quantized", "codec": "int8"}, {"name": "quest", "dynamic_pages": True}],
-     "plain paged storage"),
 ])
 def test_selectors_refuse_what_they_cannot_read(strategies: list, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -129,85 +140,68 @@ def stored_bound(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("with_mean", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_page_bases_hold_each_pages_key_bounds(with_mean: bool, dtype: torch.dtype) -> None:
+def test_page_summaries_hold_each_pages_key_bounds(with_mean: bool, dtype: torch.dtype) -> None:
     """Exact in float32; in float16 the maxima are rounded up and the minima down, to the nearest
     float16 on that side, and the means to nearest."""
     gen = torch.Generator().manual_seed(0)
-    bases, chunks = PageBases(PAGE, with_mean, dtype), []
+    summaries, chunks = PageSummaries(PAGE, with_mean, dtype), []
     for n in (5, 1, 1, 7, 16, 3, 0, 2):
         chunks.append(torch.randn(2, 3, n, 6, generator=gen) * 3)
-        bases.append(chunks[-1])
+        summaries.append(chunks[-1])
     keys = torch.cat(chunks, 2)
     t = keys.shape[2]
-    assert bases.length == t and bases.pages == -(-t // PAGE) and bases.features.dtype == dtype
-    padded = torch.cat([keys, keys[:, :, -1:].expand(2, 3, bases.pages * PAGE - t, 6)], 2)
-    pages = padded.view(2, 3, bases.pages, PAGE, 6)
+    assert summaries.length == t and summaries.pages == -(-t // PAGE) and summaries.features.dtype == dtype
+    padded = torch.cat([keys, keys[:, :, -1:].expand(2, 3, summaries.pages * PAGE - t, 6)], 2)
+    pages = padded.view(2, 3, summaries.pages, PAGE, 6)
     kmax, kmin = stored_bound(pages.amax(3), dtype, up=True), stored_bound(pages.amin(3), dtype, up=False)
-    assert torch.equal(bases.kmax, kmax) and torch.equal(bases.kmin, kmin)
-    assert (bases.kmax.float() >= pages.amax(3)).all() and (bases.kmin.float() <= pages.amin(3)).all()
+    assert torch.equal(summaries.kmax, kmax) and torch.equal(summaries.kmin, kmin)
+    assert (summaries.kmax.float() >= pages.amax(3)).all() and (summaries.kmin.float() <= pages.amin(3)).all()
     if with_mean:
-        sums = torch.zeros(2, 3, bases.pages * PAGE, 6)
+        sums = torch.zeros(2, 3, summaries.pages * PAGE, 6)
         sums[:, :, :t] = keys
-        counts = torch.tensor([min(PAGE, t - p * PAGE) for p in range(bases.pages)], dtype=torch.float32)
-        means = sums.view(2, 3, bases.pages, PAGE, 6).sum(3) / counts[:, None]
+        counts = torch.tensor([min(PAGE, t - p * PAGE) for p in range(summaries.pages)], dtype=torch.float32)
+        means = sums.view(2, 3, summaries.pages, PAGE, 6).sum(3) / counts[:, None]
         tolerance = {"atol": 1e-5, "rtol": 1.3e-6} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
-        torch.testing.assert_close(bases.kmean.float(), means, **tolerance)
-    bases.select_rows(torch.tensor([1, 1, 0]))
-    assert torch.equal(bases.kmax, kmax[[1, 1, 0]])
+        torch.testing.assert_close(summaries.kmean.float(), means, **tolerance)
+    summaries.select_rows(torch.tensor([1, 1, 0]))
+    assert torch.equal(summaries.kmax, kmax[[1, 1, 0]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(1, 2, 40, 8, generator=gen)
-    bases = PageBases(PAGE, dtype=dtype)
-    bases.append(keys)
+    summaries = PageSummaries(PAGE, dtype=dtype)
+    summaries.append(keys)
     queries = torch.randn(1, 2, 1, 8, generator=gen)  # one query head per KV head: the bound is Quest's
-    quest = QuestSelector(bound_scale=1.0, aggregate="max")
-    bound = quest.page_scores(queries, bases, RoutingContext())
+    quest = QuestSelector()
+    bound = quest.page_scores(queries, summaries, RoutingContext())
     exact = (queries @ keys.transpose(-1, -2)).view(1, 2, 10, PAGE).amax(-1)
     assert (bound >= exact - 1e-5).all()
     # the bound is tight for a page whose keys share one sign pattern per channel (a single key)
-    single = PageBases(1, dtype=dtype)
+    single = PageSummaries(1, dtype=dtype)
     single.append(keys)
     tolerance = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-3}
     torch.testing.assert_close(quest.page_scores(queries, single, RoutingContext()),
                                (queries @ keys.transpose(-1, -2))[:, :, 0], **tolerance)
 
 
-@pytest.mark.parametrize("aggregate", ["max", "softmax"])
-@pytest.mark.parametrize("scale", [0.0, 0.5, 0.8, 1.0])
-def test_quest_scores_the_centre_plus_a_share_of_each_channels_half_width(scale: float, aggregate: str
-                                                                          ) -> None:
+def test_quest_scores_each_query_heads_bound_and_keeps_the_best() -> None:
+    """A page's score: the best of a KV head's query heads' ``q · centre + |q| · half-width`` (the
+    paper's bound, ``sum_c max(q_c min_c, q_c max_c)``), for every page at once."""
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(2, 3, 40, 8, generator=gen) * torch.linspace(0.2, 3.0, 8)
-    bases = PageBases(PAGE, dtype=torch.float32)
-    bases.append(keys)
+    summaries = PageSummaries(PAGE, dtype=torch.float32)
+    summaries.append(keys)
     queries = torch.randn(2, 3, 4, 8, generator=gen) * 2  # 4 query rows per KV head
     pages = keys.view(2, 3, -1, PAGE, 8)
     centre, half = (pages.amax(3) + pages.amin(3)) / 2, (pages.amax(3) - pages.amin(3)) / 2
-    rows = queries @ centre.transpose(-1, -2) + scale * queries.abs() @ half.transpose(-1, -2)  # [B, H, R, P]
-    # max: the best row's score; softmax: each row's attention share of the pages, summed over the rows
-    expected = rows.amax(2) if aggregate == "max" else (rows * 8 ** -0.5).softmax(-1).sum(2)
-    quest = QuestSelector(bound_scale=scale, aggregate=aggregate)
-    scores = quest.page_scores(queries, bases, RoutingContext())
-    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_quest_softmax_aggregate_reads_each_heads_favourite_before_a_higher_raw_score() -> None:
-    # one KV head, two query heads, three one-key pages: head 0 wants page 0, head 1 wants page 1;
-    # page 2 is both heads' second choice, yet has a higher dot product than page 1 (head 0's scale)
-    keys = torch.tensor([[[[8.0, 0.0], [0.0, 3.0], [6.0, 1.0]]]])
-    bases = PageBases(1, dtype=torch.float32)
-    bases.append(keys)
-    queries = torch.tensor([[[[4.0, 0.0], [0.0, 2.0]]]])
-    by_max = QuestSelector(aggregate="max").page_scores(queries, bases, RoutingContext())[0, 0]
-    by_softmax = QuestSelector(aggregate="softmax").page_scores(queries, bases, RoutingContext())[0, 0]
-    attention = (queries[0, 0] @ keys[0, 0].T * 2 ** -0.5).softmax(-1)  # [heads, pages]
-    assert attention[1, 1] > 0.9  # head 1 attends to page 1
-    assert by_max.topk(2).indices.sort().values.tolist() == [0, 2]  # the best score drops page 1
-    assert by_softmax.topk(2).indices.sort().values.tolist() == [0, 1]
-    torch.testing.assert_close(by_softmax, attention.sum(0))  # one key per page: the attention itself
+    rows = queries @ centre.transpose(-1, -2) + queries.abs() @ half.transpose(-1, -2)  # [B, H, R, P]
+    bound = (queries[..., None, :] * pages.amax(3)[:, :, None]).maximum(
+        queries[..., None, :] * pages.amin(3)[:, :, None]).sum(-1)  # the paper's form
+    torch.testing.assert_close(rows, bound, rtol=1e-5, atol=1e-5)
+    scores = QuestSelector().page_scores(queries, summaries, RoutingContext())
+    torch.testing.assert_close(scores, rows.amax(2), rtol=1e-5, atol=1e-5)
 
 
 def reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
@@ -247,7 +241,7 @@ def test_a_sparse_step_is_exact_attention_over_its_pages(selector: str, new: int
             chosen[i // hkv, i % hkv, page * PAGE:(page + 1) * PAGE] = True
     allowed = chosen[:, :, None] & (causal if mask is None else mask[:, 0, None])
     torch.testing.assert_close(out, reference(query, keys, values, allowed, d ** -0.5), rtol=1e-5, atol=1e-5)
-    assert read.pages.shape[-1] == store.spec.pages_to_read(store.bases.pages)
+    assert read.pages.shape[-1] == store.spec.pages_to_read(store.summaries.pages)
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
@@ -272,7 +266,7 @@ def test_quantized_pages_read_what_the_whole_layer_holds(codec: str, new: int) -
             assert got_k.shape[2] == len(columns)
             torch.testing.assert_close(got_k[row, head], whole_k[row, head, columns], rtol=0, atol=1e-6)
             torch.testing.assert_close(got_v[row, head], whole_v[row, head, columns], rtol=0, atol=1e-6)
-    assert set(read.pages[0, 0].tolist()) >= set(range(quantized_pages, store.bases.pages))  # the tail
+    assert set(read.pages[0, 0].tolist()) >= set(range(quantized_pages, store.summaries.pages))  # the tail
     assert (mask is None) == (new == 1)
 
 
@@ -290,30 +284,26 @@ def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
 
 
 def test_prompt_weight_defaults_to_the_selectors_own() -> None:
-    assert SelectorSpec.parse("quest", {}).prompt_mix == QuestSelector.prompt_weight == 2.0
-    assert SelectorSpec.parse("quest", {"prompt_weight": 0}).prompt_mix == 0.0
-    assert SelectorSpec.parse("quest", {"dynamic_pages": True}).prompt_mix == 0.0  # fixed pages only
-    assert SelectorSpec.parse("recent", {}).prompt_mix == 0.0  # the control baselines stay pure
-    assert SelectorSpec.parse("recent", {"prompt_weight": 2}).prompt_mix == 2.0
+    assert SelectorSpec.parse("quest", {}).prompt_weight == QuestSelector.prompt_weight
+    assert SelectorSpec.parse("quest", {"prompt_weight": 0}).prompt_weight == 0.0
+    assert SelectorSpec.parse("recent", {}).prompt_weight == 0.0  # the control baselines stay pure
+    assert SelectorSpec.parse("recent", {"prompt_weight": 2}).prompt_weight == 2.0
 
 
-@pytest.mark.parametrize("aggregate", ["softmax", "max"])
-def test_quest_ranks_its_attention_shares_plus_the_prompts(aggregate: str) -> None:
-    """The shares weighed against the prompt's: the query heads' summed softmax shares normalised,
-    or the best head's bound as a logit at attention's temperature; either way Quest's own order."""
+def test_quest_ranks_its_attention_shares_plus_the_prompts() -> None:
+    """The shares weighed against the prompt's: the best head's bound as a logit at attention's
+    temperature; with no prompt, Quest's own order."""
     gen = torch.Generator().manual_seed(5)
     keys = torch.randn(1, 2, 64, 8, generator=gen)
-    store = store_with("quest", keys, keys, aggregate=aggregate, bound_scale=1.0)
+    store = store_with("quest", keys, keys)
     queries = torch.randn(1, 2, 3, 8, generator=gen)
-    scores = store.selector.page_scores(queries, store.bases, store.context)
+    scores = store.selector.page_scores(queries, store.summaries, store.context)
     assert torch.equal(store.selector.with_prompt(scores, torch.zeros_like(scores), 8).argsort(-1),
                        scores.argsort(-1))  # no prompt: Quest's own order
-    shares = scores / scores.sum(-1, keepdim=True)
-    if aggregate == "max":
-        q, bounds = queries[:, :, :, None], store.bases.bounds.float()  # the bound: each channel's larger
-        best = (q * bounds[:, :, None, :, :8]).maximum(q * bounds[:, :, None, :, 8:]).sum(-1).amax(2)
-        torch.testing.assert_close(scores, best, rtol=1e-3, atol=1e-4)
-        shares = (best * 8 ** -0.5).softmax(-1)
+    q, bounds = queries[:, :, :, None], store.summaries.bounds.float()  # the bound: each channel's larger
+    best = (q * bounds[:, :, None, :, :8]).maximum(q * bounds[:, :, None, :, 8:]).sum(-1).amax(2)
+    torch.testing.assert_close(scores, best, rtol=1e-3, atol=1e-4)
+    shares = (best * 8 ** -0.5).softmax(-1)
     prompt = torch.rand(scores.shape, generator=gen) * 0.2
     ranked = store.selector.with_prompt(scores, prompt, 8)
     assert torch.equal(ranked.argsort(-1), (shares + prompt).argsort(-1))
@@ -324,18 +314,19 @@ def test_prompt_weight_keeps_what_the_prompts_last_queries_attended_to(weight: f
     gen = torch.Generator().manual_seed(7)
     keys = torch.randn(1, 2, 80, 8, generator=gen)
     query = torch.randn(1, 2, 80, 8, generator=gen)
-    query[:, :, -8:] = query[:, :, -1:] + 0.1 * torch.randn(1, 2, 8, 8, generator=gen)  # one question
+    window = PROMPT_WINDOW  # the prompt's last queries the prompt term reads
+    query[:, :, -window:] = query[:, :, -1:] + 0.1 * torch.randn(1, 2, window, 8, generator=gen)  # a question
     keys[:, :, 20:24] = query[:, :, -1:] * 3  # page 5: what the prompt's last queries look up
-    store = store_with("recent", keys, keys, prompt_weight=weight, prompt_window=8)
+    store = store_with("recent", keys, keys, prompt_weight=weight)
     store.attention_mask(None, query)
     store.observe(query, 8 ** -0.5)  # the prefill's attention call
     if not weight:
-        assert store._salient is None
+        assert store.prompt_mass is None
     else:
-        scores = (query[:, :, -8:] @ keys.mT * 8 ** -0.5).masked_fill(
-            torch.arange(80) > torch.arange(72, 80)[:, None], float("-inf"))
+        scores = (query[:, :, -window:] @ keys.mT * 8 ** -0.5).masked_fill(
+            torch.arange(80) > torch.arange(80 - window, 80)[:, None], float("-inf"))
         expected = scores.softmax(-1).mean(2).view(1, 2, 20, PAGE).sum(-1)
-        torch.testing.assert_close(store._salient, expected)
+        torch.testing.assert_close(store.prompt_mass, expected)
         assert expected[..., 5].min() > 0.5
         ranked = torch.randn(1, 2, 20, generator=gen)  # the selector's scores, as logits
         torch.testing.assert_close(store.with_prompt_mass(ranked, 8, 1, 19), ranked[..., 1:19].softmax(-1)
@@ -346,9 +337,9 @@ def test_prompt_weight_keeps_what_the_prompts_last_queries_attended_to(weight: f
     assert all((5 in pages) == bool(weight) for pages in read.pages[0].tolist())
     assert read.pages.shape[-1] == 6  # the budget is unchanged: recent gives up its oldest page
     store.select_rows(torch.tensor([0, 0]))
-    assert store._salient is None or store._salient.shape[0] == 2
+    assert store.prompt_mass is None or store.prompt_mass.shape[0] == 2
     store.truncate(40)
-    assert store._salient is None  # positions changed: what the prompt pointed at is forgotten
+    assert store.prompt_mass is None  # positions changed: what the prompt pointed at is forgotten
 
 
 def test_recent_reads_the_sink_and_the_newest_pages() -> None:
@@ -421,8 +412,8 @@ def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantiz
     else:  # 16 to 17 pages stored, 4 or 5 read, plus what scoring read per page in float16 against the
         # 2 * PAGE float32 key and value vectors: Quest 2 key vectors (maxima, minima), OVAL its router's
         # 32-number page embedding, here as large as 2 key vectors of head_dim 16
-        bases = 2 / (2 * PAGE) / 2 if SELECTORS[selector].reads_bases else 0.0
-        assert 4 / 17 + bases - 0.01 < metrics["read_fraction"] < 5 / 16 + bases + 0.01
+        summaries = 2 / (2 * PAGE) / 2 if SELECTORS[selector].reads_summaries else 0.0
+        assert 4 / 17 + summaries - 0.01 < metrics["read_fraction"] < 5 / 16 + summaries + 0.01
     assert 0 <= metrics["hit_rate"] <= 1
     assert 0 < metrics["recall"] <= metrics["oracle_recall"] + 1e-6 <= 1 + 2e-6  # none beats the oracle
     assert 0 < metrics["page_utilisation"] <= 1
@@ -449,7 +440,7 @@ def test_a_cache_without_selector_has_no_routing_metrics() -> None:
         cache.routing_metrics()
 
 
-def test_memory_report_counts_the_page_bases() -> None:
+def test_memory_report_counts_the_page_summaries() -> None:
     model = tiny_model("llama")
     with attn_implementation(model, "kvfactory"):
         plain = KVCacheFactory(model.config, {"type": "paged", "page_size": PAGE}).create_cache()
@@ -485,24 +476,25 @@ def test_a_router_for_another_model_is_refused(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_page_embeddings_follow_the_bases_and_score_as_the_raw_features(dtype: torch.dtype) -> None:
+def test_page_embeddings_follow_the_summaries_and_score_as_the_raw_features(dtype: torch.dtype) -> None:
     """OVAL reads each page's router embedding (projection applied to the page) instead of its raw
     features (projection applied to the query): the same logits, kept up to date by every append."""
     router = Router.load(tiny_router(64, 2, 16, (0, 1)))
     gen = torch.Generator().manual_seed(3)
-    bases = PageBases(PAGE, with_mean=True, dtype=dtype)
-    bases.append(torch.randn(2, 2, 6, 16, generator=gen))
-    bases.set_embedding(lambda features: router.embed_pages(features, 1))  # pages held already: embedded
+    summaries = PageSummaries(PAGE, with_mean=True, dtype=dtype)
+    summaries.append(torch.randn(2, 2, 6, 16, generator=gen))
+    summaries.set_embedding(lambda features: router.embed_pages(features, 1))  # pages held already: embedded
     for n in (1, 1, 7, 16, 3, 1):
-        bases.append(torch.randn(2, 2, n, 16, generator=gen))
+        summaries.append(torch.randn(2, 2, n, 16, generator=gen))
     hidden = torch.randn(2, 64, generator=gen)
-    raw = router.logits(router.key_vectors(hidden)[:, 1], bases.features, None)
+    raw = router.logits(router.key_vectors(hidden)[:, 1], summaries.features, None)
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    torch.testing.assert_close(router.logits(router.routing_queries(hidden)[:, 1], bases.embedded, None), raw,
-                               **tolerance)
-    assert bases.scored is bases.embedded or torch.equal(bases.scored, bases.embedded)
-    bases.select_rows(torch.tensor([1, 1]))
-    torch.testing.assert_close(bases.embedded, router.embed_pages(bases.features, 1).detach().to(dtype))
+    embedded = router.logits(router.routing_queries(hidden)[:, 1], summaries.embedded, None)
+    torch.testing.assert_close(embedded, raw, **tolerance)
+    assert summaries.scored is summaries.embedded or torch.equal(summaries.scored, summaries.embedded)
+    summaries.select_rows(torch.tensor([1, 1]))
+    expected = router.embed_pages(summaries.features, 1).detach().to(dtype)
+    torch.testing.assert_close(summaries.embedded, expected)
 
 
 def test_a_router_file_round_trips() -> None:

@@ -1,7 +1,7 @@
 """Named cache configs shipped with the package: ``kvfactory/presets/NAME.yaml``, ``POLICY@RATIO``
 (e.g. ``snapkv@0.75``): 16-token pages with that eviction policy compressing prefills by ``RATIO``,
 and ``SELECTOR@BUDGET`` (e.g. ``quest@0.125``): 16-token pages that decode reads sparsely, that
-fraction of the pages per step (``quest-dynamic@0.125``: of the tokens, over dynamic pages).
+fraction of the pages per step.
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ def policy_preset(name: str) -> dict[str, Any] | None:
     if match["name"] in POLICIES and not match["dynamic"]:
         entry = {"name": "eviction", "policy": match["name"], "compression_ratio": float(match["fraction"])}
     elif match["name"] in SELECTORS:
-        entry = {"name": match["name"], "read_budget": float(match["fraction"])}
         if match["dynamic"]:
-            entry["dynamic_pages"] = True
+            raise ConfigError("preset", name, f"{match['name']}@{match['fraction']}: dynamic pages were "
+                              "removed (they read less attention mass than fixed pages; "
+                              "docs/sparse-reads.md)")
+        entry = {"name": match["name"], "read_budget": float(match["fraction"])}
     else:
         return None
     return {"type": "composite", "strategies": [{"name": "paged", "page_size": 16}, entry]}

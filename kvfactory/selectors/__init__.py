@@ -9,7 +9,7 @@ from kvfactory.options import check_registration
 from kvfactory.selectors.base import Selector
 from kvfactory.selectors.full import FullSelector
 from kvfactory.selectors.oval import OvalSelector
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import PageSummaries
 from kvfactory.selectors.quest import QuestSelector
 from kvfactory.selectors.random_pages import RandomSelector
 from kvfactory.selectors.recent import RecentSelector
@@ -30,4 +30,4 @@ def register_selector(name: str, cls: type[Selector]) -> type[Selector]:
     return cls
 
 
-__all__ = ["SELECTORS", "PageBases", "Selector", "register_selector"]
+__all__ = ["SELECTORS", "PageSummaries", "Selector", "register_selector"]

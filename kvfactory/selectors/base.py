@@ -1,7 +1,7 @@
 """The selector interface: score a layer's pages for one decode step, read the best.
 
 A selector is a dataclass whose fields are its hyperparameters. ``page_scores`` sees the step's
-queries grouped by KV head, the layer's page bases (``kvfactory.selectors.pages``) and what the
+queries grouped by KV head, the layer's page summaries (``kvfactory.selectors.pages``) and what the
 cache's selectors share (``RoutingContext``: the decoder's last hidden state, per-step memos) and
 returns one score per page and KV head, higher = read; ``kvfactory.selectors.sparse.SparseStore``
 always adds the sink and local pages and reads the top-scoring rest up to the read budget.
@@ -12,14 +12,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from kvfactory.selectors.pages import PageBases
-
-if TYPE_CHECKING:
-    from kvfactory.selectors.layer_budgets import LayerProfile
+from kvfactory.selectors.pages import PageSummaries
 
 
 @dataclass
@@ -46,27 +43,20 @@ class Selector(ABC):
     """Scores pages of one layer; one instance per layer store."""
 
     reads_all: ClassVar[bool] = False  # True: decode reads every page whatever the budget
-    reads_bases: ClassVar[bool] = True  # scoring reads the page bases (counted in the bytes read)
-    uses_mean: ClassVar[bool] = False  # the page bases keep each page's mean key
+    reads_summaries: ClassVar[bool] = True  # scoring reads the page summaries (counted in the bytes read)
+    uses_mean: ClassVar[bool] = False  # the page summaries keep each page's mean key
     prompt_weight: ClassVar[float] = 0.0  # ``SelectorSpec.prompt_weight`` where the config leaves it unset
-
-    @classmethod
-    def profiled_options(cls, options: dict[str, Any], profile: LayerProfile, layer: int) -> dict[str, Any]:
-        """The hyperparameters ``layer`` runs with, given the config's ``options`` and the layer
-        profile the read budget is split by (``layer_budgets.py``): the config's, unless overridden."""
-        return options
 
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
 
     def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A map of page features ``[B, Hkv, n, F]`` to the ``[B, Hkv, n, E]`` this selector scores, for
-        the bases to keep up to date (``PageBases.set_embedding``); None: it reads the features."""
+        the summaries to keep up to date (``PageSummaries.set_embedding``); None: it reads the features."""
         return None
 
     def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
-        """Called with the indices of the pages this layer read in this step (``[B, Hkv, k]`` per head
-        with fixed pages; a flat list of every page any head read with dynamic ones)."""
+        """Called with the indices of the pages this layer read in this step, ``[B, Hkv, k]`` per head."""
 
     def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
         """``scores [..., P]`` from ``page_scores`` (queries of ``head_dim`` channels) ranked with
@@ -76,6 +66,7 @@ class Selector(ABC):
         return scores.float().softmax(-1).add_(prompt)
 
     @abstractmethod
-    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
+                    ) -> torch.Tensor:
         """``queries [B, Hkv, R, D]`` (the query heads of each KV head, after RoPE) against the
-        ``bases.pages`` stored pages: ``[B, Hkv, pages]`` scores, higher = read."""
+        ``summaries.pages`` stored pages: ``[B, Hkv, pages]`` scores, higher = read."""

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from kvfactory.selectors.base import RoutingContext, Selector
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import PageSummaries
 
 
 @dataclass
@@ -17,6 +17,7 @@ class FullSelector(Selector):
 
     reads_all: ClassVar[bool] = True
 
-    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
+                    ) -> torch.Tensor:
         b, h = queries.shape[:2]
-        return queries.new_zeros((b, h, bases.pages))
+        return queries.new_zeros((b, h, summaries.pages))

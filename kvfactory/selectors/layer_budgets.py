@@ -3,25 +3,19 @@
 A trained model concentrates attention in some layers and spreads it in others, so one read budget
 for every layer over-serves the first and starves the second. A ``LayerProfile`` holds, for each
 routed layer, the attention-mass recall page selection reaches there at read budgets ``u/64``
-(u = 1..64), measured once by a teacher pass on calibration text (``kvfactory oval calibrate``,
-``oval/calibrate.py``). ``allocate`` splits a mean read budget between the layers so that the
+(u = 1..64), measured once by a teacher pass on calibration text (``kvfactory selectors calibrate``,
+``calibrate.py``). ``allocate`` splits a mean read budget between the layers so that the
 mean recall is highest (an exact knapsack over the 64 steps); a decode step reads as many pages
-in all as with one budget for every layer. Every layer keeps at least ``floor`` of the mean
-budget: running text, which the profile is fitted on, leaves some middle layers almost nothing,
-and those can be the layers that find a passkey or needle far back (SmolLM2's layer 18 is one).
-PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
-Information Funneling") sizes per-layer caches by a fixed pyramid; this sizes per-layer reads,
-fitted to the model.
-
-The profile also keeps the Quest ``bound_scale`` each layer ranks its pages best with (its recall
-curve is measured at that scale): layers 3..10 of SmolLM2 do best near Quest's full bound, the
-later layers near the pages' centres (``QuestSelector.profiled_options`` applies them).
+in all as with one budget for every layer, and every layer at least 1/64 of its pages (no floor:
+a floor of 3/4 of the budget read less on held-out books, ``docs/sparse-reads.md``). PyramidKV
+(Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
+Funneling") sizes per-layer caches by a fixed pyramid; this sizes per-layer reads, fitted to the
+model.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +28,6 @@ import torch
 from kvfactory.errors import ConfigError
 
 STEPS = 64  # budgets measured: 1/64, 2/64, ..., 1
-DEFAULT_FLOOR = 0.75  # the least share of the mean budget a layer reads
 EMBEDDED_PROFILE = "smollm2_layer_budgets.json"
 SHAPE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
               "num_key_value_heads", "vocab_size")
@@ -60,20 +53,11 @@ class LayerProfile:
     layers: tuple[int, ...]
     recall: tuple[tuple[float, ...], ...]
     source: dict[str, Any]  # how it was measured (text, context, positions)
-    bound_scales: tuple[float, ...] | None = None  # Quest's bound_scale per layer (None: the selector's)
 
     def __post_init__(self) -> None:
         if len(self.recall) != len(self.layers) or any(len(row) != STEPS for row in self.recall):
             raise ValueError(f"a profile needs {STEPS} recall values for each of its {len(self.layers)} "
                              f"layers, got {[len(row) for row in self.recall]}")
-        if self.bound_scales is not None and (len(self.bound_scales) != len(self.layers) or
-                                              not all(0.0 <= s <= 1.0 for s in self.bound_scales)):
-            raise ValueError(f"a profile needs a bound scale in [0, 1] for each of its {len(self.layers)} "
-                             f"layers, got {list(self.bound_scales)}")
-
-    def bound_scale(self, layer: int) -> float | None:
-        """The Quest bound scale ``layer`` was measured with (None: the selector's default)."""
-        return None if self.bound_scales is None else self.bound_scales[self.layers.index(layer)]
 
     def matches(self, model_config: Any) -> bool:
         return model_shape(model_config) == self.shape
@@ -83,18 +67,16 @@ class LayerProfile:
         return sum(self.recall[self.layers.index(layer)][min(STEPS, max(1, round(b * STEPS))) - 1]
                    for layer, b in budgets.items()) / len(budgets)
 
-    def allocate(self, budget: float, layers: Sequence[int], floor: float = DEFAULT_FLOOR
-                 ) -> dict[int, float]:
-        """Read budgets of ``layers`` (all in the profile), each at least ``floor * budget``, whose mean
-        is ``budget`` (to 1/64 per layer in all) and whose summed recall is highest. Where no such split
-        exists (budgets under 1/64, a floor of 1) every layer reads ``budget``."""
+    def allocate(self, budget: float, layers: Sequence[int]) -> dict[int, float]:
+        """Read budgets of ``layers`` (all in the profile), each at least 1/64, whose mean is
+        ``budget`` (to 1/64 per layer in all) and whose summed recall is highest. Where no such split
+        exists (budgets under 1/64) every layer reads ``budget``."""
         missing = sorted(set(layers) - set(self.layers))
         if missing:
             raise ConfigError("layer_budgets", self.model, f"a profile covering the routed layers "
                               f"(it has {self.layers[0]}..{self.layers[-1]}, not {missing})")
         units = round(budget * STEPS * len(layers))
-        lowest = max(1, math.ceil(floor * budget * STEPS - 1e-9))
-        if lowest * len(layers) > units or floor >= 1:
+        if len(layers) > units:
             return dict.fromkeys(layers, budget)
         curves = torch.tensor([self.recall[self.layers.index(layer)] for layer in layers],
                               dtype=torch.float64)
@@ -103,7 +85,7 @@ class LayerProfile:
         picks = torch.zeros((len(layers), units + 1), dtype=torch.long)
         for i in range(len(layers)):  # best[t]: the highest summed recall of the layers so far at t units
             grown = torch.full_like(best, float("-inf"))
-            for u in range(lowest, min(STEPS, units) + 1):
+            for u in range(1, min(STEPS, units) + 1):
                 candidate = torch.full_like(best, float("-inf"))
                 candidate[u:] = best[:-u] + curves[i, u - 1]
                 better = candidate > grown
@@ -119,9 +101,8 @@ class LayerProfile:
         """JSON, written to a temporary name and renamed, so a reader never sees half a file."""
         path = Path(path)
         scratch = path.with_name(path.name + ".tmp")
-        scales = {} if self.bound_scales is None else {"bound_scales": list(self.bound_scales)}
         head = json.dumps({"model": self.model, "shape": self.shape, "source": self.source,
-                           "layers": list(self.layers)} | scales | {"steps": STEPS}, indent=1)
+                           "layers": list(self.layers), "steps": STEPS}, indent=1)
         rows = ",\n".join(f"  {json.dumps(list(row))}" for row in self.recall)  # one line per layer
         scratch.write_text(f'{head[:-2]},\n "recall": [\n{rows}\n ]\n}}\n')
         os.replace(scratch, path)
@@ -133,12 +114,10 @@ class LayerProfile:
             if data.get("steps") != STEPS:
                 raise ValueError(f"steps {data.get('steps')}, not {STEPS}")
             return cls(str(data["model"]), dict(data["shape"]), tuple(int(x) for x in data["layers"]),
-                       tuple(tuple(float(v) for v in row) for row in data["recall"]), dict(data["source"]),
-                       None if data.get("bound_scales") is None
-                       else tuple(float(v) for v in data["bound_scales"]))
+                       tuple(tuple(float(v) for v in row) for row in data["recall"]), dict(data["source"]))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError("layer_budgets", str(path), f"a profile written by `kvfactory oval calibrate` "
-                              f"({type(exc).__name__}: {exc})") from None
+            raise ConfigError("layer_budgets", str(path), f"a profile written by `kvfactory selectors "
+                              f"calibrate` ({type(exc).__name__}: {exc})") from None
 
 
 def resolve(setting: str, model_config: Any) -> LayerProfile | None:

@@ -4,11 +4,11 @@
   the most attention mass under full attention (shadow steps, every ``shadow_every`` decode steps);
 - attention-mass recall: the full-attention mass that falls on the pages read (shadow steps), and
   the oracle's: the mass on as many pages per head chosen by full attention itself, the most any
-  selector reading that many pages can reach (dynamic pages: as many, whatever their sizes);
+  selector reading that many pages can reach;
 - page utilisation: stored pages read at least once in the last ``UTILISATION_STEPS`` steps;
 - co-occurrence graph density (OVAL): non-zero off-diagonal share of its page graph;
 - router latency: seconds spent choosing pages per decode step (all layers), p50 and p99;
-- KV bytes read per decode step against reading every page (page bases included, and apart).
+- KV bytes read per decode step against reading every page (page summaries included, and apart).
 Means are over sparse layers, batch rows and KV heads.
 """
 
@@ -37,7 +37,7 @@ class RoutingMetrics:
         self.steps = 0
         self.bytes_read = 0
         self.bytes_full = 0
-        self.bytes_index = 0  # of bytes_read: page bases the selector scored
+        self.bytes_index = 0  # of bytes_read: page summaries the selector scored
         self.shadow_samples = 0
         self._hit_sum = self._recall_sum = self._oracle_sum = 0.0  # sums over shadow samples
         self._latency: dict[int, float] = {}
@@ -51,7 +51,7 @@ class RoutingMetrics:
     def record_read(self, step: int, read_bytes: int, full_bytes: int, seconds: float,
                     index_bytes: int = 0) -> None:
         """One layer's decode step ``step`` (counted by each layer alike); ``read_bytes`` includes the
-        ``index_bytes`` of page bases read to choose the pages."""
+        ``index_bytes`` of page summaries read to choose the pages."""
         if step not in self._latency:
             self._close_steps()
             self.steps += 1

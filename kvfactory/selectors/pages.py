@@ -1,14 +1,13 @@
-"""Page bases: what a selector knows about each stored page of a layer without reading it.
+"""Page summaries: what a selector knows about each stored page of a layer without reading it.
 
 A page is ``page_size`` consecutive stored tokens (the paged store's blocks); per page, batch row
-and KV head the bases keep the per-channel maximum and minimum of its keys, Quest's bound
+and KV head the summaries keep the per-channel maximum and minimum of its keys, Quest's bound
 (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"),
 and, for selectors that embed pages (OVAL), the mean key; side by side in one
 ``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one pass over them. They are updated as
-tokens are appended, one vectorised reduction per append. ``DynamicPageBases`` keeps the same
-features for pages of varying size (``layout.py``).
+tokens are appended, one vectorised reduction per append.
 
-Every decode step reads each sparse layer's bases whole, so they are stored in float16 by default
+Every decode step reads each sparse layer's summaries whole, so they are stored in float16 by default
 (half the bytes of float32 keys): maxima rounded up and minima rounded down, so Quest's bound stays
 a bound, means to nearest. On the CPU the scores and the top pages come from C kernels
 (``kvfactory/kernels/pages.c``) that read float16 directly; elsewhere from torch.
@@ -22,7 +21,6 @@ from collections.abc import Callable
 import torch
 
 from kvfactory import kernels
-from kvfactory.selectors.layout import PageLayout
 
 GROWTH = 1.25  # capacity grows by a quarter, as paged pools do
 
@@ -40,7 +38,7 @@ def split_rows(queries: torch.Tensor, scale: float) -> torch.Tensor:
 
 def best_dot(rows: torch.Tensor, features: torch.Tensor, split: float | None = None) -> torch.Tensor:
     """``max_r rows[..., r, :] · features[..., p, :]`` in float32: ``rows [B, H, R, F]`` against
-    ``features [B, H, P, F]`` (float32 or float16, a view of the bases) gives ``[B, H, P]``. With
+    ``features [B, H, P, F]`` (float32 or float16, a view of the summaries) gives ``[B, H, P]``. With
     ``split``, ``rows [B, H, R, F / 2]`` are queries taken as ``split_rows(rows, split)`` (in the kernel)."""
     return _dots(rows, features, BEST, split=split)
 
@@ -99,7 +97,7 @@ FEATURE_DTYPES = (torch.float32, torch.float16)  # what pages.c reads
 INF = float("inf")
 
 
-class PageBases:
+class PageSummaries:
     """Per-page key statistics of one layer's stored tokens: ``[kmax | kmin]`` (+ ``| kmean``), stored
     in ``dtype`` (None: the keys' own)."""
 
@@ -109,7 +107,7 @@ class PageBases:
         self.length = 0
         self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # see ``set_embedding``
         self._embedded: torch.Tensor | None = None  # [B, Hkv, capacity, E]
-        self._bases: torch.Tensor | None = None  # [B, Hkv, capacity, (2 or 3) * D]
+        self._summaries: torch.Tensor | None = None  # [B, Hkv, capacity, (2 or 3) * D]
 
     @property
     def pages(self) -> int:
@@ -118,11 +116,11 @@ class PageBases:
     @property
     def features(self) -> torch.Tensor:
         """``[B, Hkv, pages, (2 or 3) * D]``: per-channel key maximum, minimum (and mean) per page."""
-        return self._bases[:, :, :self.pages]
+        return self._summaries[:, :, :self.pages]
 
     @property
     def head_dim(self) -> int:
-        return self._bases.shape[-1] // (3 if self.with_mean else 2)
+        return self._summaries.shape[-1] // (3 if self.with_mean else 2)
 
     @property
     def bounds(self) -> torch.Tensor:
@@ -153,28 +151,28 @@ class PageBases:
 
     @property
     def nbytes(self) -> int:
-        return sum(0 if t is None else t.nbytes for t in (self._bases, self._embedded))
+        return sum(0 if t is None else t.nbytes for t in (self._summaries, self._embedded))
 
     def set_embedding(self, embed: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Keep ``embed(features)`` of every page up to date as well (OVAL's page embeddings), in the
         storage dtype: a selector that scores ``E`` numbers per page reads those instead of the
         features' ``3 * D``."""
         self.embed, self._embedded = embed, None
-        if embed is not None and self._bases is not None and self.pages:
+        if embed is not None and self._summaries is not None and self.pages:
             self._embed(0, self.pages)
 
     def _write(self, first: int, last: int, new: torch.Tensor) -> None:
         """Store the features ``new [B, Hkv, last - first, F]`` of pages ``[first, last)``."""
-        self._bases[:, :, first:last] = self._stored(new)
+        self._summaries[:, :, first:last] = self._stored(new)
         if self.embed is not None:
             self._embed(first, last)
 
     @torch.no_grad()
     def _embed(self, first: int, last: int) -> None:
         """Embed pages ``[first, last)``; the pages before ``first`` are embedded already."""
-        embedded = self.embed(self._bases[:, :, first:last]).to(self._bases.dtype)
-        if self._embedded is None or self._embedded.shape[2] < self._bases.shape[2]:
-            grown = embedded.new_empty((*self._bases.shape[:3], embedded.shape[-1]))
+        embedded = self.embed(self._summaries[:, :, first:last]).to(self._summaries.dtype)
+        if self._embedded is None or self._embedded.shape[2] < self._summaries.shape[2]:
+            grown = embedded.new_empty((*self._summaries.shape[:3], embedded.shape[-1]))
             if self._embedded is not None:
                 grown[:, :, :first] = self._embedded[:, :, :first]
             self._embedded = grown
@@ -204,18 +202,18 @@ class PageBases:
             starts = torch.arange(first, last, device=keys.device) * ps
             filled = (self.length + n - starts).clamp_(max=ps)  # tokens each page holds after the append
             if offset:
-                total[:, :, 0] += self._bases[:, :, first, 2 * d:] * offset
+                total[:, :, 0] += self._summaries[:, :, first, 2 * d:] * offset
             parts.append(total / filled[:, None].to(total.dtype))
         new = torch.cat(parts, -1)
         if offset:  # the first page already holds tokens: combine with its bounds
-            old = self._bases[:, :, first]
+            old = self._summaries[:, :, first]
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
             new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
         self._write(first, last, new)
         self.length += n
 
     def _add_one(self, key: torch.Tensor, page: int, offset: int, d: int) -> None:
-        slot = self._bases[:, :, page]
+        slot = self._summaries[:, :, page]
         if offset:
             parts = [torch.maximum(slot[..., :d], key), torch.minimum(slot[..., d:2 * d], key)]
             if self.with_mean:
@@ -238,19 +236,20 @@ class PageBases:
         return torch.cat([up, new[..., 2 * d:].to(self.dtype)], -1) if self.with_mean else up
 
     def _reserve(self, pages: int, like: torch.Tensor) -> None:
-        if self._bases is not None and self._bases.shape[2] >= pages:
+        if self._summaries is not None and self._summaries.shape[2] >= pages:
             return
         b, h, _, d = like.shape
-        capacity = max(pages, math.ceil((0 if self._bases is None else self._bases.shape[2]) * GROWTH))
+        held = 0 if self._summaries is None else self._summaries.shape[2]
+        capacity = max(pages, math.ceil(held * GROWTH))
         width = (3 if self.with_mean else 2) * d
         grown = like.new_empty((b, h, capacity, width), dtype=self.dtype or like.dtype)
-        if self._bases is not None:
+        if self._summaries is not None:
             grown[:, :, :self.pages] = self.features
-        self._bases = grown
+        self._summaries = grown
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        if self._bases is not None:
-            self._bases = self._bases[rows.to(self._bases.device)]
+        if self._summaries is not None:
+            self._summaries = self._summaries[rows.to(self._summaries.device)]
         if self._embedded is not None:
             self._embedded = self._embedded[rows.to(self._embedded.device)]
 
@@ -261,55 +260,5 @@ class PageBases:
             self.append(keys)
 
     def clear(self) -> None:
-        self._bases = self._embedded = None
+        self._summaries = self._embedded = None
         self.length = 0
-
-
-class DynamicPageBases(PageBases):
-    """The same features over a ``PageLayout``'s pages of 1..32 tokens (``layout.py``), reduced by
-    scatter over each token's page; ``append`` places tokens the layout has not yet cut as decoded
-    ones (``PageLayout.cover``)."""
-
-    def __init__(self, layout: PageLayout, with_mean: bool = False, dtype: torch.dtype | None = torch.float16
-                 ) -> None:
-        super().__init__(layout.page_size, with_mean, dtype)
-        self.layout = layout
-        self._pages = 0
-
-    @property
-    def pages(self) -> int:
-        return self._pages
-
-    def append(self, keys: torch.Tensor) -> None:
-        b, h, n, d = keys.shape
-        if n == 0:
-            return
-        end = self.length + n
-        self.layout.cover(end)
-        page = self.layout.page_of(self.length, end).to(keys.device)
-        first, last = int(page[0]), int(page[-1]) + 1
-        self._reserve(last, keys)
-        local = page - first
-        index = local[None, None, :, None].expand(b, h, n, d)
-        shape = (b, h, last - first, d)
-        parts = [keys.new_full(shape, float("-inf")).scatter_reduce_(2, index, keys, "amax"),
-                 keys.new_full(shape, float("inf")).scatter_reduce_(2, index, keys, "amin")]
-        held = self.length - int(self.layout.starts[first])  # tokens the first page already holds
-        if self.with_mean:
-            total = keys.new_zeros(shape).index_add_(2, local, keys)
-            count = torch.bincount(local, minlength=last - first).to(keys.dtype)
-            if held:
-                total[:, :, 0] += self._bases[:, :, first, 2 * d:] * held
-                count[0] += held
-            parts.append(total / count[:, None])
-        new = torch.cat(parts, -1)
-        if held:
-            old = self._bases[:, :, first]
-            new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
-            new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
-        self._write(first, last, new)
-        self.length, self._pages = end, last
-
-    def clear(self) -> None:
-        super().clear()
-        self._pages = 0

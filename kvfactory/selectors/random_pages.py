@@ -8,14 +8,14 @@ from typing import ClassVar
 import torch
 
 from kvfactory.selectors.base import RoutingContext, Selector
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import PageSummaries
 
 
 @dataclass
 class RandomSelector(Selector):
     """Draws fresh pages every step from its own generator (``seed``), so runs repeat."""
 
-    reads_bases: ClassVar[bool] = False
+    reads_summaries: ClassVar[bool] = False
 
     seed: int = 0
     _generator: torch.Generator = field(init=False, repr=False)
@@ -23,6 +23,7 @@ class RandomSelector(Selector):
     def __post_init__(self) -> None:
         self._generator = torch.Generator().manual_seed(self.seed)
 
-    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
+                    ) -> torch.Tensor:
         b, h = queries.shape[:2]
-        return torch.rand((b, h, bases.pages), generator=self._generator).to(queries.device)
+        return torch.rand((b, h, summaries.pages), generator=self._generator).to(queries.device)

@@ -8,15 +8,16 @@ from typing import ClassVar
 import torch
 
 from kvfactory.selectors.base import RoutingContext, Selector
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import PageSummaries
 
 
 @dataclass
 class RecentSelector(Selector):
     """Scores pages by position: the newest page scores highest."""
 
-    reads_bases: ClassVar[bool] = False
+    reads_summaries: ClassVar[bool] = False
 
-    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
+                    ) -> torch.Tensor:
         b, h = queries.shape[:2]
-        return torch.arange(bases.pages, device=queries.device, dtype=torch.float32).expand(b, h, -1)
+        return torch.arange(summaries.pages, device=queries.device, dtype=torch.float32).expand(b, h, -1)

@@ -1,16 +1,12 @@
 """Sparse decode: a paged layer store whose decode steps read only the pages a selector picks.
 
-``SparseStore`` wraps the config's paged storage and keeps page bases (``pages.py``) as tokens
+``SparseStore`` wraps the config's paged storage and keeps page summaries (``pages.py``) as tokens
 arrive. For a decode step of a sparse layer it hands kvfactory's attention function a
 ``SparseRead``: the selector scores the pages from the step's queries, the sink, local and
 new-token pages are added, and exact softmax attention runs over the selected pages' K/V,
 gathered block by block from the pool (the whole layer is never copied out). Prefills, the first
 ``dense_layers`` layers and budgets that cover every page read the whole layer, unchanged.
 The selected K/V go to transformers' SDPA like any other (``kvfactory.attention.NarrowRead``).
-
-With ``dynamic_pages`` the pages are the token ranges of a ``PageLayout`` (``layout.py``), shared by
-the cache's layers and cut at prefill by the first sparse layer from its attention entropy; a
-``DynamicRead`` then reads the best pages up to a token budget, token by token from the pool.
 
 The store also takes part in its attention call (``kvfactory.attention.Observer``): on shadow steps
 it computes full attention for the same queries to measure hit rate and recall
@@ -27,12 +23,13 @@ from kvfactory import attention
 from kvfactory.attention import DeferredRead, NarrowRead
 from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors.base import RoutingContext, Selector
-from kvfactory.selectors.layout import OVERLAP, PageLayout, attention_entropy
 from kvfactory.selectors.metrics import RoutingMetrics
-from kvfactory.selectors.pages import DynamicPageBases, PageBases, top_pages
+from kvfactory.selectors.pages import PageSummaries, top_pages
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import MemoryReport, WrappedStore
 from kvfactory.storage.paged import PagedStore
+
+PROMPT_WINDOW = 32  # the prompt's last queries whose attention the prompt term keeps (SnapKV's window)
 
 
 class SparseStore(WrappedStore):
@@ -47,75 +44,47 @@ class SparseStore(WrappedStore):
         self.context, self.num_layers = context, num_layers
         paged = inner if isinstance(inner, PagedStore) else inner.inner
         self.page_size = paged.page_size
-        self.layout: PageLayout | None = None
-        if spec.dynamic_pages:
-            self.layout = context.shared.setdefault(
-                "pages.layout", PageLayout(self.page_size, spec.max_page, spec.entropy_jump))
-            self.bases = DynamicPageBases(self.layout, selector.uses_mean, spec.bases_torch_dtype)
-        else:
-            self.bases = PageBases(self.page_size, selector.uses_mean, spec.bases_torch_dtype)
+        self.summaries = PageSummaries(self.page_size, selector.uses_mean, spec.summary_torch_dtype)
         self.steps = 0  # decode steps seen by this layer
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V (decode steps)
         self._heads = 0  # KV heads stored
         self._mask: torch.Tensor | None = None
-        self._read: PageRead | None = None  # this step's selection, for the shadow measurement
+        self._read: SparseRead | None = None  # this step's selection, for the shadow measurement
         self._last_read: torch.Tensor | None = None  # [B, Hkv, pages]: step each page was last read
         self._always: tuple[tuple, torch.Tensor] | None = None  # the sink pages of the last step
-        self._salient: torch.Tensor | None = None  # [B, Hkv, pages]: the prompt's last queries' mass
-        self.prompt_weight = spec.prompt_mix
-        self._prompt_term: tuple[torch.Tensor, int, int, torch.Tensor] | None = None  # of _salient, lo, hi
+        self.prompt_mass: torch.Tensor | None = None  # [B, Hkv, pages]: the prompt's last queries' mass
+        self.prompt_weight = spec.prompt_weight
+        self._prompt_term: tuple[torch.Tensor, int, int, torch.Tensor] | None = None  # of prompt_mass, lo, hi
         metrics.register(self)
 
     def bind(self, layer_idx: int) -> None:
         super().bind(layer_idx)
         self.selector.bind(layer_idx, self.num_layers)
         if self.routed:
-            self.bases.set_embedding(self.selector.page_embedding())
+            self.summaries.set_embedding(self.selector.page_embedding())
 
-    # -- storage, delegated; bases follow ---------------------------------------------------
+    # -- storage, delegated; summaries follow ---------------------------------------------------
     @property
     def routed(self) -> bool:
-        """Whether decode may read this layer sparsely (else it keeps no page bases)."""
+        """Whether decode may read this layer sparsely (else it keeps no page summaries)."""
         return self.layer_idx >= self.spec.dense_layers and not self.selector.reads_all
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.inner.append(key, value)
         self._heads = key.shape[1]
-        if self.routed and self.layout is None:  # dynamic pages: once the prefill is cut (sync_bases)
-            self.bases.append(key)
+        if self.routed:
+            self.summaries.append(key)
         # a prompt's K/V is not kept: only a decode step's tail is handed back to attention
         self._new = (key, value) if key.shape[2] <= attention.MAX_CHUNKED_QUERY else None
 
     def clear(self) -> None:
         self.inner.clear()
-        self.bases.clear()
-        if self.layout is not None:
-            self.layout.clear()
-        self._new, self._last_read, self._salient = None, None, None
+        self.summaries.clear()
+        self._new, self._last_read, self.prompt_mass = None, None, None
 
     def _rebuild(self) -> None:
-        if self.layout is not None:  # dynamic pages: rebuilt from the layout at the next decode step
-            self.layout.truncate(self.size())
-            self.bases.clear()
-        else:
-            self.bases.rebuild(self.inner.gather()[0] if self.inner.size() and self.routed else None)
-        self._last_read = self._salient = None
-
-    def sync_bases(self) -> None:
-        """Dynamic pages: bring the bases up to the stored tokens (the step's own, or all after a prefill)."""
-        size, covered = self.size(), self.bases.length
-        if covered == size:
-            return
-        if self._new is not None and covered == size - self._new[0].shape[2]:
-            self.bases.append(self._new[0])
-        else:
-            self.bases.rebuild(self.inner.gather()[0])
-
-    def page_index(self, length: int, device: torch.device) -> torch.Tensor:
-        """The page of each of the first ``length`` stored tokens ``[length]``."""
-        if self.layout is not None:
-            return self.layout.page_of(0, length).to(device)
-        return torch.arange(length, device=device) // self.page_size
+        self.summaries.rebuild(self.inner.gather()[0] if self.inner.size() and self.routed else None)
+        self._last_read = self.prompt_mass = None
 
     def keep(self, index: torch.Tensor) -> None:
         self.inner.keep(index)
@@ -131,15 +100,15 @@ class SparseStore(WrappedStore):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.inner.select_rows(rows)
-        self.bases.select_rows(rows)
+        self.summaries.select_rows(rows)
         self._last_read = None
-        if self._salient is not None:
-            self._salient = self._salient[rows.to(self._salient.device)]
+        if self.prompt_mass is not None:
+            self.prompt_mass = self.prompt_mass[rows.to(self.prompt_mass.device)]
 
     def memory_report(self) -> MemoryReport:
-        """The pages plus the page bases (held for the selector)."""
+        """The pages plus the page summaries (held for the selector)."""
         report = self.inner.memory_report()
-        held = self.bases.nbytes
+        held = self.summaries.nbytes
         return MemoryReport(report.allocated + held, report.used + held, report.tokens)
 
     # -- reads ------------------------------------------------------------------------------
@@ -148,23 +117,17 @@ class SparseStore(WrappedStore):
         pageable = self.inner.pageable()
         return self.batch_size * self.inner.read_bytes(pageable, self.size() - pageable)
 
-    def deferred_read(self) -> DeferredRead | PageRead | None:
+    def deferred_read(self) -> DeferredRead | SparseRead | None:
         """A sparse read for a decode step of a sparse layer; otherwise what the inner store reads
         (quantized pages: chunked attention; plain pages: None, read whole)."""
         self._read = None
         if self._new is None:
             return self.inner.deferred_read()  # a prefill: not a decode step
         self.steps += 1
-        if self.layout is not None and self.routed:
-            self.sync_bases()
-            wanted = self.spec.tokens_to_read(self.size())
-            if wanted < self.size() and self.bases.pages > self.spec.sink_pages + self.spec.local_pages:
-                self._read = DynamicRead(self, wanted)
-                return self._read
         pages = -(-self.size() // self.page_size)
         wanted = self.spec.pages_to_read(pages)
         selectable = min(self.inner.pageable() // self.page_size, pages - self.spec.local_pages)
-        sparse = self.routed and self.layout is None and wanted < pages and selectable > self.spec.sink_pages
+        sparse = self.routed and wanted < pages and selectable > self.spec.sink_pages
         if not sparse:
             full = self.full_bytes()
             self.metrics.record_read(self.steps, full, full, 0.0)
@@ -182,7 +145,7 @@ class SparseStore(WrappedStore):
         """Fraction of stored pages read in the last ``steps`` decode steps (NaN if never sparse)."""
         if self._last_read is None:
             return float("nan")
-        last = self._last_read[:, :, :self.bases.pages]
+        last = self._last_read[:, :, :self.summaries.pages]
         return float((last > self.steps - steps).float().mean())
 
     def _mark_read(self, read: torch.Tensor) -> None:
@@ -203,12 +166,9 @@ class SparseStore(WrappedStore):
 
     def observe(self, query: torch.Tensor, scaling: float) -> None:
         read, self._read = self._read, None
-        if read is None and self.layout is not None and query.shape[2] > attention.MAX_CHUNKED_QUERY \
-                and self.routed and self.layer_idx == self.spec.dense_layers:
-            self._cut_pages(query, scaling)  # a prefill: the first sparse layer sizes the pages
         if read is None and self.prompt_weight and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed:
-            self._salient = self._prompt_mass(query, scaling)
+            self.prompt_mass = self._prompt_page_mass(query, scaling)
         every = self.spec.shadow_every
         if read is None or read.read is None or not every or self.steps % every:
             return
@@ -225,12 +185,12 @@ class SparseStore(WrappedStore):
         scores = query.reshape(b, hkv, -1, d) @ keys.transpose(-1, -2) * scaling
         attention.mask_scores(scores, mask, q, length)
         probs = scores.float().softmax(-1).mean(2)  # [B, Hkv, length]
-        mass = probs.new_zeros((b, hkv, self.bases.pages))
-        return mass.index_add_(2, self.page_index(length, probs.device), probs)
+        mass = probs.new_zeros((b, hkv, self.summaries.pages))
+        return mass.index_add_(2, torch.arange(length, device=probs.device) // self.page_size, probs)
 
-    def _prompt_mass(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The page mass of the prefill's last ``prompt_window`` queries."""
-        window = min(self.spec.prompt_window, query.shape[2])
+    def _prompt_page_mass(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The page mass of the prefill's last ``PROMPT_WINDOW`` queries."""
+        window = min(PROMPT_WINDOW, query.shape[2])
         mask = None if self._mask is None else self._mask[..., -window:, :]
         return self._page_mass(query[:, :, -window:], mask, scaling)
 
@@ -239,26 +199,16 @@ class SparseStore(WrappedStore):
         plus ``SelectorSpec.prompt_weight`` times the prompt's last queries' shares (pages stored
         since the prefill have none), per KV head (``Selector.with_prompt``): ``[B, Hkv, hi - lo]``."""
         scores = scores[..., lo:hi]
-        if self._salient is None:
+        if self.prompt_mass is None:
             return scores
         cached = self._prompt_term  # the same until the pages [lo, hi) or the prompt change
-        if cached is None or cached[0] is not self._salient or cached[1:3] != (lo, hi):
-            salient = self._salient[..., lo:hi].to(scores.device)
-            total = salient.sum(-1, keepdim=True).clamp_min(torch.finfo(salient.dtype).tiny)
+        if cached is None or cached[0] is not self.prompt_mass or cached[1:3] != (lo, hi):
+            mass = self.prompt_mass[..., lo:hi].to(scores.device)
+            total = mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
             term = scores.new_zeros(scores.shape, dtype=torch.float32)
-            term[..., :salient.shape[2]] = salient.mul(self.prompt_weight).div_(total)
-            cached = self._prompt_term = self._salient, lo, hi, term
+            term[..., :mass.shape[2]] = mass.mul(self.prompt_weight).div_(total)
+            cached = self._prompt_term = self.prompt_mass, lo, hi, term
         return self.selector.with_prompt(scores, cached[3], head_dim)
-
-    @torch.no_grad()
-    def _cut_pages(self, query: torch.Tensor, scaling: float) -> None:
-        """Cut the prefill's ``query.shape[2]`` new tokens into pages by their attention entropy."""
-        size = self.size()
-        self.layout.cover(size - query.shape[2])  # tokens before the prefill (decoded ones)
-        if self.layout.length == size - query.shape[2]:
-            b, hkv = query.shape[0], self._heads
-            positions = torch.arange(max(0, size - query.shape[2] - OVERLAP), size).expand(b, hkv, -1)
-            self.layout.cut(attention_entropy(query, self.inner.read_tokens(positions)[0], scaling))
 
 
 def column_mask(columns: torch.Tensor, valid: torch.Tensor | None, attention_mask: torch.Tensor | None,
@@ -282,13 +232,14 @@ def column_mask(columns: torch.Tensor, valid: torch.Tensor | None, attention_mas
     return mask
 
 
-class PageRead(NarrowRead):
-    """One decode step's read of the pages chosen for its query (chosen in ``narrow``), ``wanted``
-    pages (fixed pages) or tokens (dynamic pages) in all."""
+class SparseRead(NarrowRead):
+    """One decode step's read of the ``wanted`` pages chosen for its query (chosen in ``narrow``),
+    gathered block by block."""
 
     def __init__(self, store: SparseStore, wanted: int) -> None:
         self.store, self.wanted = store, wanted
         self.read: torch.Tensor | None = None  # [B, Hkv, pages]: every page read (set by ``narrow``)
+        self.pages: torch.Tensor | None = None  # [B, Hkv, k] in the order read (the tail's last)
 
     @property
     def length(self) -> int:
@@ -297,20 +248,12 @@ class PageRead(NarrowRead):
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store._new
 
-
-class SparseRead(PageRead):
-    """A decode step's read over the storage's fixed pages, gathered block by block."""
-
-    def __init__(self, store: SparseStore, wanted: int) -> None:
-        super().__init__(store, wanted)
-        self.pages: torch.Tensor | None = None  # [B, Hkv, k] in the order read (the tail's last)
-
     def select(self, queries: torch.Tensor) -> tuple[torch.Tensor, int]:
         """For ``queries [B, Hkv, R, D]``: the sink pages and the selector's best of the pages after
         them ``[B, Hkv, k]``, and the first page of the tail read whole (the local pages, the
         step's new tokens and what the inner store cannot serve as pages, e.g. a full-precision window)."""
         store, spec = self.store, self.store.spec
-        pages, ps = store.bases.pages, store.page_size
+        pages, ps = store.summaries.pages, store.page_size
         first_new = (self.length - store._new[0].shape[2]) // ps
         lo = min(spec.sink_pages, pages)
         hi = max(lo, min(first_new, pages - spec.local_pages, store.inner.pageable() // ps))
@@ -319,7 +262,7 @@ class SparseRead(PageRead):
         chosen = min(self.wanted - lo - (pages - hi), hi - lo)
         if chosen <= 0:
             return sink, hi
-        scores = store.selector.page_scores(queries, store.bases, store.context)
+        scores = store.selector.page_scores(queries, store.summaries, store.context)
         if store.prompt_weight:
             mixed = store.with_prompt_mass(scores, queries.shape[-1], lo, hi).contiguous()
             best = top_pages(mixed, 0, hi - lo, chosen) + lo
@@ -340,63 +283,12 @@ class SparseRead(PageRead):
         columns = torch.cat([(chosen[..., None] * ps + torch.arange(ps, device=at)).flatten(2),
                              torch.arange(tail * ps, length, device=at).expand(b, hkv, -1)], -1)
         mask = column_mask(columns, None, attention_mask, query, length)
-        pages = store.bases.pages
+        pages = store.summaries.pages
         self.pages = torch.cat([chosen, torch.arange(tail, pages, device=at).expand(b, hkv, -1)], -1)
         self.read = torch.zeros((b, hkv, pages), dtype=torch.bool, device=at).scatter_(2, self.pages, True)
-        bases_bytes = store.bases.scored.nbytes if store.selector.reads_bases else 0
-        read = b * store.inner.read_bytes(k * ps, length - tail * ps) + bases_bytes
-        store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, bases_bytes)
+        summary_bytes = store.summaries.scored.nbytes if store.selector.reads_summaries else 0
+        read = b * store.inner.read_bytes(k * ps, length - tail * ps) + summary_bytes
+        store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, summary_bytes)
         store._mark_read(self.read)
         store.selector.selected(self.pages, store.context)
-        return keys, values, mask
-
-
-class DynamicRead(PageRead):
-    """A decode step's read over dynamic pages (``layout.py``): the sink pages, the local pages and
-    the step's new tokens, and the selector's best middle pages, best first, while their tokens fit
-    the budget ``wanted`` (tokens). Heads read different numbers of tokens: the shorter reads are
-    padded and masked."""
-
-    def narrow(self, query: torch.Tensor, attention_mask: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        store, spec, length = self.store, self.store.spec, self.length
-        layout, pages = store.layout, store.bases.pages
-        b, hq, q, d = query.shape
-        hkv = store._new[0].shape[1]
-        started = time.perf_counter()
-        starts = layout.starts[:pages]
-        first_new = int(layout.page_of(length - store._new[0].shape[2], length - store._new[0].shape[2] + 1))
-        lo = min(spec.sink_pages, pages)
-        hi = max(lo, min(first_new, pages - spec.local_pages))
-        sink_end = int(starts[lo]) if lo < pages else length
-        tail = int(starts[hi]) if hi < pages else length
-        read = torch.zeros((b, hkv, pages), dtype=torch.bool)
-        read[..., :lo] = read[..., hi:] = True
-        budget = self.wanted - sink_end - (length - tail)  # tokens left for the middle pages
-        if budget > 0 and hi > lo:
-            scores = store.selector.page_scores(query.reshape(b, hkv, -1, d), store.bases, store.context)
-            order = scores[..., lo:hi].cpu().argsort(-1, descending=True)
-            fits = layout.sizes(length)[lo:hi][order].cumsum(-1) <= budget
-            read[..., lo:hi] = torch.zeros_like(fits).scatter_(-1, order, fits)
-        middle = read[..., lo:hi].gather(-1, (layout.page_of(sink_end, tail) - lo).expand(b, hkv, -1))
-        count = middle.sum(-1)  # [B, Hkv] middle tokens each head reads
-        widest = int(count.max()) if middle.numel() else 0
-        row, head, at = middle.nonzero(as_tuple=True)  # in order: each head's tokens ascending
-        slot = torch.arange(at.numel()) - (count.flatten().cumsum(0) - count.flatten())[row * hkv + head]
-        picked = torch.zeros((b, hkv, widest), dtype=torch.long)
-        picked[row, head, slot] = at + sink_end
-        columns = torch.cat([torch.arange(sink_end).expand(b, hkv, -1), picked,
-                             torch.arange(tail, length).expand(b, hkv, -1)], -1)
-        valid = torch.ones(columns.shape, dtype=torch.bool)
-        valid[..., sink_end:sink_end + widest] = torch.arange(widest) < count[..., None]
-        seconds = time.perf_counter() - started
-        keys, values = store.inner.read_tokens(columns)
-        mask = column_mask(columns, None if bool(valid.all()) else valid, attention_mask, query, length)
-        self.read = read.to(query.device)
-        tokens = int(valid.sum())
-        bases_bytes = store.bases.scored.nbytes if store.selector.reads_bases else 0
-        read_bytes = store.inner.read_bytes(tokens, 0) // hkv + bases_bytes
-        store.metrics.record_read(store.steps, read_bytes, store.full_bytes(), seconds, bases_bytes)
-        store._mark_read(read)
-        store.selector.selected(read.any(1).any(0).nonzero().flatten(), store.context)
         return keys, values, mask

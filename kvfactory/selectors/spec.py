@@ -1,34 +1,30 @@
 """What a config asks of page selection: the selector, its read budget and what is always read.
 
 In a composite config, after a paged storage entry: ``{"name": "quest", "read_budget": 0.125}``
-(``full``, ``quest``, ``random``, ``recent``, or a registered selector), plus the selector's own
-hyperparameters under their names.
+(``full``, ``quest``, ``oval``, ``random``, ``recent``, or a registered selector), plus the
+selector's own hyperparameters under their names. Every option, its default and the held-out
+evidence for it: ``docs/sparse-reads.md``.
 
 - ``read_budget`` (fraction of the stored pages a decode step reads, rounded up) or ``top_k``
   (pages per step); both count the always-read pages and default to ``read_budget: 0.125``.
 - ``sink_pages`` (first pages) and ``local_pages`` (last pages, and always every page holding the
   step's new tokens) are read every step; the first ``dense_layers`` layers and prefills (more than
-  ``kvfactory.attention.MAX_CHUNKED_QUERY`` new tokens) read everything, by design.
-- ``shadow_every``: every so many decode steps each sparse layer also computes full attention to
-  measure hit rate and attention-mass recall (0: never).
-- ``dynamic_pages``: pages of 1..``max_page`` tokens cut at prefill where attention entropy jumps
-  (``entropy_jump`` standard deviations; ``layout.py``) instead of the storage's fixed pages; the
-  budget is then counted in tokens (``read_budget`` only), and storage must be plain paged.
+  ``kvfactory.attention.MAX_CHUNKED_QUERY`` new tokens) read everything.
+- ``prompt_weight``: how much the attention the prompt's last 32 queries put on each page at
+  prefill counts in each step's ranking (SnapKV's observation window, Li et al., 2024, "SnapKV:
+  LLM Knows What You are Looking for Before Generation", used to steer reads, not to evict).
+  Unset: the selector's default (Quest 2, the others 0).
 - ``layer_budgets``: how the read budget is split between the routed layers (``layer_budgets.py``):
   ``"auto"`` (default) by the profile shipped for the embedded model when the model has its shape,
-  else evenly; ``"uniform"`` evenly; or the path of a profile written by ``kvfactory oval calibrate``
-  for this model. The mean over the layers stays ``read_budget``, no layer reads less than
-  ``layer_floor`` (0.75) of it; with ``top_k`` every layer reads ``top_k``. A profile may also set
-  per-layer selector options (Quest's ``bound_scale``) the config leaves unset.
-- ``prompt_weight``: how much the attention the prompt's last ``prompt_window`` queries put on each
-  page at prefill counts in each step's ranking, per KV head: a page ranks by the selector's share
-  (``Selector.with_prompt``) plus ``prompt_weight`` times the prompt's share, so what a question at
-  the end of the prompt looks up stays read while the answer is decoded (SnapKV's observation
-  window, Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", used
-  here to steer reads rather than to evict). Unset: the selector's default (Quest 2, the others
-  0); fixed pages only.
-- ``bases_dtype``: how the page bases are stored, ``"float16"`` (default: half the bytes each step
-  reads; maxima rounded up and minima down) or ``"float32"``.
+  else evenly; ``"uniform"`` evenly; or the path of a profile written by ``kvfactory selectors
+  calibrate``. The mean over the layers stays ``read_budget``; with ``top_k`` every layer reads
+  ``top_k``.
+- ``shadow_every``: every so many decode steps each sparse layer also computes full attention to
+  measure hit rate and attention-mass recall (0: never); telemetry, it changes no output.
+- ``summary_dtype``: how the page summaries are stored, ``"float16"`` (default: half the bytes each
+  step reads; maxima rounded up and minima down) or ``"float32"``.
+
+Old spellings (``OLD_OPTIONS``) raise a ``ConfigError`` naming what to write instead.
 """
 
 from __future__ import annotations
@@ -44,10 +40,28 @@ import torch
 from kvfactory.errors import ConfigError
 from kvfactory.options import options_of, parse_spec
 from kvfactory.selectors import SELECTORS, Selector
-from kvfactory.selectors.layer_budgets import DEFAULT_FLOOR, resolve
+from kvfactory.selectors.layer_budgets import resolve
 
 DEFAULT_READ_BUDGET = 0.125
-BASES_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+SUMMARY_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+# options of earlier versions: what to write instead
+OLD_OPTIONS = {
+    "bases_dtype": "'summary_dtype' (renamed: page bases are page summaries)",
+    "prompt_mix": "'prompt_weight' (one name for the prompt's term)",
+    **dict.fromkeys(("dynamic_pages", "max_page", "entropy_jump"),
+                    "nothing: dynamic pages were removed (they read less attention mass than fixed "
+                    "pages, docs/sparse-reads.md)"),
+    "prompt_window": "nothing: the prompt term reads the prompt's last 32 queries (no longer an option)",
+    "aggregate": "nothing: Quest joins a KV head's query heads by their best bound, as the paper "
+                 "(the softmax aggregate was removed, docs/sparse-reads.md)",
+    "bound_scale": "nothing: Quest ranks by the paper's bound (the bound scale was removed, "
+                   "docs/sparse-reads.md)",
+    "layer_floor": "nothing: the per-layer split has no floor (no floor reads more on held-out books, "
+                   "docs/sparse-reads.md)",
+    "decay": "nothing: OVAL's positional decay is part of its router, always applied (switch removed)",
+}
 
 
 @dataclass(frozen=True)
@@ -61,14 +75,9 @@ class SelectorSpec:
     local_pages: int = 1
     dense_layers: int = 2
     shadow_every: int = 32
-    dynamic_pages: bool = False
-    max_page: int = 32
-    entropy_jump: float = 2.0
-    bases_dtype: str = "float16"
+    summary_dtype: str = "float16"
     layer_budgets: str = "auto"
-    layer_floor: float = DEFAULT_FLOOR
     prompt_weight: float | None = None
-    prompt_window: int = 32
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,66 +90,44 @@ class SelectorSpec:
         for key in ("sink_pages", "local_pages", "dense_layers", "shadow_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, getattr(self, key), "an integer >= 0")
-        if not 1 <= self.max_page <= 1024:
-            raise ConfigError("max_page", self.max_page, "an integer in [1, 1024] (tokens per dynamic page)")
-        if self.entropy_jump < 0:
-            raise ConfigError("entropy_jump", self.entropy_jump, "a number >= 0 (standard deviations)")
-        if self.bases_dtype not in BASES_DTYPES:
-            raise ConfigError("bases_dtype", self.bases_dtype, " or ".join(BASES_DTYPES))
+        if self.summary_dtype not in SUMMARY_DTYPES:
+            raise ConfigError("summary_dtype", self.summary_dtype, " or ".join(SUMMARY_DTYPES))
         if self.layer_budgets not in ("auto", "uniform") and not Path(self.layer_budgets).is_file():
             raise ConfigError("layer_budgets", self.layer_budgets,
-                              "'auto', 'uniform' or a profile from `kvfactory oval calibrate`")
-        if not 0.0 <= self.layer_floor <= 1.0:
-            raise ConfigError("layer_floor", self.layer_floor, "a share of read_budget in [0, 1]")
+                              "'auto', 'uniform' or a profile from `kvfactory selectors calibrate`")
         if self.top_k is not None and self.layer_budgets not in ("auto", "uniform"):
             raise ConfigError("layer_budgets", self.layer_budgets, "a profile with read_budget, not top_k")
+        if self.prompt_weight is None:  # the selector's own default
+            object.__setattr__(self, "prompt_weight", SELECTORS[self.selector].prompt_weight)
         weight = self.prompt_weight
         if weight is not None and not (math.isfinite(weight) and weight >= 0):
             raise ConfigError("prompt_weight", self.prompt_weight, "a number >= 0 (0: the selector alone)")
-        if self.prompt_window < 1:
-            raise ConfigError("prompt_window", self.prompt_window, "an integer >= 1 (prompt queries)")
-        if self.dynamic_pages and self.prompt_weight:
-            raise ConfigError("prompt_weight", self.prompt_weight, "0 with dynamic_pages (fixed pages only)")
-        if self.dynamic_pages and self.top_k is not None:
-            raise ConfigError("top_k", self.top_k, "read_budget with dynamic_pages (pages differ in size)")
         self.build_selector()
 
     @classmethod
     def parse(cls, name: str, options: dict[str, Any], where: str = "") -> SelectorSpec:
+        for key in options:
+            if key in OLD_OPTIONS and key not in options_of(SELECTORS[name]):
+                raise ConfigError(f"{where}{key}", options[key], OLD_OPTIONS[key])
         own = {k: hint for k, hint in options_of(cls).items() if k not in ("selector", "options")}
         return parse_spec(cls, name, options, own, options_of(SELECTORS[name]), where, "selector", "name")
 
     @property
-    def prompt_mix(self) -> float:
-        """The weight of the prompt's page mass in each step's ranking (``prompt_weight``, or the
-        selector's default; 0 over dynamic pages)."""
-        if self.dynamic_pages:
-            return 0.0
-        return SELECTORS[self.selector].prompt_weight if self.prompt_weight is None else self.prompt_weight
-
-    @property
-    def bases_torch_dtype(self) -> torch.dtype:
-        return BASES_DTYPES[self.bases_dtype]
+    def summary_torch_dtype(self) -> torch.dtype:
+        return SUMMARY_DTYPES[self.summary_dtype]
 
     def build_selector(self) -> Selector:
         return SELECTORS[self.selector](**self.options)
 
     def per_layer(self, model_config: Any, layers: Sequence[int]) -> dict[int, SelectorSpec]:
         """The spec each of the routed ``layers`` decodes with: its share of the read budget under
-        ``layer_budgets`` and the selector's options for it (``Selector.profiled_options``); the
-        same spec for all when the split is even."""
+        ``layer_budgets``; the same spec for all when the split is even."""
         profile = None if self.top_k is not None else resolve(self.layer_budgets, model_config)
         if profile is None or not layers:
             return dict.fromkeys(layers, self)
-        split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers, self.layer_floor)
-        selector = SELECTORS[self.selector]
-        return {layer: replace(self, read_budget=budget, layer_budgets="uniform",
-                               options=selector.profiled_options(self.options, profile, layer))
+        split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers)
+        return {layer: replace(self, read_budget=budget, layer_budgets="uniform")
                 for layer, budget in split.items()}
-
-    def tokens_to_read(self, tokens: int) -> int:
-        """Tokens one decode step over dynamic pages reads out of ``tokens`` stored."""
-        return min(tokens, math.ceil((self.read_budget or DEFAULT_READ_BUDGET) * tokens))
 
     def pages_to_read(self, pages: int) -> int:
         """Pages one decode step reads out of ``pages`` stored, always-read pages included."""

@@ -1,4 +1,4 @@
-"""OVAL (Output-Aware Local page bases): pages chosen by a trained router from the decoder's state.
+"""OVAL: pages chosen by a trained router from the decoder's state, scored against page summaries.
 
 ``OvalSelector`` scores each layer's pages with ``router.Router`` from the decoder's last hidden
 state of the previous step (``RoutingContext.hidden``, handed over by
@@ -22,7 +22,7 @@ from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.oval.locality import CooccurrenceGraph
 from kvfactory.selectors.oval.router import Router
-from kvfactory.selectors.pages import PageBases
+from kvfactory.selectors.pages import PageSummaries
 
 EMBEDDED_ROUTER = "smollm2_router.safetensors"
 
@@ -48,12 +48,11 @@ def _load_router(path: str, version: int) -> Router:
 
 @dataclass
 class OvalSelector(Selector):
-    """``router``: a router file or ``"embedded"``; ``decay``: the positional term; ``graph``: the
-    co-occurrence GCN's mixing weight (0: off), over the last ``window`` steps, rebuilt every
-    ``rebuild_every`` (``locality.py``). ``decay`` and ``graph`` are the ablation switches."""
+    """``router``: a router file or ``"embedded"``; ``graph``: the co-occurrence GCN's mixing weight
+    (0: off), over the last ``window`` steps, rebuilt every ``rebuild_every`` (``locality.py``). The
+    router's positional decay is part of the router (its weight is trained), always applied."""
 
     router: str = "embedded"
-    decay: bool = True
     graph: float = 0.3
     window: int = 128
     rebuild_every: int = 100
@@ -83,7 +82,8 @@ class OvalSelector(Selector):
         return self._router
 
     @torch.no_grad()
-    def page_scores(self, queries: torch.Tensor, bases: PageBases, context: RoutingContext) -> torch.Tensor:
+    def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
+                    ) -> torch.Tensor:
         router = self.loaded_router
         if context.hidden is None:
             raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
@@ -95,9 +95,9 @@ class OvalSelector(Selector):
                               f"{router.shape.model}): train one with `kvfactory oval train`")
         queries = context.remember(("oval", id(router)), lambda: router.routing_queries(context.hidden))
         group = router.shape.group_of(self._layer)
-        positional = context.remember("oval.decay", lambda: router.positional(bases.pages, queries.device)) \
-            if self.decay else None  # the same for every layer of a step
-        scores = router.logits(queries[:, group], bases.embedded, positional)
+        pages = summaries.pages
+        positional = context.remember("oval.decay", lambda: router.positional(pages, queries.device))
+        scores = router.logits(queries[:, group], summaries.embedded, positional)
         return self._graph(context).aggregate(scores, self.graph)
 
     def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:

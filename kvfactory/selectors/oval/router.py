@@ -3,14 +3,14 @@
 OVAL's router: from the decoder's last hidden state of the
 previous step, a small MLP (``width`` 64, its second layer a base plus a LoRA of rank 4, a learnable
 temperature) produces a routing query per layer group and KV head; a page's logit is that query
-dotted with the page's embedding (a learned projection of its basis: key maximum, minimum and mean
+dotted with the page's embedding (a learned projection of its summary: key maximum, minimum and mean
 per channel) plus a positional decay ``exp(-Δpages / 32)`` from the current page. Scores are
-content-based, so they generalise across sequences (the seed's logits over fixed page ids do not),
+content-based, so they generalise across sequences (logits over fixed page ids would not),
 and inference takes a deterministic top-k.
 
 Training applies the projection to the query side (``key_vectors``: one vector per layer group and
-KV head in the page-basis space) and scores raw page features; inference applies it to the pages
-as they fill (``embed_pages``, kept by the page bases), so each decode step reads ``dim`` (32)
+KV head in the page-summary space) and scores raw page features; inference applies it to the pages
+as they fill (``embed_pages``, kept by the page summaries), so each decode step reads ``dim`` (32)
 numbers per page instead of ``3 * head_dim`` (192). Weights and the architecture live in one
 safetensors file.
 """

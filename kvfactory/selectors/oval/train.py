@@ -1,11 +1,9 @@
 """``kvfactory oval train``: distil a model's full attention into an OVAL router.
 
-1. **Teacher.** Text is cut into chunks of ``chunk`` tokens and run through the frozen model once
-   each with full attention. At ``positions`` sampled query positions ``t`` per chunk, every routed
-   layer records the attention mass each page of 16 tokens gets from the query at ``t`` (the
-   group's query heads averaged per KV head, causal), Quest's score for comparison, the pages'
-   bases (key maximum, minimum and mean per channel) and the decoder's last hidden state at
-   ``t - 1`` (what the router sees when decoding the token at ``t``).
+1. **Teacher.** ``kvfactory.selectors.teacher`` runs chunks of ``chunk`` tokens through the frozen
+   model with full attention and records, at ``positions`` sampled query positions per chunk, each
+   16-token page's attention mass, Quest's score, the page summaries and the decoder's last hidden
+   state before the position (what the router sees when decoding the token there).
 2. **Training.** The router's logits over the candidate pages (after the sink page, before the
    current one, which are always read) are fitted to the teacher's mass with KL divergence plus a
    focal loss on membership of the teacher's top-k at the read budget; the LM stays frozen.
@@ -20,143 +18,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvfactory.selectors.oval.router import Router, RouterShape
-from kvfactory.selectors.pages import split_rows
-from kvfactory.selectors.quest import QuestSelector
-
-PAGE = 16
-TEACHER = "kvfactory_oval_teacher"
-
-
-class QuestVariant(NamedTuple):
-    """A Quest ranking the teacher records: a ``QuestSelector``'s ``bound_scale`` and ``aggregate``,
-    with page bounds kept per ``bound_tokens`` tokens (a divisor of the page; finer bounds are
-    summed over the page as the softmax aggregate's shares, or their best score taken)."""
-
-    scale: float
-    aggregate: str
-    bound_tokens: int = PAGE
-
-
-@dataclass
-class Chunk:
-    """One chunk's teacher record (``S`` query positions, ``L`` routed layers, ``P`` pages)."""
-
-    features: torch.Tensor  # [L, Hkv, P, 3D]: key max | min | mean per page
-    hidden: torch.Tensor  # [S, hidden]: the decoder's last hidden state before each query position
-    current: torch.Tensor  # [S]: the page holding each query position
-    mass: torch.Tensor  # [S, L, Hkv, P]: full-attention mass per page (0 after the current page)
-    quest: torch.Tensor  # [S, L, Hkv, P]: Quest's score per page
-    quest_at: dict[QuestVariant, torch.Tensor] = field(default_factory=dict)  # the same, other settings
-
-
-class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int], variants: Sequence[QuestVariant]
-                 ) -> None:
-        self.positions, self.layers, self.variants = positions, set(layers), variants
-        self.out: dict[int, PageRecord] = {}
-
-
-_recording: _Recorder | None = None
-
-
-def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA, and for routed layers the teacher's record of the sampled queries."""
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    layer = getattr(module, "layer_idx", None)
-    if _recording is not None and layer in _recording.layers:
-        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"),
-                                            _recording.variants)
-    return out
-
-
-AttentionInterface.register(TEACHER, _teacher_attention)
-
-
-PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[QuestVariant, torch.Tensor]]
-
-
-def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None,
-                variants: Sequence[QuestVariant] = ()) -> PageRecord:
-    """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's score
-    ``[S, Hkv, P]`` of the queries at ``positions``, and Quest's score with each of ``variants``."""
-    _, hq, t, d = query.shape
-    hkv = key.shape[1]
-    groups, pages = hq // hkv, t // PAGE
-    keys = key[0, :, :pages * PAGE].float()
-    q = query[0, :, positions].float().view(hkv, groups, -1, d)  # [Hkv, G, S, D]
-    scores = q @ keys[:, None].transpose(-1, -2) * (scaling if scaling is not None else d ** -0.5)
-    causal = torch.arange(pages * PAGE) > positions[:, None]
-    probs = scores.masked_fill(causal, float("-inf")).softmax(-1).mean(1)  # [Hkv, S, T]
-    mass = probs.view(hkv, -1, pages, PAGE).sum(-1)
-    by_page = keys.view(hkv, pages, PAGE, d)
-    features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
-
-    visible = torch.arange(pages) <= positions[:, None] // PAGE  # [S, P]: the pages stored at each query
-
-    def quest(scale: float, aggregate: str, tokens: int = PAGE) -> torch.Tensor:  # [S, Hkv, P]
-        if PAGE % tokens:
-            raise ValueError(f"bound_tokens {tokens} does not divide the page of {PAGE} tokens")
-        parts = keys.view(hkv, pages * PAGE // tokens, tokens, d)
-        bounds = features[..., :2 * d] if tokens == PAGE else torch.cat([parts.amax(2), parts.amin(2)], -1)
-        dots = split_rows(q, scale) @ bounds[:, None].transpose(-1, -2)  # [Hkv, G, S, P * n]
-        if aggregate == "max":
-            return dots.view(hkv, groups, -1, pages, PAGE // tokens).amax(-1).amax(1).transpose(0, 1)
-        seen = visible.repeat_interleave(PAGE // tokens, -1)
-        dots = dots.mul_(d ** -0.5).masked_fill_(~seen, float("-inf"))
-        return dots.softmax(-1).view(hkv, groups, -1, pages, PAGE // tokens).sum((-1, 1)).transpose(0, 1)
-
-    return (features, mass.transpose(0, 1), quest(QuestSelector.bound_scale, QuestSelector.aggregate),
-            {variant: quest(*variant) for variant in variants})
-
-
-@torch.no_grad()
-def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None, variants: Sequence[QuestVariant] = ()) -> list[Chunk]:
-    """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
-    positions each (uniform over the chunk's second half and beyond the first eighth); Quest's scores
-    also with ``variants`` (``Chunk.quest_at``)."""
-    global _recording
-    gen = random.Random(seed)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(TEACHER)
-    records = []
-    try:
-        for start in range(0, ids.numel() - chunk + 1, chunk):
-            window = ids[start:start + chunk][None]
-            at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-            _recording = _Recorder(at, layers, variants)
-            hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
-            out = [_recording.out[layer] for layer in layers]
-            records.append(Chunk(
-                features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
-                current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
-                quest=torch.stack([o[2] for o in out], 1).half(),
-                quest_at={v: torch.stack([o[3][v] for o in out], 1).half() for v in variants}))
-            advance()
-    finally:
-        _recording = None
-        model.set_attn_implementation(previous)
-    return records
-
-
-def candidates(current: torch.Tensor, pages: int) -> torch.Tensor:
-    """``[S, P]``: the pages a selector chooses among (after the sink page, before the current one)."""
-    index = torch.arange(pages)
-    return (index >= 1) & (index < current[:, None])
-
-
-def chosen_count(current: torch.Tensor, budget: float) -> torch.Tensor:
-    """Pages chosen besides the sink and current page at ``budget`` of ``current + 1`` pages: ``[S]``."""
-    return (torch.ceil(budget * (current + 1).float()).long() - 2).clamp(min=1)
+from kvfactory.selectors.teacher import Chunk, candidates, cap, chosen_count, collect, tokens_of
 
 
 def router_logits(router: Router, chunk: Chunk, decay: bool = True) -> torch.Tensor:
@@ -264,18 +131,8 @@ def new_router(model: Any, dense_layers: int, name: str) -> Router:
     return Router(RouterShape(config.hidden_size, config.num_key_value_heads, head_dim, layers, model=name))
 
 
-def tokens_of(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
-    return torch.cat([tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-                      for text in texts])
-
-
 def fit_summary(report: dict[str, dict[str, float]]) -> str:
     return ", ".join(f"{name} recall {v['recall']:.3f} hit {v['hit_rate']:.3f}" for name, v in report.items())
-
-
-def cap(ids: torch.Tensor, chunks: int, chunk: int) -> torch.Tensor:
-    """The first ``chunks`` whole chunks of ``ids``."""
-    return ids[:min(ids.numel() // chunk, chunks) * chunk]
 
 
 def learning_curve_points(epochs: int) -> set[int]:
