@@ -82,7 +82,7 @@ def check_budget(cache, seen: int) -> None:
 
 def check_read_budget(cache, reads_all: bool, reference, out) -> None:
     """Each decode step reads ``READ_BUDGET`` of the sparse layers' stored pages, rounded up per layer
-    (the per-layer split), plus the page bases it scores, or everything for the full selector (which
+    (the per-layer split), plus the page summaries it scores, or everything for the full selector (which
     then equals DynamicCache)."""
     metrics = cache.routing_metrics()
     assert metrics["steps"] == NEW_TOKENS - 1
@@ -92,8 +92,8 @@ def check_read_budget(cache, reads_all: bool, reference, out) -> None:
         assert share >= 1.0
     else:
         pages = -(-(PROMPT_TOKENS + NEW_TOKENS) // PAGE)
-        rounding, bases = 3 / pages, 0.05  # a page up per layer split and partly filled end pages
-        assert READ_BUDGET * 0.8 <= share <= READ_BUDGET + rounding + bases, share
+        rounding, summaries = 3 / pages, 0.05  # a page up per layer split and partly filled end pages
+        assert READ_BUDGET * 0.8 <= share <= READ_BUDGET + rounding + summaries, share
 
 
 def check_codec_bytes(model, cache, codec: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
+PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
 FIELDS = {"task", "context", "depth", "prompt", "question", "answer", "id"}
 
 

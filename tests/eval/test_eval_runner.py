@@ -9,6 +9,7 @@ import pytest
 from eval_pipeline import CACHES, CONTEXTS, TASKS, pipeline_results
 from typer.testing import CliRunner
 
+from kvfactory import ConfigError
 from kvfactory.cli import app
 from kvfactory.eval import peers
 from kvfactory.eval.runner import BASELINE, EvalError, parse_tasks, resolve_cache, resolve_caches
@@ -65,8 +66,8 @@ def test_presets_load() -> None:
     quest = resolve_cache("quest@0.125").config["strategies"]
     assert quest == [{"name": "paged", "page_size": 16}, {"name": "quest", "read_budget": 0.125}]
     assert resolve_cache("quest@1").config["strategies"][1]["read_budget"] == 1.0
-    dynamic = resolve_cache("quest-dynamic@0.125").config["strategies"][1]
-    assert dynamic == {"name": "quest", "read_budget": 0.125, "dynamic_pages": True}
+    with pytest.raises(ConfigError, match="dynamic pages were removed"):
+        resolve_cache("quest-dynamic@0.125")
     with pytest.raises(EvalError):
         resolve_cache("snapkv-dynamic@0.75")  # pages are a selector's: no dynamic eviction policy
 

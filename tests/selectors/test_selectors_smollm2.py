@@ -49,7 +49,7 @@ def test_the_readme_example_turns_sparse_decode_on_in_at_most_15_lines(smollm2) 
     """The README's example, run as written on the embedded model's converted folder."""
     from kvfactory import models
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("### Sparse decode"):]
     code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
     lines = [line for line in code.splitlines() if line.strip()]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "policy_agreement.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "policy_agreement.py"
 
 
 def _load():

@@ -383,7 +383,7 @@ def test_beams_and_samples_share_the_prompts_blocks(options: dict) -> None:
 
 
 def test_the_readme_manager_example_runs_as_written(tmp_path: Path, monkeypatch) -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme[readme.index("### Many sequences over one pool"):]
     code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
     model = tiny_model("llama")
