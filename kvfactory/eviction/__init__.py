@@ -1,4 +1,4 @@
-"""Eviction and compression policies: which stored tokens a ``eviction`` cache keeps.
+"""Eviction and compression policies: which stored tokens an evicting cache keeps (the ``eviction`` entry).
 
 One file per method; ``register_policy`` adds a user's own (a ``Policy`` dataclass).
 """
