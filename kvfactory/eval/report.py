@@ -168,7 +168,7 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
     if routed:
         lines += ["", "## Page routing", "",
                   "Sparse decode (page selectors): KV bytes read per decode step over all stored (page "
-                  "bases included), and on shadow steps (full attention every `shadow_every` steps) the "
+                  "summaries included), and on shadow steps (full attention every `shadow_every` steps) the "
                   "hit rate (pages read among the same number with the most attention mass) and the "
                   "attention-mass recall, mean over sparse layers, KV heads and prompts, beside the "
                   "oracle's (as many pages chosen by full attention: the most any selector reads); the "
