@@ -16,7 +16,7 @@ give the attention mass on the pages read (recall), the oracle's (as many pages 
 attention) and the hit rate. Prints JSON: per config and window, and the mean over windows.
 
     python benchmarks/quest_heldout.py [--context 3072] [--steps 24] [--budget 0.125]
-        [--configs "paper,softmax,..."] [--windows "pg84_frankenstein.txt@30000,..."]
+        [--configs "paper,prompt_weight 2,..."] [--windows "pg84_frankenstein.txt@30000,..."]
 """
 
 from __future__ import annotations

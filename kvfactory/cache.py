@@ -192,7 +192,7 @@ def _find_models(module: torch.nn.Module, args: tuple) -> None:
 
 
 def check_kvfactory_attention(implementation: str | None, config: Any) -> None:
-    """Selective policies and selectors work inside kvfactory's attention function: refuse a model set
+    """Eviction policies and selectors work inside kvfactory's attention function: refuse a model set
     to another, which would silently keep or read everything."""
     if implementation not in (None, ATTENTION) and _requires_kvfactory_attention(config):
         raise ConfigError("attn_implementation", implementation,
@@ -469,7 +469,7 @@ class KVCache(Cache):
     def fork(self, seq_id: str | None = None) -> KVCache:
         """A cache holding the same tokens that continues on its own: paged blocks are shared by refcount
         and copied on write, so a fork costs no KV memory until one side writes into a shared block.
-        ``UnsupportedError`` for strategies that cannot fork yet (quantized, evicting, sparse)."""
+        ``UnsupportedError`` for strategies that cannot fork yet (dense storage, sparse reads)."""
         self._check_live()
         layers = []
         with self.forward_lock.held():
@@ -571,7 +571,7 @@ class KVCache(Cache):
         blocks included). Quantized caches add ``workspace``: the floating-point buffer that reads
         decode into, one layer's K/V at a time, shared by every cache of the factory, and
         ``residual`` / ``residual_tokens``: the part of ``allocated`` / ``tokens_stored`` in the
-        full-precision window of recent tokens. Selective caches add ``peak_allocated``: the most
+        full-precision window of recent tokens. Evicting caches add ``peak_allocated``: the most
         each layer held (right before an eviction: budget + the step's or chunk's tokens), summed.
         """
         reports = [layer.store.memory_report() for layer in self.layers]

@@ -21,7 +21,7 @@ behaviour silently changes:
 - ``kvfactory_attention``: whether ``create_cache()`` switches the model to kvfactory's attention.
 
 Adding a strategy means adding one row here: every cross-cutting test (``test_matrix_*.py``)
-parametrizes over ``CASES``. The README's ``FirstAndLast`` goes through them that way below.
+parametrizes over ``CASES``. The ``FirstAndLast`` of docs/storage.md goes through them that way below.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from kvfactory.presets import load_preset
 
 @dataclass(eq=False)
 class FirstAndLast(DenseStore):
-    """Keep the first `first` and the last `last` tokens (the README's own-strategy example)."""
+    """Keep the first `first` and the last `last` tokens (docs/storage.md's own-strategy example)."""
 
     first: int = 4
     last: int = 1024
@@ -209,7 +209,7 @@ ROWS: list[Row] = [
     preset("snapkv@0.5", 0.6, evicts=True, kvfactory_attention=True),
     # Quest reads its first 2 layers whole (dense_layers), every layer of the tiny models: lossless here
     preset("quest@0.25", 0.0, raises=SPARSE, kvfactory_attention=True),
-    # a strategy defined in a test: the README's FirstAndLast
+    # a strategy defined in a test: docs/storage.md's FirstAndLast
     Row("first_and_last", {"type": "first_and_last", "first": 4, "last": 12},
         {"type": "first_and_last", "first": 1, "last": 4}, 0.6, evicts=True,
         raises=DENSE | {FORK: (UnsupportedError, "FirstAndLast cannot be forked")}),

@@ -97,7 +97,7 @@ class EvictionStore(WrappedStore):
     def fork(self) -> EvictionStore:
         twin = EvictionStore(self.inner.fork(), self.policy, self.spec, self.num_layers, self.slack)
         twin.layer_idx = self.layer_idx
-        twin.prefill_open, twin.padded, twin.peak_bytes = self.prefill_open, self.padded, self._peak
+        twin.prefill_open, twin.padded, twin._peak = self.prefill_open, self.padded, self._peak
         for name in PER_ROW:
             value = getattr(self, name)
             setattr(twin, name, None if value is None else value.clone())

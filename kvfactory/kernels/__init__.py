@@ -36,7 +36,7 @@ I64, PTR = ctypes.c_int64, ctypes.c_void_p
 # the dtype codes of common.h (F32, F16, BF16, LUT8: FP8 read through a 256-entry table)
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
 
-# What each library exports, copied from its C definitions (tests/test_native_kernels.py checks them).
+# What each library exports, copied from its C definitions (tests/quantization/test_native_kernels.py checks them).
 SIGNATURES = {
     "kivi": (
         "void kivi_key_scores(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query, "

@@ -83,14 +83,13 @@ class SequenceState:
         if cache.get_seq_length() and not self.front:
             raise SequenceStateError(f"restore into a cache holding {cache.get_seq_length()} tokens")
         moved = [{name: t.to(device) for name, t in layer.items()} for layer in self.layers]
-        check = getattr(cache.shared, "check", None)
-        if check is not None:
+        if cache.shared is not None:
             requests = []
             for layer, tensors in zip(cache.layers, moved, strict=True):
                 if "keys" in tensors:  # plain pages (quantized ones are written layer by layer)
                     keys, values = tensors["keys"], tensors["values"]
                     requests += layer.store.block_requests(keys.shape[2], keys.shape[0], keys, values)
-            check(requests)
+            cache.shared.check(requests)
         for layer, tensors, seen in zip(cache.layers, moved, self.seen, strict=True):
             if tensors and self.front:
                 layer.store.prepend(tensors["keys"], tensors["values"])

@@ -242,19 +242,6 @@ class PagedStore(LayerStore):
         return tuple(t.flatten(0, 1).index_select(0, rows).view(b, h, -1, t.shape[-1])[:, :, :n]
                      for t in (block_pool.k, block_pool.v))
 
-    def read_tokens(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the stored tokens at ``positions [B, H, n]`` (any, per row and head): ``[B, H, n, D]``,
-        one slot gather per tensor (dynamic pages, ``kvfactory.selectors.layout``)."""
-        table, ps = self._table, self.page_size
-        block_pool = table.pool
-        b, h, n = positions.shape
-        at = positions.cpu() + table.start
-        slots = table.ids.gather(1, (at // ps).flatten(1)).view(b, h, n) * ps + at % ps
-        device = block_pool.k.device
-        rows = (slots + torch.arange(h)[None, :, None] * (block_pool.num_blocks * ps)).flatten().to(device)
-        return tuple(t.view(-1, t.shape[-1]).index_select(0, rows).view(b, h, n, -1)
-                     for t in (block_pool.k, block_pool.v))
-
     def read_bytes(self, page_tokens: int, tail_tokens: int) -> int:
         """Bytes one row reads for ``page_tokens`` tokens in pages and ``tail_tokens`` in the tail."""
         return (page_tokens + tail_tokens) * self._table.pool.block_bytes // self.page_size

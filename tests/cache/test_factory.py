@@ -101,7 +101,7 @@ def test_from_yaml_with_a_shared_pool(tmp_path) -> None:
     assert used_blocks(first.pool)[0] == 2 and sum(used_blocks(first.pool).values()) == 2
 
 
-# -- a user strategy registered by name: the README's FirstAndLast (registered by configs.py) -----
+# -- a user strategy registered by name: docs/storage.md's FirstAndLast (registered by configs.py) -----
 
 def kept_positions(seen: int, first: int, last: int) -> torch.Tensor:
     return torch.cat([torch.arange(first), torch.arange(seen - last, seen)])

@@ -59,6 +59,8 @@ def test_fork(row: Row, level: str) -> None:
         return
     twin = cache.fork()
     assert twin.get_seq_length() == cache.get_seq_length()
+    assert twin.memory_report().keys() == cache.memory_report().keys()  # the same reports, peaks included
+    assert twin.memory_report().get("peak_allocated") == cache.memory_report().get("peak_allocated")
     a_ids, b_ids = (torch.cat([first, torch.tensor([[token]])], 1) for token in (5, 9))
     out_b = continued(twin, b_ids)
     out_a = continued(cache, a_ids)
