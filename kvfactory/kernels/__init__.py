@@ -36,7 +36,8 @@ I64, PTR = ctypes.c_int64, ctypes.c_void_p
 # the dtype codes of common.h (F32, F16, BF16, LUT8: FP8 read through a 256-entry table)
 KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 3}
 
-# What each library exports, copied from its C definitions (tests/quantization/test_native_kernels.py checks them).
+# What each library exports, copied from its C definitions (checked by
+# tests/quantization/test_native_kernels.py).
 SIGNATURES = {
     "kivi": (
         "void kivi_key_scores(int64_t B, int64_t H, int64_t R, int64_t D, int bits, const float *query, "
@@ -52,8 +53,7 @@ SIGNATURES = {
     ),
     "pages": (
         "int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, "
-        "const void *features, int kind, int64_t fb, int64_t fh, int64_t fp, int mode, float split, "
-        "float scale, float *scores)",
+        "const void *features, int kind, int64_t fb, int64_t fh, int64_t fp, int bound, float *scores)",
         "int top_pages(int64_t rows, int64_t P, const float *scores, int64_t lo, int64_t hi, int64_t k, "
         "int64_t *out)",
     ),

@@ -1,15 +1,12 @@
 /* Page selection for sparse decode: score every page of a layer, then keep the best k.
  *
- * Scores are dot products of a few query rows with each page's feature vector, kept per row, as
- * the best row's, or as the rows' softmax over the pages summed. Quest's score is the last (rows:
- * each query head's query split here into two halves weighing the page's key maxima and minima,
- * see split_rows); OVAL's logit is the best (one routing vector; features: maxima, minima and
- * means); OVAL's graph step keeps every row (rows: scores; features: adjacency). Each page's
- * features are read once, in their stored dtype (float16 halves the bytes a step reads), where
- * torch's batched product packs the whole feature matrix first.
+ * A page's score is the best dot product of a few query rows with its feature vector: Quest's
+ * bound (rows: each query head's query split here into two halves weighing the page's key maxima
+ * and minima, see split_rows) or OVAL's logit (one routing vector against the page's embedding).
+ * Each page's features are read once, in their stored dtype (float16 halves the bytes a step
+ * reads), where torch's batched product packs the whole feature matrix first.
  * Built by kvfactory/kernels/__init__.py, called by kvfactory/selectors/pages.py.
  */
-#include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -46,11 +43,11 @@ static inline __m512 sums16(const __m512 *v) {
 /* Pages [p, p + BLOCK) of one (b, h): features converted once into a float32 block, then each row's
  * 16 dot products accumulate side by side (16 independent chains) and are summed in one vector. */
 static inline void score_block(const float *q, const char *f, int kind, int64_t size, int64_t fp, int64_t R,
-                               int64_t F, int64_t P, int64_t p, int best_only, float *out) {
+                               int64_t F, int64_t p, float *out) {
     float block[BLOCK * WIDEST] __attribute__((aligned(64)));
     for (int64_t j = 0; j < BLOCK; j++) {
         const char *page = f + (p + j) * fp * size;
-        for (int64_t i = 0; i < F * size; i += 64)  /* bases are cold: ask for the next block */
+        for (int64_t i = 0; i < F * size; i += 64)  /* summaries are cold: ask for the next block */
             _mm_prefetch(page + BLOCK * fp * size + i, _MM_HINT_T0);
         for (int64_t i = 0; i < F / 16; i++) _mm512_store_ps(block + j * F + 16 * i, load16(page, kind, 16 * i));
     }
@@ -62,106 +59,54 @@ static inline void score_block(const float *q, const char *f, int kind, int64_t 
             const __m512 qi = _mm512_loadu_ps(q + r * F + 16 * i);
             for (int j = 0; j < BLOCK; j++) acc[j] = _mm512_fmadd_ps(qi, _mm512_load_ps(block + j * F + 16 * i), acc[j]);
         }
-        const __m512 dots = sums16(acc);
-        if (best_only) best = _mm512_max_ps(best, dots);
-        else _mm512_storeu_ps(out + r * P + p, dots);
+        best = _mm512_max_ps(best, sums16(acc));
     }
-    if (best_only) _mm512_storeu_ps(out + p, best);
+    _mm512_storeu_ps(out + p, best);
 }
 #endif
 
-#if defined(__AVX512F__)
-/* e^x for x <= 0 to about 2e-7 relative: 2^(x log2 e) split into a rounded power of two (scalef)
- * and a degree-6 polynomial of the remainder in [-1/2, 1/2]. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, n);
-    static const float c[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f,
-                              6.9314718e-1f, 1.f};
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
-/* out[p] += softmax over p of scale * dots[p] (P entries); dots is overwritten. */
-static void add_softmax(float *dots, int64_t P, float scale, float *out) {
-    float top = -__builtin_inff(), total = 0.f;
-    int64_t p = 0;
-#if defined(__AVX512F__)
-    __m512 most = _mm512_set1_ps(top);
-    for (; p + 16 <= P; p += 16) most = _mm512_max_ps(most, _mm512_loadu_ps(dots + p));
-    top = _mm512_reduce_max_ps(most);
-#endif
-    for (; p < P; p++) top = dots[p] > top ? dots[p] : top;
-    p = 0;
-#if defined(__AVX512F__)
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(top);
-    for (; p + 16 <= P; p += 16) {
-        const __m512 e = exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(dots + p), m), s));
-        _mm512_storeu_ps(dots + p, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    total = _mm512_reduce_add_ps(sum);
-#endif
-    for (; p < P; p++) total += dots[p] = expf(scale * (dots[p] - top));
-    const float inv = 1.f / total;
-    for (p = 0; p < P; p++) out[p] += dots[p] * inv;
-}
-
-/* Each row x of width F / 2 as the F-wide row [(x + s|x|) / 2 | (x - s|x|) / 2], whose dot with a
- * page's [maxima | minima] is x . centre + s |x| . half-width (Quest's bound at s = 1). */
-static void split_rows(const float *x, int64_t R, int64_t F, float s, float *out) {
+/* Each row x of width F / 2 as the F-wide row [max(x, 0) | min(x, 0)], whose dot with a page's
+ * [maxima | minima] is x . centre + |x| . half-width: Quest's bound. */
+static void split_rows(const float *x, int64_t R, int64_t F, float *out) {
     const int64_t D = F / 2;
     for (int64_t r = 0; r < R; r++)
         for (int64_t c = 0; c < D; c++) {
-            const float v = x[r * D + c], spread = s * (v < 0.f ? -v : v);
-            out[r * F + c] = 0.5f * (v + spread);
-            out[r * F + D + c] = 0.5f * (v - spread);
+            const float v = x[r * D + c];
+            out[r * F + c] = v > 0.f ? v : 0.f;
+            out[r * F + D + c] = v < 0.f ? v : 0.f;
         }
 }
 
-enum { ROWS = 0, BEST = 1, SOFTMAX = 2 };
-
-/* With d[r, p] = rows[b, h, r, :] . features[b, h, p, :F], mode ROWS: scores[b, h, r, p] = d[r, p]
- * ([B, H, R, P]); BEST: scores[b, h, p] = max over r of d[r, p]; SOFTMAX: scores[b, h, p] = sum over
- * r of softmax over p of scale * d[r, p] ([B, H, P]).
- * rows: float32 [B, H, R, F] contiguous; with split >= 0, [B, H, R, F / 2] queries taken as
- * split_rows(rows, split). features: float32 (kind F32) or float16 (F16) with element strides
+/* scores[b, h, p] = max over r of rows[b, h, r, :] . features[b, h, p, :F] ([B, H, P]).
+ * rows: float32 [B, H, R, F] contiguous; with bound, [B, H, R, F / 2] queries taken as
+ * split_rows(rows). features: float32 (kind F32) or float16 (F16) with element strides
  * (fb, fh, fp), the F channels contiguous. scores: float32, contiguous. Returns -1 if working memory
- * (split rows, per-row dots) cannot be allocated, else 0. */
+ * (the split rows) cannot be allocated, else 0. */
 int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, const void *features,
-                int kind, int64_t fb, int64_t fh, int64_t fp, int mode, float split, float scale, float *scores) {
-    const int64_t size = param_size(kind), width = split >= 0.f ? F / 2 : F;
-    const int best_only = mode == BEST;
-    float *expanded = NULL, *dots = NULL;
-    if ((split >= 0.f && !(expanded = malloc(sizeof(float) * (size_t)(R * F))))
-        || (mode == SOFTMAX && !(dots = malloc(sizeof(float) * (size_t)(R * P))))) {
-        free(expanded);
-        return -1;
-    }
+                int kind, int64_t fb, int64_t fh, int64_t fp, int bound, float *scores) {
+    const int64_t size = param_size(kind), width = bound ? F / 2 : F;
+    float *expanded = NULL;
+    if (bound && !(expanded = malloc(sizeof(float) * (size_t)(R * F)))) return -1;
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
             const float *q = rows + (b * H + h) * R * width;
             if (expanded) {
-                split_rows(q, R, F, split, expanded);
+                split_rows(q, R, F, expanded);
                 q = expanded;
             }
             const char *feat = (const char *)features + (b * fb + h * fh) * size;
-            float *out = dots ? dots : scores + (b * H + h) * P * (best_only ? 1 : R);
+            float *out = scores + (b * H + h) * P;
             int64_t p = 0;
 #if defined(__AVX512F__)
             if (F % 16 == 0 && F <= WIDEST)
-                for (; p + BLOCK <= P; p += BLOCK) score_block(q, feat, kind, size, fp, R, F, P, p, best_only, out);
+                for (; p + BLOCK <= P; p += BLOCK) score_block(q, feat, kind, size, fp, R, F, p, out);
 #endif
             for (; p < P; p++) {
                 const char *f = feat + p * fp * size;
                 float best = 0.f;
 #if defined(__AVX512F__)
                 if (F % 16 == 0 && F <= 512) {
-                    for (int64_t i = 0; i < F * size; i += 64)  /* bases are cold: ask for pages ahead */
+                    for (int64_t i = 0; i < F * size; i += 64)  /* summaries are cold: ask for pages ahead */
                         _mm_prefetch(f + AHEAD * fp * size + i, _MM_HINT_T0);
                     __m512 x[32];
                     for (int64_t i = 0; i < F / 16; i++) x[i] = load16(f, kind, 16 * i);
@@ -171,9 +116,8 @@ int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const flo
                             acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * F + 16 * i), x[i], acc);
                         const float dot = _mm512_reduce_add_ps(acc);
                         best = r == 0 || dot > best ? dot : best;
-                        if (!best_only) out[r * P + p] = dot;
                     }
-                    if (best_only) out[p] = best;
+                    out[p] = best;
                     continue;
                 }
 #endif
@@ -186,19 +130,12 @@ int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const flo
                         for (int64_t i = 0; i < n; i++) dot += q[r * F + i0 + i] * x[i];
                     }
                     best = r == 0 || dot > best ? dot : best;
-                    if (!best_only) out[r * P + p] = dot;
                 }
-                if (best_only) out[p] = best;
-            }
-            if (dots) {
-                float *sums = scores + (b * H + h) * P;
-                memset(sums, 0, sizeof(float) * (size_t)P);
-                for (int64_t r = 0; r < R; r++) add_softmax(dots + r * P, P, scale, sums);
+                out[p] = best;
             }
         }
     }
     free(expanded);
-    free(dots);
     return 0;
 }
 

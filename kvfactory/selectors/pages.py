@@ -29,54 +29,29 @@ def _pages_library(t: torch.Tensor) -> object | None:
     return kernels.load("pages") if t.device.type == "cpu" else None
 
 
-def split_rows(queries: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[..., 2D]`` rows whose dot with a page's ``[max | min]`` is ``q · c + s |q| · h`` (``c`` the
-    centre and ``h`` the half-width of each channel's range): with s = 1, Quest's bound."""
-    spread = queries.abs().mul_(scale)
-    return torch.cat([queries + spread, queries - spread], -1).mul_(0.5)
+def split_rows(queries: torch.Tensor) -> torch.Tensor:
+    """``[..., 2D]`` rows ``[max(q, 0) | min(q, 0)]`` whose dot with a page's ``[max | min]`` is Quest's
+    bound ``q · c + |q| · h`` (``c`` the centre and ``h`` the half-width of each channel's range)."""
+    return torch.cat([queries.clamp(min=0), queries.clamp(max=0)], -1)
 
 
-def best_dot(rows: torch.Tensor, features: torch.Tensor, split: float | None = None) -> torch.Tensor:
+def best_dot(rows: torch.Tensor, features: torch.Tensor, bound: bool = False) -> torch.Tensor:
     """``max_r rows[..., r, :] · features[..., p, :]`` in float32: ``rows [B, H, R, F]`` against
     ``features [B, H, P, F]`` (float32 or float16, a view of the summaries) gives ``[B, H, P]``. With
-    ``split``, ``rows [B, H, R, F / 2]`` are queries taken as ``split_rows(rows, split)`` (in the kernel)."""
-    return _dots(rows, features, BEST, split=split)
-
-
-def softmax_mass(rows: torch.Tensor, features: torch.Tensor, scale: float, split: float | None = None
-                 ) -> torch.Tensor:
-    """``sum_r softmax_p(scale · rows[..., r, :] · features[..., p, :])``, ``[B, H, P]`` in float32: the
-    share of each row's attention a page would get if its features were its one key, summed over the
-    rows. ``rows``, ``features`` and ``split`` as in ``best_dot``."""
-    return _dots(rows, features, SOFTMAX, split=split, scale=scale)
-
-
-def row_dots(rows: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """``rows @ features^T`` in float32, every row kept: ``[B, H, R, P]``."""
-    return _dots(rows, features, ROWS)
-
-
-ROWS, BEST, SOFTMAX = 0, 1, 2  # pages.c's modes
-
-
-def _dots(rows: torch.Tensor, features: torch.Tensor, mode: int, split: float | None = None,
-          scale: float = 1.0) -> torch.Tensor:
+    ``bound``, ``rows [B, H, R, F / 2]`` are queries taken as ``split_rows(rows)`` (in the kernel)."""
     lib = _pages_library(features)
     if lib is None or features.stride(-1) != 1 or features.dtype not in FEATURE_DTYPES:
-        if split is not None:
-            rows = split_rows(rows.float(), split)
-        dots = rows.float() @ features.float().transpose(-1, -2)
-        if mode == SOFTMAX:
-            return dots.mul_(scale).softmax(-1).sum(2)
-        return dots.amax(2) if mode == BEST else dots
+        if bound:
+            rows = split_rows(rows.float())
+        return (rows.float() @ features.float().transpose(-1, -2)).amax(2)
     b, h, r = rows.shape[:3]
     p, f = features.shape[2:]
     rows = rows.float().contiguous()
-    out = torch.empty((b, h, r, p) if mode == ROWS else (b, h, p), dtype=torch.float32)
+    out = torch.empty((b, h, p), dtype=torch.float32)
     fs = features.stride()
     if lib.page_scores(b, h, r, f, p, rows.data_ptr(), features.data_ptr(), kernels.KINDS[features.dtype],
-                       *fs[:3], mode, -1.0 if split is None else split, scale, out.data_ptr()):
-        raise MemoryError(f"page_scores: no memory for {r} query rows over {p} pages")
+                       *fs[:3], int(bound), out.data_ptr()):
+        raise MemoryError(f"page_scores: no memory for {r} query rows")
     return out
 
 

@@ -21,8 +21,6 @@ import torch
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.pages import PageSummaries, best_dot
 
-BOUND = 1.0  # ``split_rows`` scale of Quest's bound: q · centre + |q| · half-width
-
 
 @dataclass
 class QuestSelector(Selector):
@@ -34,7 +32,7 @@ class QuestSelector(Selector):
 
     def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
                     ) -> torch.Tensor:
-        return best_dot(queries, summaries.bounds, split=BOUND)
+        return best_dot(queries, summaries.bounds, bound=True)
 
     def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
         """The best head's bounds taken as logits at attention's temperature."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -23,20 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from kvfactory.selectors.pages import split_rows
 
 PAGE = 16
-PAPER = (1.0, "max")  # Quest as the selector ranks: the bound, each KV head's best query head
 TEACHER = "kvfactory_oval_teacher"
-
-
-class QuestVariant(NamedTuple):
-    """A variant of Quest's ranking the teacher can record beside the paper's (``benchmarks/
-    quest_scale.py`` compares them): ranges scaled by ``scale`` about their centres (1: Quest's
-    bound), query heads joined by their best score (``"max"``, the paper's) or their summed softmax
-    shares (``"softmax"``), page bounds kept per ``bound_tokens`` tokens (a divisor of the page;
-    finer bounds are summed over the page as softmax shares, or their best score taken)."""
-
-    scale: float
-    aggregate: str
-    bound_tokens: int = PAGE
 
 
 @dataclass
@@ -48,13 +35,11 @@ class Chunk:
     current: torch.Tensor  # [S]: the page holding each query position
     mass: torch.Tensor  # [S, L, Hkv, P]: full-attention mass per page (0 after the current page)
     quest: torch.Tensor  # [S, L, Hkv, P]: Quest's score per page
-    quest_at: dict[QuestVariant, torch.Tensor] = field(default_factory=dict)  # the same, other settings
 
 
 class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int], variants: Sequence[QuestVariant]
-                 ) -> None:
-        self.positions, self.layers, self.variants = positions, set(layers), variants
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int]) -> None:
+        self.positions, self.layers = positions, set(layers)
         self.out: dict[int, PageRecord] = {}
 
 
@@ -67,21 +52,21 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
-        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"),
-                                            _recording.variants)
+        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"))
     return out
 
 
 AttentionInterface.register(TEACHER, _teacher_attention)
 
 
-PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[QuestVariant, torch.Tensor]]
+PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None,
-                variants: Sequence[QuestVariant] = ()) -> PageRecord:
+def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None
+                ) -> PageRecord:
     """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's score
-    ``[S, Hkv, P]`` of the queries at ``positions``, and Quest's score with each of ``variants``."""
+    ``[S, Hkv, P]`` of the queries at ``positions`` (as the selector ranks: the paper's bound, each KV
+    head's best query head)."""
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     groups, pages = hq // hkv, t // PAGE
@@ -94,30 +79,15 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     by_page = keys.view(hkv, pages, PAGE, d)
     features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
 
-    visible = torch.arange(pages) <= positions[:, None] // PAGE  # [S, P]: the pages stored at each query
-
-    def quest(scale: float, aggregate: str, tokens: int = PAGE) -> torch.Tensor:  # [S, Hkv, P]
-        if PAGE % tokens:
-            raise ValueError(f"bound_tokens {tokens} does not divide the page of {PAGE} tokens")
-        parts = keys.view(hkv, pages * PAGE // tokens, tokens, d)
-        bounds = features[..., :2 * d] if tokens == PAGE else torch.cat([parts.amax(2), parts.amin(2)], -1)
-        dots = split_rows(q, scale) @ bounds[:, None].transpose(-1, -2)  # [Hkv, G, S, P * n]
-        if aggregate == "max":
-            return dots.view(hkv, groups, -1, pages, PAGE // tokens).amax(-1).amax(1).transpose(0, 1)
-        seen = visible.repeat_interleave(PAGE // tokens, -1)
-        dots = dots.mul_(d ** -0.5).masked_fill_(~seen, float("-inf"))
-        return dots.softmax(-1).view(hkv, groups, -1, pages, PAGE // tokens).sum((-1, 1)).transpose(0, 1)
-
-    return (features, mass.transpose(0, 1), quest(*PAPER),
-            {variant: quest(*variant) for variant in variants})
+    bounds = split_rows(q) @ features[:, None, :, :2 * d].transpose(-1, -2)  # [Hkv, G, S, P]
+    return features, mass.transpose(0, 1), bounds.amax(1).transpose(0, 1)
 
 
 @torch.no_grad()
 def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None, variants: Sequence[QuestVariant] = ()) -> list[Chunk]:
+            advance: Callable[[], None] = lambda: None) -> list[Chunk]:
     """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
-    positions each (uniform over the chunk's second half and beyond the first eighth); Quest's scores
-    also with ``variants`` (``Chunk.quest_at``)."""
+    positions each (uniform over the chunk's second half and beyond the first eighth)."""
     global _recording
     gen = random.Random(seed)
     previous = model.config._attn_implementation
@@ -127,14 +97,13 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
         for start in range(0, ids.numel() - chunk + 1, chunk):
             window = ids[start:start + chunk][None]
             at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-            _recording = _Recorder(at, layers, variants)
+            _recording = _Recorder(at, layers)
             hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
             out = [_recording.out[layer] for layer in layers]
             records.append(Chunk(
                 features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
                 current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
-                quest=torch.stack([o[2] for o in out], 1).half(),
-                quest_at={v: torch.stack([o[3][v] for o in out], 1).half() for v in variants}))
+                quest=torch.stack([o[2] for o in out], 1).half()))
             advance()
     finally:
         _recording = None

@@ -14,7 +14,7 @@ from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
 from kvfactory.errors import ShapeError
-from kvfactory.selectors.pages import best_dot, row_dots, softmax_mass, split_rows, top_pages
+from kvfactory.selectors.pages import best_dot, split_rows, top_pages
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler on this machine")
 
@@ -179,28 +179,24 @@ def test_no_compiler_warns_and_leaves_the_torch_kernels(tmp_path, monkeypatch) -
 @pytest.mark.parametrize("rows", [1, 3])
 def test_page_scores_equal_the_matrix_product(dtype, features, rows) -> None:
     gen = torch.Generator().manual_seed(0)
-    bases = torch.randn(2, 3, 50, features + 8, generator=gen).to(dtype)[..., :features]  # a strided view
+    summaries = torch.randn(2, 3, 50, features + 8, generator=gen).to(dtype)[..., :features]  # a strided view
     query = torch.randn(2, 3, rows, features, generator=gen)
-    dots = query @ bases.float().transpose(-1, -2)
-    torch.testing.assert_close(row_dots(query, bases), dots, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(best_dot(query, bases), dots.amax(2), atol=1e-4, rtol=1e-5)
-    # the rows' softmax over the 50 pages (16-wide vectors and a tail of 2), summed over the rows
-    for scale in (0.3, 3.0):  # 3: scores spread over hundreds, most exponents underflow
-        torch.testing.assert_close(softmax_mass(query, bases, scale), (dots * scale).softmax(-1).sum(2),
-                                   atol=1e-5, rtol=1e-4)
+    dots = query @ summaries.float().transpose(-1, -2)
+    torch.testing.assert_close(best_dot(query, summaries), dots.amax(2), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("features", [128, 24])
-@pytest.mark.parametrize("split", [0.0, 0.5, 1.0])
-def test_page_scores_split_the_queries_themselves(features, split) -> None:
-    """Quest's rows ``[(q + s|q|) / 2 | (q - s|q|) / 2]`` formed in the kernel as ``split_rows`` does."""
+def test_page_scores_split_the_queries_themselves(features) -> None:
+    """Quest's rows ``[max(q, 0) | min(q, 0)]`` formed in the kernel as ``split_rows`` does: their dot
+    with a page's ``[max | min]`` is the bound ``q · centre + |q| · half-width``."""
     gen = torch.Generator().manual_seed(4)
-    bases = torch.randn(2, 3, 50, features, generator=gen).half()
+    summaries = torch.randn(2, 3, 50, features, generator=gen).half()
     query = torch.randn(2, 3, 3, features // 2, generator=gen)
-    expected = (split_rows(query, split) @ bases.float().transpose(-1, -2)).amax(2)
-    torch.testing.assert_close(best_dot(query, bases, split=split), expected, atol=1e-4, rtol=1e-5)
-    expected = (split_rows(query, split) @ bases.float().transpose(-1, -2) * 0.125).softmax(-1).sum(2)
-    torch.testing.assert_close(softmax_mass(query, bases, 0.125, split=split), expected, atol=1e-5, rtol=1e-4)
+    high, low = summaries.float().chunk(2, -1)
+    bound = query @ ((high + low) / 2).transpose(-1, -2) + query.abs() @ ((high - low) / 2).transpose(-1, -2)
+    torch.testing.assert_close(split_rows(query) @ summaries.float().transpose(-1, -2), bound,
+                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(best_dot(query, summaries, bound=True), bound.amax(2), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("lo", "hi", "k"), [(0, 50, 7), (1, 49, 48), (3, 40, 1), (0, 50, 50)])

@@ -19,8 +19,7 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
     gen = torch.Generator().manual_seed(0)
     query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
     positions = torch.tensor([20, 47, 63])
-    variants = [(0.5, "softmax"), (1.0, "softmax")]
-    features, mass, quest, other = teacher.page_record(query, key, positions, 0.5, variants=variants)
+    features, mass, quest = teacher.page_record(query, key, positions, 0.5)
     assert features.shape == (2, 4, 24) and mass.shape == quest.shape == (3, 2, 4)
     for s, t in enumerate(positions.tolist()):
         for h in range(2):
@@ -31,37 +30,12 @@ def test_the_teacher_records_full_attention_mass_per_page() -> None:
             torch.testing.assert_close(mass[s, h], per_page.view(4, 16).sum(-1))
             pages = key[0, h].view(4, 16, 8)
             centre, half = (pages.amax(1) + pages.amin(1)) / 2, (pages.amax(1) - pages.amin(1)) / 2
-            stored = t // 16 + 1  # the pages the cache holds at this query
-            for scale in (0.5, 1.0):  # the softmax variants, ranges scaled by 0.5 and 1
-                scores = torch.stack([centre[:stored] @ query[0, g, t]
-                                      + scale * half[:stored] @ query[0, g, t].abs() for g in group])
-                shares = torch.cat([(scores * 8 ** -0.5).softmax(-1).sum(0), torch.zeros(4 - stored)])
-                torch.testing.assert_close(other[scale, "softmax"][s, h], shares)
             # Quest as the selector ranks pages: the paper's bound, the KV head's best query head
             bound = torch.stack([centre @ query[0, g, t] + half @ query[0, g, t].abs() for g in group])
             torch.testing.assert_close(quest[s, h], bound.amax(0))
             exact = torch.stack([(query[0, g, t] @ pages.transpose(-1, -2)).amax(-1) for g in group]).amax(0)
             assert (quest[s, h] >= exact - 1e-5).all()  # an upper bound of every key's score
     torch.testing.assert_close(features[..., 16:], key[0].view(2, 4, 16, 8).mean(2))
-
-
-def test_with_a_bound_per_token_quests_softmax_shares_are_the_attention_itself() -> None:
-    """Bounds kept per 1 token are the keys, so the summed softmax shares are the query heads'
-    attention per page (at page ends, where no later token shares the query's page)."""
-    gen = torch.Generator().manual_seed(1)
-    query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
-    positions = torch.tensor([15, 47, 63])
-    variant = teacher.QuestVariant
-    variants = [variant(0.5, "softmax", 1), variant(0.5, "softmax", 8), variant(0.5, "softmax"),
-                variant(1.0, "max", 4), variant(1.0, "max")]
-    _, mass, quest, other = teacher.page_record(query, key, positions, 8 ** -0.5, variants=variants)
-    assert torch.allclose(other[variants[0]], 2 * mass, atol=1e-5)  # two query heads per KV head
-    assert torch.equal(other[variants[4]], quest)  # 16 tokens, the bound, the best head: the selector's
-    assert other[variants[1]].shape == quest.shape and not torch.allclose(other[variants[1]], quest)
-    finer, page = other[variants[3]], other[variants[4]]  # Quest's upper bound, over 4 tokens and 16
-    assert bool((finer <= page + 1e-5).all()) and bool((finer < page - 1e-3).any())
-    with pytest.raises(ValueError, match="bound_tokens 3 does not divide"):
-        teacher.page_record(query, key, positions, 8 ** -0.5, variants=[variant(0.5, "softmax", 3)])
 
 
 def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
