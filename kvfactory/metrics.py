@@ -26,7 +26,6 @@ GAUGES = {  # metric name: (RoutingMetrics.as_dict key, help)
     "routing_recall": ("recall", "Full-attention mass on the pages read (shadow steps)"),
     "routing_oracle_recall": ("oracle_recall", "The same for as many pages chosen by full attention"),
     "routing_page_utilisation": ("page_utilisation", "Stored pages read in the last 128 decode steps"),
-    "routing_graph_density": ("graph_density", "Non-zero share of OVAL's page co-occurrence graph"),
     "kv_bytes_read_per_step": ("kv_bytes_read_per_step", "KV bytes a decode step read, summaries included"),
     "kv_bytes_full_per_step": ("kv_bytes_full_per_step", "KV bytes a decode step reading every page reads"),
     "index_bytes_read_per_step": ("index_bytes_read_per_step", "Of the bytes read: page summaries scored"),

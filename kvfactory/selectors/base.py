@@ -26,7 +26,6 @@ class RoutingContext:
     ``kvfactory.cache.watch_hidden_states``; ``remember`` computes a value once per step for all layers."""
 
     hidden: torch.Tensor | None = None
-    shared: dict[str, Any] = field(default_factory=dict)  # selector state that lives as long as the cache
     _memo: dict[Any, tuple[torch.Tensor | None, Any]] = field(default_factory=dict)
 
     def remember(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -54,9 +53,6 @@ class Selector(ABC):
         """A map of page features ``[B, Hkv, n, F]`` to the ``[B, Hkv, n, E]`` this selector scores, for
         the summaries to keep up to date (``PageSummaries.set_embedding``); None: it reads the features."""
         return None
-
-    def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:  # noqa: B027 - optional
-        """Called with the indices of the pages this layer read in this step, ``[B, Hkv, k]`` per head."""
 
     def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
         """``scores [..., P]`` from ``page_scores`` (queries of ``head_dim`` channels) ranked with

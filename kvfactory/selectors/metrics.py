@@ -6,7 +6,6 @@
   the oracle's: the mass on as many pages per head chosen by full attention itself, the most any
   selector reading that many pages can reach;
 - page utilisation: stored pages read at least once in the last ``UTILISATION_STEPS`` steps;
-- co-occurrence graph density (OVAL): non-zero off-diagonal share of its page graph;
 - router latency: seconds spent choosing pages per decode step (all layers), p50 and p99;
 - KV bytes read per decode step against reading every page (page summaries included, and apart).
 Means are over sparse layers, batch rows and KV heads.
@@ -33,7 +32,7 @@ class RoutingMetrics:
     """Counters the sparse layer stores of one cache write into; ``as_dict()`` reads them."""
 
     def __init__(self, context: RoutingContext | None = None) -> None:
-        self.context = context  # the cache's shared selector state (OVAL's co-occurrence graph)
+        self.context = context  # the routing context of the cache's selectors
         self.steps = 0
         self.bytes_read = 0
         self.bytes_full = 0
@@ -92,11 +91,6 @@ class RoutingMetrics:
         fractions = [f for f in fractions if f == f]
         return sum(fractions) / len(fractions) if fractions else float("nan")
 
-    def graph_density(self) -> float:
-        """Non-zero off-diagonal share of OVAL's co-occurrence counts at the last rebuild (NaN: none)."""
-        graph = None if self.context is None else self.context.shared.get("oval.graph")
-        return float("nan") if graph is None else graph.density
-
     def as_dict(self) -> dict[str, float]:
         p50, p99 = self.latency_quantiles()
         steps = max(self.steps, 1)
@@ -107,7 +101,6 @@ class RoutingMetrics:
             "oracle_recall": self._oracle_sum / self.shadow_samples if self.shadow_samples else float("nan"),
             "shadow_samples": self.shadow_samples,
             "page_utilisation": self.page_utilisation(),
-            "graph_density": self.graph_density(),
             "router_latency_p50_ms": p50 * 1e3,
             "router_latency_p99_ms": p99 * 1e3,
             "kv_bytes_read_per_step": self.bytes_read / steps,

@@ -290,5 +290,4 @@ class SparseRead(NarrowRead):
         read = b * store.inner.read_bytes(k * ps, length - tail * ps) + summary_bytes
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, summary_bytes)
         store._mark_read(self.read)
-        store.selector.selected(self.pages, store.context)
         return keys, values, mask

@@ -61,6 +61,9 @@ OLD_OPTIONS = {
     "layer_floor": "nothing: the per-layer split has no floor (no floor reads more on held-out books, "
                    "docs/sparse-reads.md)",
     "decay": "nothing: OVAL's positional decay is part of its router, always applied (switch removed)",
+    **dict.fromkeys(("graph", "window", "rebuild_every"),
+                    "nothing: OVAL's co-occurrence graph was removed (it measured no change in the harness, "
+                    "docs/sparse-reads.md)"),
 }
 
 

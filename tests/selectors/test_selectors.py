@@ -3,6 +3,8 @@ bound, the page summaries and the routing metrics against direct computations.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,11 +15,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.quantization.store import QuantizedStore
-from kvfactory.selectors import SELECTORS, PageSummaries
+from kvfactory.selectors import SELECTORS, PageSummaries, register_selector
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.quest import QuestSelector
+from kvfactory.selectors.recent import RecentSelector
 from kvfactory.selectors.sparse import PROMPT_WINDOW, SparseRead, SparseStore
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.paged import PagedStore
@@ -85,12 +88,30 @@ def test_invalid_selector_configs_name_the_key(entry: dict, key: str) -> None:
     ("dynamic_pages", True, "removed"), ("max_page", 32, "removed"), ("entropy_jump", 2.0, "removed"),
     ("decay", False, "always applied"), ("bound_scale", 0.5, "paper's bound"),
     ("aggregate", "softmax", "best bound"), ("prompt_window", 8, "last 32 queries"),
+    ("graph", 0.3, "co-occurrence graph was removed"), ("window", 128, "co-occurrence graph"),
+    ("rebuild_every", 100, "co-occurrence graph"),
 ])
 def test_old_option_spellings_name_what_to_write_instead(option: str, value, names: str) -> None:
     config = {"type": "composite", "strategies": [{"name": "paged"}, {"name": "quest", option: value}]}
     with pytest.raises(ConfigError, match=names) as err:
         KVCacheFactory(tiny_model("llama").config, config)
     assert err.value.key == f"strategies[1].{option}"
+
+
+def test_a_registered_selector_keeps_its_own_field_of_a_removed_name() -> None:
+    """``window`` was OVAL's graph option; a user's selector with a ``window`` field still gets it."""
+
+    @dataclass
+    class Windowed(RecentSelector):
+        window: int = 4
+
+    register_selector("windowed-test", Windowed)
+    try:
+        assert SelectorSpec.parse("windowed-test", {"window": 9}).build_selector().window == 9
+        with pytest.raises(ConfigError, match="co-occurrence graph"):
+            SelectorSpec.parse("oval", {"window": 9})
+    finally:
+        SELECTORS.pop("windowed-test")
 
 
 def test_the_dynamic_pages_preset_names_its_removal() -> None:
@@ -284,7 +305,7 @@ def test_sink_local_and_new_token_pages_are_always_read(selector: str) -> None:
 
 
 def test_prompt_weight_defaults_to_the_selectors_own() -> None:
-    assert SelectorSpec.parse("quest", {}).prompt_weight == QuestSelector.prompt_weight
+    assert SelectorSpec.parse("quest", {}).prompt_weight == 2.0  # Quest's documented default
     assert SelectorSpec.parse("quest", {"prompt_weight": 0}).prompt_weight == 0.0
     assert SelectorSpec.parse("recent", {}).prompt_weight == 0.0  # the control baselines stay pure
     assert SelectorSpec.parse("recent", {"prompt_weight": 2}).prompt_weight == 2.0

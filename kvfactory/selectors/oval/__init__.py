@@ -20,7 +20,6 @@ import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
-from kvfactory.selectors.oval.locality import CooccurrenceGraph
 from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.pages import PageSummaries
 
@@ -48,24 +47,15 @@ def _load_router(path: str, version: int) -> Router:
 
 @dataclass
 class OvalSelector(Selector):
-    """``router``: a router file or ``"embedded"``; ``graph``: the co-occurrence GCN's mixing weight
-    (0: off), over the last ``window`` steps, rebuilt every ``rebuild_every`` (``locality.py``). The
-    router's positional decay is part of the router (its weight is trained), always applied."""
+    """``router``: a router file or ``"embedded"``. The router's positional decay is part of the
+    router (its weight is trained), always applied."""
 
     router: str = "embedded"
-    graph: float = 0.3
-    window: int = 128
-    rebuild_every: int = 100
     uses_mean: ClassVar[bool] = True
     _layer: int = field(default=0, init=False, repr=False)
     _router: Router | None = field(default=None, init=False, repr=False, compare=False)  # on first use
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.graph <= 1.0:
-            raise ConfigError("graph", self.graph, "a mixing weight in [0, 1] (0: no co-occurrence graph)")
-        if self.window < 1 or self.rebuild_every < 1:
-            raise ConfigError("window", (self.window, self.rebuild_every),
-                              "window and rebuild_every: integers >= 1 (decode steps)")
         path = router_path(self.router)
         if not path.is_file():
             raise ConfigError("router", self.router, "'embedded' or the path of a router file written by "
@@ -97,8 +87,7 @@ class OvalSelector(Selector):
         group = router.shape.group_of(self._layer)
         pages = summaries.pages
         positional = context.remember("oval.decay", lambda: router.positional(pages, queries.device))
-        scores = router.logits(queries[:, group], summaries.embedded, positional)
-        return self._graph(context).aggregate(scores, self.graph)
+        return router.logits(queries[:, group], summaries.embedded, positional)
 
     def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
         router = self.loaded_router
@@ -112,15 +101,3 @@ class OvalSelector(Selector):
                                   f"`kvfactory oval train`")
             return router.embed_pages(features, shape.group_of(self._layer))
         return embed
-
-    def selected(self, pages: torch.Tensor, context: RoutingContext) -> None:
-        if self.graph:
-            self._graph(context).record(pages)
-
-    def _graph(self, context: RoutingContext) -> CooccurrenceGraph:
-        """The cache's graph; its step closes when the next step's hidden state arrives."""
-        graph = context.shared.get("oval.graph")
-        if graph is None:
-            graph = context.shared["oval.graph"] = CooccurrenceGraph(self.window, self.rebuild_every)
-        context.remember("oval.step", graph.end_step)
-        return graph
