@@ -65,7 +65,7 @@ class KVCacheFactory:
         config = self.config
         use_kvfactory_attention(self.model_config, config)
         context = RoutingContext() if config.selector is not None else None
-        routing = RoutingMetrics(context) if config.selector is not None else None
+        routing = RoutingMetrics() if config.selector is not None else None
         layers = []
         for layer_idx, window in enumerate(self.windows):
             layer = LayerContext(layer_idx, len(self.windows), window, self.pool, self.workspace,

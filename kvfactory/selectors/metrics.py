@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvfactory.selectors.base import RoutingContext
     from kvfactory.selectors.sparse import SparseStore
 
 UTILISATION_STEPS = 128
@@ -31,8 +30,7 @@ LATENCY_STEPS = 4096  # per-step latencies kept for the percentiles
 class RoutingMetrics:
     """Counters the sparse layer stores of one cache write into; ``as_dict()`` reads them."""
 
-    def __init__(self, context: RoutingContext | None = None) -> None:
-        self.context = context  # the routing context of the cache's selectors
+    def __init__(self) -> None:
         self.steps = 0
         self.bytes_read = 0
         self.bytes_full = 0
