@@ -27,9 +27,11 @@ parametrizes over ``CASES``. The ``FirstAndLast`` of docs/storage.md goes throug
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from helpers import tiny_router
 from tiny_models import TINY_HIDDEN
@@ -85,6 +87,16 @@ class Row:
 
     def supports(self, operation: str) -> bool:
         return operation not in self.raises
+
+    def refuses(self, operation: str, attempt: Callable[[], object]) -> bool:
+        """True after checking that ``attempt`` raises the exception this row states for ``operation``;
+        False (nothing run) where the row supports it."""
+        if self.supports(operation):
+            return False
+        error, match = self.raises[operation]
+        with pytest.raises(error, match=match):
+            attempt()
+        return True
 
     def config(self, level: str) -> dict[str, Any]:
         """The cache config at ``level`` ("small" or "demanding"), a fresh copy."""
