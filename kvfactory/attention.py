@@ -69,6 +69,16 @@ class NarrowRead(ABC):
         (``attention_mask``'s columns of those tokens, broadcastable to ``[B, Hq, q, n]``)."""
 
 
+class BatchRead(ABC):
+    """The K/V of a packed batch of sequences (``kvfactory.engine``): each sequence's new tokens sit
+    back to back in the step's query, and each attends to its own stored K/V only."""
+
+    @abstractmethod
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float, **kwargs: object
+               ) -> torch.Tensor:
+        """Attention of the packed ``query [1, Hq, T, D]``: ``[1, T, Hq, Dv]``."""
+
+
 class Observer(Protocol):
     """A layer store that takes part in its attention call (an eviction store, ``kvfactory.eviction``)."""
 
@@ -80,7 +90,7 @@ class Observer(Protocol):
 
 
 class _Pending(threading.local):
-    read: DeferredRead | NarrowRead | None = None
+    read: DeferredRead | NarrowRead | BatchRead | None = None
     observer: Observer | None = None
     key: torch.Tensor | None = None
     layer_idx: int | None = None
@@ -89,7 +99,7 @@ class _Pending(threading.local):
 _pending = _Pending()
 
 
-def defer(read: DeferredRead | NarrowRead | None, returned_key: torch.Tensor | None = None,
+def defer(read: DeferredRead | NarrowRead | BatchRead | None, returned_key: torch.Tensor | None = None,
           layer_idx: int | None = None, observer: Observer | None = None) -> None:
     """Leave ``read`` of layer ``layer_idx`` for the attention call that receives ``returned_key`` (what
     ``update`` returned), and ``observer`` (an eviction store) to take part in that call;
@@ -98,8 +108,8 @@ def defer(read: DeferredRead | NarrowRead | None, returned_key: torch.Tensor | N
     _pending.key, _pending.layer_idx = returned_key, layer_idx
 
 
-def take(key: torch.Tensor, layer_idx: int | None) -> tuple[DeferredRead | NarrowRead | None,
-                                                            Observer | None]:
+def take(key: torch.Tensor, layer_idx: int | None
+         ) -> tuple[DeferredRead | NarrowRead | BatchRead | None, Observer | None]:
     """The read and observer left for ``key`` by layer ``layer_idx``'s update (None, None when it
     returned K/V whole and has nothing to observe).
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -48,6 +49,9 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: chunked attention over a deferred read, else SDPA."""
     read, observer = attention.take(key, getattr(module, "layer_idx", None))
+    if isinstance(read, attention.BatchRead):  # an engine step: every sequence attends to its own K/V
+        return read.attend(module, query, scaling if scaling is not None else query.shape[-1] ** -0.5,
+                           dropout=dropout, **kwargs), None
     if observer is not None:  # an evicting layer: its stored slots decide the mask
         attention_mask = observer.attention_mask(attention_mask, query)
     chunked = isinstance(read, attention.DeferredRead) and query.shape[2] <= attention.MAX_CHUNKED_QUERY \
@@ -147,6 +151,9 @@ def watch_hidden_states(model: torch.nn.Module) -> torch.nn.Module:
 def _after_decoder(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     """After each decoder forward, also one that raised (``output`` None): the cache's forward ends."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, PackedBatch):
+        cache.hidden = None if output is None else getattr(output, "last_hidden_state", None)
+        return
     if not isinstance(cache, KVCache):
         return
     try:
@@ -532,6 +539,14 @@ class KVCache(Cache):
             for layer in self.layers:
                 layer.store.drop_front(tokens)
 
+    def block_requests(self, new_tokens: int, key_like: torch.Tensor, value_like: torch.Tensor
+                       ) -> list[tuple[Any, int]]:
+        """Pool blocks every layer would take to write ``new_tokens`` more tokens of one row shaped like
+        ``key_like`` / ``value_like`` (``[1, kv_heads, any, head_dim]``); a scheduler sums them over the
+        sequences of a step and checks the pool (``PagedPool.check``) before it runs."""
+        return [request for layer in self.layers
+                for request in layer.store.block_requests(new_tokens, 1, key_like, value_like)]
+
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, layers: list[KVLayer]) -> None:
         """Check the pool has room for ``layers`` to write before any of them does (``CacheFullError``):
         a step is written whole or not at all."""
@@ -638,6 +653,62 @@ class KVCache(Cache):
         self.reset()
 
     free = clear
+
+
+class PackedBatch(Cache):
+    """Several kvfactory caches in one forward without padding (``kvfactory.engine``): the step's
+    ``input_ids [1, T]`` hold each sequence's new tokens back to back, with their own positions.
+    ``write(key, value, layer_idx)`` stores each sequence's slice of a layer's new K/V in its own cache
+    and returns the ``attention.BatchRead`` that kvfactory's attention then runs; ``hidden`` is the
+    decoder's last hidden state ``[1, T, hidden]`` after the forward (OVAL routes from it)."""
+
+    is_compileable = False
+
+    def __init__(self, write: Callable[[torch.Tensor, torch.Tensor, int], attention.BatchRead]) -> None:
+        super().__init__(layers=[])
+        self.write = write
+        self.hidden: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        attention.defer(self.write(key_states, value_states, layer_idx), key_states, layer_idx)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def packed_forward(model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor,
+                   batch: PackedBatch, rows: torch.Tensor) -> torch.Tensor:
+    """Logits ``[len(rows), vocab]`` of the packed tokens at ``rows`` after one forward of ``model`` over
+    ``input_ids [T]`` at ``positions [T]`` through ``batch``. A prepared 4D mask makes transformers skip
+    building one (each sequence is masked by the batch's read, never by a ``[T, T]`` mask); the model
+    must run kvfactory's attention (``use_engine_attention``)."""
+    watch_hidden_states(model)
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    out = model(input_ids=input_ids[None], position_ids=positions[None], cache=batch,
+                attention_mask=placeholder, use_cache=True, logits_to_keep=rows)
+    return out.logits[0]
+
+
+def use_engine_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` to kvfactory's attention, which runs packed batches (``ConfigError`` for an
+    architecture whose attention bypasses transformers' ``AttentionInterface``)."""
+    text_config = model.config.get_text_config(decoder=True)
+    model_class = _without_attention_dispatch(text_config)
+    if model_class is not None:
+        raise ConfigError("model", model_class, "a model whose attention goes through transformers' "
+                          "AttentionInterface: the engine batches sequences inside it")
+    if getattr(text_config, "_attn_implementation", None) != ATTENTION:
+        text_config._attn_implementation = ATTENTION
+        logger.warning("switched the model's attn_implementation to %r for kvfactory's engine; it is "
+                       "SDPA for every other cache", ATTENTION)
+
+
+def join_batch(cache: KVCache) -> None:
+    """``cache`` runs inside packed batches from now on: its forwards are the engine's, which reports
+    tokens written and hidden states itself, so no model needs finding for it."""
+    _first_forward.discard(cache)
 
 
 def dynamic_cache_bytes(cache: Cache) -> int:

@@ -106,13 +106,13 @@ class KVCacheManager:
                               "or None")
         self.factory = KVCacheFactory(model_config, cache_config or {"type": "paged"}, pool=pool)
         config = self.factory.config
-        if not issubclass(config.storage.cls, PagedStore) or config.selector:
-            raise ConfigError("kv_cache_config", config.raw, "paged storage (plain, quantized or with an "
-                              "eviction policy) for a KVCacheManager (sparse caches are not managed yet)")
-        plain = config.quantization is None and config.eviction is None
+        if not issubclass(config.storage.cls, PagedStore):
+            raise ConfigError("kv_cache_config", config.raw, "paged storage (plain, quantized, with an "
+                              "eviction policy or a page selector) for a KVCacheManager")
+        plain = config.quantization is None and config.eviction is None and config.selector is None
         if prefix_caching and not plain:
-            raise ConfigError("prefix_caching", True, "False with quantized pages or an eviction policy "
-                              "(prefixes are shared between plain pages only)")
+            raise ConfigError("prefix_caching", True, "False with quantized pages, an eviction policy or a "
+                              "page selector (prefixes are shared between plain pages only)")
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
         self.prefix_caching = plain if prefix_caching is None else prefix_caching

@@ -306,7 +306,8 @@ class PagedPool:
         return None if self._tokens is None else math.ceil(self._tokens / spec.page_size)
 
     def check(self, requests: list[tuple[PoolSpec, int]]) -> None:
-        """Raise ``CacheFullError`` unless every pool can hand out the blocks requested of it, after
+        """Raise ``CacheFullError`` unless every pool can hand out the blocks requested of it (requests
+        of one pool summed), after
         asking the ``reclaimers`` (e.g. a prefix cache dropping unused blocks) for room while any
         frees something.
 
@@ -320,12 +321,27 @@ class PagedPool:
                     raise
 
     def _check(self, requests: list[tuple[PoolSpec, int]]) -> None:
+        totals: dict[PoolSpec, int] = {}  # several caches' requests of one pool add up
         for spec, needed in requests:
+            totals[spec] = totals.get(spec, 0) + needed
+        for spec, needed in totals.items():
             pool = self._check_spec(spec)
             if pool is not None:
                 pool.check(needed)
                 continue
             capacity = self.capacity(spec)
+            if capacity is not None and needed > capacity:
+                raise CacheFullError(spec.layer_idx, needed, capacity, capacity, spec.page_size)
+
+    def check_capacity(self, requests: list[tuple[PoolSpec, int]]) -> None:
+        """Raise ``CacheFullError`` if the requests exceed what the pools hold even when empty (a request
+        that could never be served, whatever finishes first)."""
+        totals: dict[PoolSpec, int] = {}
+        for spec, needed in requests:
+            totals[spec] = totals.get(spec, 0) + needed
+        for spec, needed in totals.items():
+            pool = self.pools.get((spec.kind, spec.layer_idx))
+            capacity = self.capacity(spec) if pool is None or pool.growable else pool.num_blocks
             if capacity is not None and needed > capacity:
                 raise CacheFullError(spec.layer_idx, needed, capacity, capacity, spec.page_size)
 

@@ -16,7 +16,7 @@ import torch
 
 from kvfactory.errors import ConfigError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
-from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
+from kvfactory.storage.blocks import BlockPool, BlockTable, PagedPool, PoolSpec
 
 MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
 
@@ -184,6 +184,15 @@ class PagedStore(LayerStore):
         (None when empty, or when tokens were dropped from the front or evicted)."""
         table = self._table
         return None if table.ids is None or table.start or self._dropped or self._gapped else table.ids
+
+    def pages_in_place(self) -> tuple[BlockPool, torch.Tensor, int, int] | None:
+        """What a paged attention kernel reads in place (``kvfactory.storage.ragged``): the block pool,
+        this one-row store's block ids ``[blocks]``, and its stored tokens' offset in the first block and
+        count; None when empty or holding several rows."""
+        table = self._table
+        if table.ids is None or table.batch_size != 1 or not table.length:
+            return None
+        return table.pool, table.ids[0], table.start, table.length
 
     def adopt(self, ids: torch.Tensor, tokens: int) -> None:
         """Start from ``tokens`` tokens in blocks ``ids [batch, blocks]`` of this layer's pool, filled by

@@ -1,0 +1,354 @@
+"""``Engine``: many users' requests over one model and one KV pool, one packed forward per step.
+
+Each request gets a cache from a ``KVCacheManager`` over the shared pool (prefix caching, host tier
+for swapping), built from any paged kvfactory config: plain, int8 or int4 pages, an eviction
+budget, a page selector. A step asks the ``Scheduler`` which tokens to feed, runs them through the
+model in one forward without padding (``kvfactory.cache.packed_forward`` and ``StepBatch``),
+samples the next token of every sequence that finished its prompt or decoded, and reports what each
+request gained (``RequestOutput``), so callers stream token by token.
+
+Preemption defaults to swapping: on a CPU the host tier is the same memory as the pool, so moving a
+sequence's K/V out and back costs a copy, where recompute costs its whole prefill again (vLLM, whose
+GPU pool sits across PCIe from the host, recomputes by default). Configs whose caches cannot be
+paused (page selectors) and a full host tier fall back to recompute, and the swap metrics say which
+happened.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from kvfactory.cache import PackedBatch, join_batch, packed_forward, use_engine_attention
+from kvfactory.engine.batch import Segment, StepBatch
+from kvfactory.engine.metrics import EngineMetrics
+from kvfactory.engine.params import SamplingParams
+from kvfactory.engine.request import Request, RequestOutput, RequestStatus
+from kvfactory.engine.sampler import Sampler
+from kvfactory.engine.scheduler import Plan, Scheduler
+from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError, UnsupportedError
+from kvfactory.manager import KVCacheManager
+from kvfactory.sizing import KVShape
+
+logger = logging.getLogger("kvfactory.engine")
+PREEMPTION = ("swap", "recompute")
+
+
+class AdmissionError(KVFactoryError, ValueError):
+    """A request that can never run (too long for the model or the pool); nothing was queued."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class EngineMemory:
+    """The scheduler's view of the pool (``scheduler.Memory``), through the manager."""
+
+    def __init__(self, manager: KVCacheManager, preemption: str, like: tuple[torch.Tensor, torch.Tensor],
+                 metrics: EngineMetrics) -> None:
+        self.manager, self.preemption, self.like, self.metrics = manager, preemption, like, metrics
+
+    def requests(self, plan: Plan) -> list:
+        return [need for request, tokens in plan
+                for need in self.manager.get(request.request_id).block_requests(tokens, *self.like)]
+
+    def fits(self, plan: Plan) -> bool:
+        try:
+            self.manager.pool.check(self.requests(plan))
+        except CacheFullError:
+            return False
+        return True
+
+    def admit(self, request: Request) -> None:
+        manager = self.manager
+        cache = manager.create(request.request_id, prompt=request.tokens if manager.prefix_caching else None)
+        join_batch(cache)
+        request.computed = manager.cached_tokens(request.request_id)
+        if not request.output_ids:  # a first admission (not a recompute)
+            request.cached_tokens = request.computed
+            self.metrics.prefix_tokens(len(request.prompt_ids), request.computed)
+
+    def release(self, request: Request) -> None:
+        if request.request_id in self.manager:
+            self.manager.free(request.request_id)
+        request.computed = 0
+
+    def preempt(self, request: Request) -> RequestStatus:
+        if self.preemption == "swap":
+            try:
+                self.manager.pause(request.request_id)
+                self.metrics.preempted("swap")
+                return RequestStatus.SWAPPED
+            except (UnsupportedError, KVFactoryError) as err:  # sparse caches, a full host tier
+                logger.info("request %s: swap refused (%s); recomputing instead", request.request_id, err)
+        self.release(request)
+        self.metrics.preempted("recompute")
+        return RequestStatus.WAITING
+
+    def fits_resume(self, request: Request, plan: Plan) -> bool:
+        cache = self.manager.get(request.request_id)
+        restore = [(request, cache.get_seq_length() or request.computed)]
+        try:  # a paused cache is empty: what it restores costs what writing its tokens would
+            self.manager.pool.check(self.requests(plan[:-1]) + self.requests(restore + plan[-1:]))
+        except CacheFullError:
+            return False
+        return True
+
+    def resume(self, request: Request) -> None:
+        self.manager.resume(request.request_id)
+
+
+class Engine:
+    """Continuous batching over ``model`` (a transformers causal LM) with kvfactory caches.
+
+    ``cache_config`` is any paged kvfactory config (default: plain pages); ``pool_tokens`` sizes the
+    shared pool (tokens per layer), else the config's own pool options do. ``max_num_batched_tokens``
+    caps the tokens of one forward, ``max_num_seqs`` the sequences holding K/V, ``max_waiting`` the
+    queue (``EngineFullError`` beyond it: a server answers 503). ``preemption``: ``swap`` (default)
+    or ``recompute``; ``host_bytes`` bounds the host tier swapped sequences wait in.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cache_config: dict[str, Any] | None = None, *,
+                 pool_tokens: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 16,
+                 max_waiting: int = 256, preemption: str = "swap", prefix_caching: bool | None = None,
+                 host_bytes: int | None = None, in_place_decode: bool = True) -> None:
+        if preemption not in PREEMPTION:
+            raise ConfigError("preemption", preemption, f"one of {PREEMPTION}")
+        limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+                  "max_waiting": max_waiting}
+        for name, value in limits.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, value, "an integer >= 1")
+        config = dict(cache_config or {"type": "paged"})
+        if pool_tokens is not None:
+            config = _with_pool(config, pool_tokens)
+        self.model, self.tokenizer = model, tokenizer
+        use_engine_attention(model)
+        self.manager = KVCacheManager(model.config, config, prefix_caching=prefix_caching,
+                                      host_bytes=host_bytes)
+        text = model.config.get_text_config(decoder=True)
+        self.max_model_len: int | None = getattr(text, "max_position_embeddings", None)
+        self.device = next(model.parameters()).device
+        self.metrics = EngineMetrics(self)
+        like = self._kv_like(text)
+        self.memory = EngineMemory(self.manager, preemption, like, self.metrics)
+        # eviction policies compress a prompt as a whole when it is written: prefill them in one step
+        chunked = self.manager.factory.config.eviction is None
+        self.scheduler = Scheduler(self.memory, max_num_seqs, max_num_batched_tokens, chunked_prefill=chunked)
+        self.max_waiting = max_waiting
+        self.in_place_decode = in_place_decode
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.eos = _eos_ids(model)
+        self._ids = itertools.count()
+        self._aborted: list[RequestOutput] = []
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (text, or token ids); returns its id. ``AdmissionError`` (naming the field)
+        when it could never run, ``EngineFullError`` when the queue is full; nothing is queued then."""
+        params = params or SamplingParams()
+        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) \
+            else [int(t) for t in prompt]
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise AdmissionError("request_id", f"request id {request_id!r} is in use")
+        if not ids:
+            raise AdmissionError("prompt", "the prompt is empty: give at least one token")
+        self._check_fits(len(ids), params.max_tokens)
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise EngineFullError(len(self.scheduler.waiting), self.max_waiting)
+        request = Request(request_id, ids, params)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and give its blocks back; its last output (``finish_reason='abort'``), or None
+        if it is unknown or finished already."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
+        self._finish(request, "abort")
+        output = self._output(request, [])
+        self._aborted.append(output)
+        return output
+
+    def has_unfinished(self) -> bool:
+        return bool(len(self.scheduler))
+
+    # -- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward over what the scheduler picks; the outputs of the requests that advanced
+        (and of those aborted since the last step)."""
+        outputs, self._aborted = self._aborted, []
+        plan = self.scheduler.schedule()
+        if not plan:
+            return outputs
+        started = time.perf_counter()
+        sampled = [request for request, tokens in plan if request.computed + tokens == request.length]
+        with torch.inference_mode():
+            logits = self._forward(plan)
+            new = self.sampler(logits, sampled)
+        now = time.perf_counter()
+        self.metrics.step(plan, len(sampled), now - started)
+        for request, token in zip(sampled, new, strict=True):
+            outputs.append(self._append(request, token, now))
+        self.metrics.update_gauges()
+        return outputs
+
+    def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` as one offline batch to the end; their final outputs, in order."""
+        ids = [self.add_request(prompt, params) for prompt in prompts]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        for request_id in ids:
+            self.requests.pop(request_id, None)
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
+        """One request's outputs step by step (other queued requests advance too)."""
+        request_id = self.add_request(prompt, params)
+        while True:
+            for output in self.step():
+                if output.request_id == request_id:
+                    yield output
+                    if output.finished:
+                        self.requests.pop(request_id, None)
+                        return
+
+    def stats(self) -> dict[str, Any]:
+        """Queues, pool and prefix cache, preemptions (numbers only)."""
+        scheduler = self.scheduler
+        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                "swapped": len(scheduler.swapped), "preemptions": scheduler.preemptions,
+                **self.manager.stats()}
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (``generate`` and ``stream`` do it themselves)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.finished:
+            del self.requests[request_id]
+
+    # -- internals -----------------------------------------------------------------------------
+    def _forward(self, plan: Plan) -> torch.Tensor:
+        segments, ids, positions, rows, at = [], [], [], [], 0
+        for request, tokens in plan:
+            cache = self.manager.get(request.request_id)
+            segments.append(Segment(cache, at, at + tokens, request.computed))
+            ids.extend(request.tokens[request.computed:request.computed + tokens])
+            positions.append(torch.arange(request.computed, request.computed + tokens))
+            at += tokens
+            if request.computed + tokens == request.length:
+                rows.append(at - 1)
+        input_ids = torch.tensor(ids, device=self.device)
+        batch = PackedBatch(StepBatch(segments, self.in_place_decode).write)
+        with self.manager.pool.forward_lock.held():
+            logits = packed_forward(self.model, input_ids, torch.cat(positions).to(self.device), batch,
+                                    torch.tensor(rows, dtype=torch.long, device=self.device))
+            for segment, (request, tokens) in zip(segments, plan, strict=True):
+                cache = segment.cache
+                cache.record_tokens(input_ids[segment.start:segment.end][None])
+                cache.notify_written()
+                if cache.routing_context is not None and batch.hidden is not None:
+                    cache.routing_context.hidden = batch.hidden[0, segment.end - 1][None]
+                request.computed += tokens
+        return logits
+
+    def _append(self, request: Request, token: int, now: float) -> RequestOutput:
+        request.output_ids.append(token)
+        self.metrics.token(request, now)
+        request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        params = request.params
+        reason = None
+        hits = [at for at in (request.text.find(s) for s in params.stop) if at >= 0]
+        if hits:
+            request.text, reason = request.text[:min(hits)], "stop"
+        elif token in params.stop_token_ids or (token in self.eos and not params.ignore_eos):
+            reason = "stop"
+        elif len(request.output_ids) >= params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(request, reason)
+        return self._output(request, request.output_ids[request.sent_tokens:])
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.metrics.finished(request, reason)
+        self.scheduler.finish(request)
+        self.sampler.forget(request.request_id)
+        request.status, request.finish_reason = RequestStatus.FINISHED, reason
+
+    def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
+        text = request.settled_text()
+        output = RequestOutput(request.request_id, new_ids, text[request.sent_text:],
+                               list(request.output_ids), text, request.finished, request.finish_reason,
+                               len(request.prompt_ids), request.cached_tokens)
+        request.sent_text, request.sent_tokens = len(text), len(request.output_ids)
+        return output
+
+    def _check_fits(self, prompt: int, max_tokens: int) -> None:
+        total = prompt + max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            field = "prompt" if prompt >= self.max_model_len else "max_tokens"
+            raise AdmissionError(field, f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {total} "
+                                 f"exceeds the model's context of {self.max_model_len} tokens")
+        probe = self.manager.factory.create_cache()
+        join_batch(probe)
+        bounded = self.manager.factory.config.eviction is not None  # a policy keeps a budget of the rest
+        try:
+            needs = probe.block_requests(prompt if bounded else total, *self.memory.like)
+            self.manager.pool.check_capacity(needs)
+        except CacheFullError as err:
+            raise AdmissionError("max_tokens" if prompt < total else "prompt",
+                                 f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) can never fit in the "
+                                 f"KV pool: {err}") from None
+
+    def _kv_like(self, text: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty K/V shaped like one layer's writes, for asking stores what a write would take."""
+        shape = KVShape.from_config(self.model.config)
+        dtype = next(self.model.parameters()).dtype
+        like = torch.empty(1, shape.kv_heads, 0, shape.head_dim, dtype=dtype, device=self.device)
+        return like, like
+
+
+class EngineFullError(KVFactoryError, RuntimeError):
+    """The waiting queue is full; try again later (a server answers 503 with Retry-After)."""
+
+    def __init__(self, waiting: int, limit: int) -> None:
+        self.waiting, self.limit = waiting, limit
+        super().__init__(f"the engine's queue is full: {waiting} requests wait (max_waiting={limit})")
+
+
+def _with_pool(config: dict[str, Any], pool_tokens: int) -> dict[str, Any]:
+    """``config`` with its paged storage sized to ``pool_tokens`` tokens per layer."""
+    if config.get("type") != "composite":
+        return {**config, "pool_tokens": pool_tokens}
+    strategies = [dict(entry) for entry in config.get("strategies", [])]
+    storage = [entry for entry in strategies if entry.get("name") in ("paged", "dense")]
+    if storage:
+        storage[0]["pool_tokens"] = pool_tokens
+    else:
+        strategies.insert(0, {"name": "paged", "pool_tokens": pool_tokens})
+    return {**config, "strategies": strategies}
+
+
+def _eos_ids(model: Any) -> set[int]:
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None) if generation is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}

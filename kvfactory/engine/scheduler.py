@@ -1,0 +1,140 @@
+"""Which sequences run in the next step, and who makes room when the pool is full.
+
+First come, first served under two limits: ``max_num_batched_tokens`` tokens per step and
+``max_num_seqs`` sequences holding K/V. Each step takes the running sequences' decode tokens
+first, then continues their chunked prefills, then brings back preempted sequences (before any new
+one, so nobody starves), then admits waiting requests with a prefill chunk that fills the budget.
+When a step's writes do not fit in the pool, the most recently admitted running sequence is
+preempted (``Memory.preempt``: swapped to the host tier or dropped for recompute) until they do;
+nothing is resumed or admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from kvfactory.engine.request import Request, RequestStatus
+
+Plan = list[tuple[Request, int]]  # (request, tokens it feeds this step), in packing order
+
+
+class Memory(Protocol):
+    """The pool as the scheduler sees it (``kvfactory.engine.engine.EngineMemory``)."""
+
+    def fits(self, plan: Plan) -> bool:
+        """Whether the pool can take every write of ``plan`` (after freeing cached prefixes)."""
+
+    def admit(self, request: Request) -> None:
+        """Give a waiting request a cache (starting from its cached prefix: sets ``computed``)."""
+
+    def release(self, request: Request) -> None:
+        """Drop the request's cache (finished, aborted, or preempted by recompute)."""
+
+    def preempt(self, request: Request) -> RequestStatus:
+        """Make room by taking the request out of the pool: SWAPPED (its K/V on the host tier) or
+        WAITING (its K/V dropped, recomputed when it comes back)."""
+
+    def fits_resume(self, request: Request, plan: Plan) -> bool:
+        """Whether a swapped request's K/V fits back, with the writes of ``plan`` (which ends with the
+        request's own next tokens)."""
+
+    def resume(self, request: Request) -> None:
+        """Bring a swapped request's K/V back into the pool."""
+
+
+class Scheduler:
+    def __init__(self, memory: Memory, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = True) -> None:
+        self.memory = memory
+        self.chunked_prefill = chunked_prefill
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.swapped) + len(self.running)
+
+    def schedule(self) -> Plan:
+        plan: Plan = []
+        budget = self.max_num_batched_tokens
+        preempted = False
+        for request in [r for r in self.running if r.remaining == 1] + [r for r in self.running
+                                                                         if r.remaining > 1]:
+            tokens = self._chunk(request, budget, plan) if request in self.running and budget > 0 else 0
+            if not tokens:
+                continue
+            while not self.memory.fits([*plan, (request, tokens)]):
+                preempted = True
+                victim = self.running[-1]
+                self._preempt(victim)
+                for planned in [item for item in plan if item[0] is victim]:
+                    plan.remove(planned)
+                    budget += planned[1]
+                if victim is request:
+                    break
+            else:
+                plan.append((request, tokens))
+                budget -= tokens
+        if preempted:
+            return plan
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            tokens = self._chunk(request, budget, plan)
+            if not tokens or not self.memory.fits_resume(request, [*plan, (request, tokens)]):
+                return plan
+            self.memory.resume(request)
+            self.swapped.popleft()
+            self._run(request)
+            plan.append((request, tokens))
+            budget -= tokens
+        if self.swapped:
+            return plan
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            self.memory.admit(request)
+            tokens = self._chunk(request, budget, plan)
+            if not tokens or not self.memory.fits([*plan, (request, tokens)]):
+                self.memory.release(request)
+                break
+            self.waiting.popleft()
+            self._run(request)
+            plan.append((request, tokens))
+            budget -= tokens
+        return plan
+
+    def finish(self, request: Request) -> None:
+        """Take a finished or aborted request out of every queue and give its memory back."""
+        if request in self.running:
+            self.running.remove(request)
+            self.memory.release(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
+            self.memory.release(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def _chunk(self, request: Request, budget: int, plan: Plan) -> int:
+        """Tokens ``request`` feeds this step (0: none): a chunk of the budget, or with chunked prefill
+        off (eviction policies compress a whole prompt) its whole prompt, alone in a step if need be."""
+        if self.chunked_prefill or request.remaining <= budget:
+            return min(request.remaining, budget)
+        return 0 if plan else request.remaining
+
+    def _run(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.preemptions += 1
+        request.status = self.memory.preempt(request)
+        if request.status is RequestStatus.SWAPPED:
+            self.swapped.append(request)
+        else:
+            self.waiting.appendleft(request)
