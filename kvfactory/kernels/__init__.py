@@ -2,9 +2,10 @@
 
 Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in seconds, once):
 ``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``), ``pages.c`` scores and
-picks a layer's pages for the page selectors (``kvfactory.selectors.pages``), ``common.h`` is what
-they share (the wheel ships the headers with the sources). ``load(NAME)`` builds one with the system
-C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
+picks a layer's pages for the page selectors (``kvfactory.selectors.pages``), ``ragged.c`` attends a
+batch of decoding sequences over their blocks of a paged pool (``kvfactory.storage.ragged``),
+``common.h`` is what they share (the wheel ships the headers with the sources). ``load(NAME)`` builds
+one with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
 ``$XDG_CACHE_HOME/kvfactory/kernels`` (or ``KVFACTORY_KERNEL_DIR``), named by a hash of the source,
 the flags and the CPU, written atomically so parallel processes share it. Without a working
 compiler it returns None after one warning, and callers keep their torch code paths.
@@ -56,6 +57,12 @@ SIGNATURES = {
         "const void *features, int kind, int64_t fb, int64_t fh, int64_t fp, int bound, float *scores)",
         "int top_pages(int64_t rows, int64_t P, const float *scores, int64_t lo, int64_t hi, int64_t k, "
         "int64_t *out)",
+    ),
+    "ragged": (
+        "void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *query, "
+        "const void *k_pool, const void *v_pool, int kind, int64_t num_blocks, int64_t P, "
+        "const int64_t *tables, int64_t max_blocks, const int64_t *starts, const int64_t *lengths, "
+        "float scale, float *out)",
     ),
 }
 _C_TYPES = {"void": None, "int": ctypes.c_int, "int64_t": I64, "float": ctypes.c_float}

@@ -1,8 +1,9 @@
 """The built wheel carries what the C kernels need: installed into a fresh virtualenv, kvfactory builds
-and loads both kernel libraries from its own files (``kivi.c``, ``pages.c`` and ``common.h``), not
-the torch fallback. The new environment reaches torch and the other dependencies through a ``.pth``
-line naming the running environment's site-packages (nothing is downloaded); a path line does not run
-that directory's ``.pth`` files, so the running environment's editable kvfactory stays out."""
+and loads every kernel library from its own files (``kivi.c``, ``pages.c``, ``ragged.c`` and
+``common.h``), not the torch fallback. The new environment reaches torch and the other dependencies
+through a ``.pth`` line naming the running environment's site-packages (nothing is downloaded); a
+path line does not run that directory's ``.pth`` files, so the running environment's editable
+kvfactory stays out."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec
 from kvfactory.selectors.pages import top_pages
+from kvfactory.storage.ragged import paged_decode
 
 codec = KiviKeyCodec(bits=4)
 enc = codec.encode(torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0)))
@@ -36,12 +38,17 @@ t = enc.tensors
 scores = native.key_scores(query, t["codes"], t["scale"], t["zero"], 4)
 expected = query @ codec.decode(enc).transpose(-1, -2)
 ranked = torch.tensor([[[0.5, 3.0, -1.0, 2.0, 1.0]]])
+pool = torch.randn(2, 3, 4, 16, generator=torch.Generator().manual_seed(2))
+decode = [torch.randn(1, 4, 16), pool, pool.flip(1), torch.tensor([[2, 0]]), torch.tensor([1]),
+          torch.tensor([6])]
+decoded = paged_decode(*decode, 0.25) - paged_decode(*decode, 0.25, kernel=False)
 print(json.dumps({
     "kvfactory": kvfactory.__file__, "torch": torch.__file__,
     "finders": [getattr(f, "__module__", "") for f in sys.meta_path],  # classes or instances
     "libraries": {name: kernels.load(name) is not None for name in kernels.SIGNATURES},
     "key_scores_error": (scores - expected).abs().max().item(),
     "top_pages": sorted(top_pages(ranked, 0, 5, 2).flatten().tolist()),
+    "paged_decode_error": decoded.abs().max().item(),
 }))
 """
 
@@ -65,7 +72,8 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
                     "-w", str(dist)], check=True, timeout=120)
     (wheel,) = dist.glob("kvfactory-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"kvfactory/kernels/{f}" for f in ("__init__.py", "kivi.c", "pages.c", "common.h")} <= shipped
+    sources = ("__init__.py", "kivi.c", "pages.c", "ragged.c", "common.h")
+    assert {f"kvfactory/kernels/{f}" for f in sources} <= shipped
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
@@ -88,8 +96,10 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
     assert Path(probe["kvfactory"]).is_relative_to(site)  # the wheel's copy, not a checkout's
     assert not any("editable" in finder for finder in probe["finders"])
     assert any(Path(probe["torch"]).is_relative_to(p) for p in shared)
-    assert probe["libraries"] == {"kivi": True, "pages": True}, run.stderr  # the build's warning
+    kernel_names = ["kivi", "pages", "ragged"]
+    assert probe["libraries"] == dict.fromkeys(kernel_names, True), run.stderr  # the build's warning
     built = sorted(p.name.split("-")[0] for p in (cache / "kvfactory" / "kernels").glob("*.so"))
-    assert built == ["kivi", "pages"]  # compiled here, from the installed sources
+    assert built == kernel_names  # compiled here, from the installed sources
     assert probe["key_scores_error"] < 1e-4
     assert probe["top_pages"] == [1, 3]
+    assert probe["paged_decode_error"] < 1e-5

@@ -1,0 +1,75 @@
+"""One decode step's attention for a ragged batch over a paged pool: C kernel, torch path, gather + SDPA.
+
+A batch of sequences (one query token each) over one SmolLM2 layer's block pool (9 query heads over
+3 KV heads, head_dim 64, pages of 16 tokens, fp32), each sequence's blocks shuffled through the pool.
+Times ``kvfactory.storage.ragged.paged_decode`` in C (blocks read in place), its torch path
+(``kernel=False``: one padded gather and masked attention for the batch) and a baseline that gathers
+each sequence with ``index_select`` and runs SDPA on it; 1 thread, median of ``--runs``; prints JSON.
+
+    python benchmarks/ragged_decode.py [--sequences 8] [--tokens 6144] [--runs 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from codec_decode import timed
+
+from kvfactory.storage.ragged import paged_decode
+
+QUERY_HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=6144)
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    per_sequence = -(-args.tokens // PAGE)
+    blocks = args.sequences * per_sequence
+    k_pool, v_pool = (torch.randn(KV_HEADS, blocks, PAGE, HEAD_DIM, generator=gen) for _ in range(2))
+    tables = torch.randperm(blocks, generator=gen).view(args.sequences, per_sequence)
+    starts = torch.zeros(args.sequences, dtype=torch.long)
+    lengths = torch.full((args.sequences,), args.tokens, dtype=torch.long)
+    query = torch.randn(args.sequences, QUERY_HEADS, HEAD_DIM, generator=gen)
+    scale = HEAD_DIM ** -0.5
+
+    def baseline() -> torch.Tensor:
+        rows = []
+        for s in range(args.sequences):
+            k, v = (pool.index_select(1, tables[s]).view(1, KV_HEADS, -1, HEAD_DIM)[:, :, :args.tokens]
+                    for pool in (k_pool, v_pool))
+            # [batch, heads, tokens, D] as transformers calls it (3-D inputs take a slower SDPA path)
+            rows.append(F.scaled_dot_product_attention(query[None, s, :, None], k, v, scale=scale,
+                                                       enable_gqa=True))
+        return torch.cat(rows)[:, :, 0]
+
+    def kernel() -> torch.Tensor:
+        return paged_decode(query, k_pool, v_pool, tables, starts, lengths, scale)
+
+    def gathered() -> torch.Tensor:
+        return paged_decode(query, k_pool, v_pool, tables, starts, lengths, scale, kernel=False)
+
+    expected = baseline()
+    for fn in (kernel, gathered):
+        torch.testing.assert_close(fn(), expected, atol=1e-5, rtol=1e-5)
+    times = {name: timed(fn, args.runs) for name, fn in
+             (("c_kernel", kernel), ("torch_path", gathered), ("gather_sdpa", baseline))}
+    print(json.dumps({
+        "benchmark": "ragged_decode", "threads": 1, "sequences": args.sequences, "tokens": args.tokens,
+        "query_heads": QUERY_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
+        "dtype": "float32", "layer_kv_mib": round(2 * k_pool.numel() * 4 / 2**20, 1),
+        **{f"{name}_ms": round(t * 1e3, 3) for name, t in times.items()},
+        "speedup_vs_torch_path": round(times["torch_path"] / times["c_kernel"], 2),
+        "speedup_vs_gather_sdpa": round(times["gather_sdpa"] / times["c_kernel"], 2),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

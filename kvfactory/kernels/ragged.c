@@ -1,0 +1,205 @@
+/* Decode attention over a ragged batch, read in place from a paged pool (vLLM's PagedAttention,
+ * Kwon et al. 2023).
+ *
+ * Each sequence of the batch has one query token and its own run of blocks in a layer's pool
+ * [Hkv, num_blocks, P, D]; its attention is computed straight from those blocks, with no padded
+ * copy of the batch. Blocks are read 16 tokens at a time (a chunk, rows contiguous within a block)
+ * under an online softmax: each query row keeps its running maximum, the sum of its exponentials
+ * and its weighted sum of values, rescaled when the maximum grows. The query heads sharing a KV
+ * head are taken together, so each chunk of K/V comes from memory once per group and is then read
+ * from L1 by every head. float16 and bfloat16 chunks are converted once per group into float32.
+ * A sequence's blocks lie anywhere in the pool, so the next ones are prefetched by hand.
+ * Built by kvfactory/kernels/__init__.py, called by kvfactory/storage/ragged.py.
+ */
+#include <math.h>
+
+#include "common.h"
+
+#define MAX_DIM 512  /* channels per head; checked by the caller */
+#define MAX_GROUP 16 /* query heads taken together; larger groups go in slices of this many */
+#define CHUNK 16     /* tokens per online-softmax step */
+#define AHEAD 2      /* blocks prefetched ahead */
+#define AHEAD_BYTES 4096  /* of each of their K and V, the first this many (the hardware streams the rest) */
+
+/* One chunk of n <= CHUNK tokens (k, v: [n, D] float32) for R query rows (q: [R, D], scaled),
+ * updating their running maxima m, sums l and value sums acc [R, D]. */
+static inline __attribute__((always_inline)) void chunk_portable(const float *q, int64_t R, int64_t D,
+                                                                 const float *k, const float *v, int64_t n,
+                                                                 float *m, float *l, float *acc) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *qr = q + r * D;
+        float s[CHUNK], top = m[r];
+        for (int64_t j = 0; j < n; j++) {
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; d++) dot += qr[d] * k[j * D + d];
+            s[j] = dot;
+            top = dot > top ? dot : top;
+        }
+        const float corr = expf(m[r] - top);  /* 0 on the first chunk, where m[r] is -inf */
+        float sum = 0.f, *ar = acc + r * D;
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = expf(s[j] - top);
+            sum += s[j];
+        }
+        l[r] = l[r] * corr + sum;
+        m[r] = top;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) ar[d] *= corr;
+        for (int64_t j = 0; j < n; j++) {
+            const float p = s[j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ar[d] += p * v[j * D + d];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define AVX512 1
+
+/* The horizontal sums of v[0..16) as one vector (lane j: the sum of v[j]), as in pages.c. */
+static inline __m512 sums16(const __m512 *v) {
+    __m512 w[8], y[4];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+        y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
+}
+
+/* exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial in r, then
+ * 2^n), within 2 ulp of expf; below -87 it underflows to a denormal or zero. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* chunk_portable in AVX-512 for D = 16 NV channels: a row's 16 scores accumulate side by side (one
+ * independent chain per token) and are summed in one vector, exponentiated at once, and its value
+ * sums stay in NV registers over the chunk, each token's weight broadcast from memory. */
+static inline __attribute__((always_inline)) void chunk_avx(const float *q, int64_t R, const int64_t NV,
+                                                            const float *k, const float *v, int64_t n,
+                                                            float *m, float *l, float *acc) {
+    const __mmask16 live = n == CHUNK ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    for (int64_t r = 0; r < R; r++) {
+        __m512 qv[MAX_DIM / 16], a[MAX_DIM / 16], dots[CHUNK];
+        for (int64_t i = 0; i < NV; i++) qv[i] = _mm512_loadu_ps(q + (r * NV + i) * 16);
+        for (int64_t j = 0; j < CHUNK; j++) {
+            dots[j] = _mm512_setzero_ps();
+            if (j < n)
+                for (int64_t i = 0; i < NV; i++) dots[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + (j * NV + i) * 16), dots[j]);
+        }
+        const __m512 s = sums16(dots);
+        const float top = fmaxf(m[r], _mm512_mask_reduce_max_ps(live, s));
+        const float corr = expf(m[r] - top);  /* 0 on the first chunk, where m[r] is -inf */
+        const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+        float w[CHUNK] __attribute__((aligned(64)));
+        _mm512_store_ps(w, p);
+        l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+        m[r] = top;
+        float *ar = acc + r * NV * 16;
+        for (int64_t i = 0; i < NV; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), _mm512_set1_ps(corr));
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 wj = _mm512_set1_ps(w[j]);
+            for (int64_t i = 0; i < NV; i++) a[i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + (j * NV + i) * 16), a[i]);
+        }
+        for (int64_t i = 0; i < NV; i++) _mm512_storeu_ps(ar + 16 * i, a[i]);
+    }
+}
+#endif
+
+/* One sequence's R query rows q [R, D] (R <= MAX_GROUP) against the KV head whose blocks start at
+ * k / v (that head's [num_blocks, P, D]); out [R, D]. D is a constant where inlined for the common
+ * head sizes, so the AVX-512 loops unroll into registers. */
+static inline __attribute__((always_inline)) void attend_rows(
+        const int64_t D, int64_t R, const float *q, const char *k, const char *v, int kind, int64_t P,
+        const int64_t *table, int64_t start, int64_t length, float scale, float *out) {
+    const int64_t size = param_size(kind);
+    float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    float kf[CHUNK * MAX_DIM], vf[CHUNK * MAX_DIM];
+    for (int64_t i = 0; i < R * D; i++) {
+        qs[i] = q[i] * scale;
+        acc[i] = 0.f;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    const int64_t last = (start + length - 1) / P, bytes = P * D * size;
+    for (int64_t t = start; t < start + length;) {
+        const int64_t block = table[t / P], offset = t % P;
+        if (t / P + AHEAD <= last) {  /* blocks are scattered, so no hardware prefetcher sees the next */
+            const int64_t ahead = table[t / P + AHEAD] * bytes;
+            for (int64_t i = 0; i < (bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES); i += 64) {
+                __builtin_prefetch(k + ahead + i);
+                __builtin_prefetch(v + ahead + i);
+            }
+        }
+        const int64_t end = start + length - t < P - offset ? start + length - t : P - offset;
+        for (int64_t c = 0; c < end; c += CHUNK) {
+            const int64_t n = end - c < CHUNK ? end - c : CHUNK, row = (block * P + offset + c) * D;
+            const float *kc = (const float *)(k + row * size), *vc = (const float *)(v + row * size);
+            if (kind != F32) {
+                load_params(k + row * size, kind, 0, n * D, kf);
+                load_params(v + row * size, kind, 0, n * D, vf);
+                kc = kf;
+                vc = vf;
+            }
+#ifdef AVX512
+            if (D % 16 == 0) {
+                chunk_avx(qs, R, D / 16, kc, vc, n, m, l, acc);
+                continue;
+            }
+#endif
+            chunk_portable(qs, R, D, kc, vc, n, m, l, acc);
+        }
+        t += end;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const float inv = length > 0 ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = acc[r * D + d] * inv;
+    }
+}
+
+/* out[s, h] = softmax(scale * query[s, h] . K_s^T) V_s for each of the S sequences, K_s / V_s being
+ * KV head h / (Hq / Hkv) of tokens [starts[s], starts[s] + lengths[s]) counted from the start of the
+ * sequence's first block, its blocks tables[s, 0..] ([S, max_blocks]). query, out: float32
+ * [S, Hq, D] contiguous. k_pool, v_pool: [Hkv, num_blocks, P, D] contiguous, of dtype `kind` (F32,
+ * F16 or BF16). A sequence of length 0 gets zeros. D <= MAX_DIM and the block ids are checked by
+ * the caller. */
+void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *query, const void *k_pool,
+                  const void *v_pool, int kind, int64_t num_blocks, int64_t P, const int64_t *tables,
+                  int64_t max_blocks, const int64_t *starts, const int64_t *lengths, float scale, float *out) {
+    const int64_t group = Hq / Hkv, head = num_blocks * P * D * param_size(kind);
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t g = 0; g < Hkv; g++) {
+            const char *k = (const char *)k_pool + g * head, *v = (const char *)v_pool + g * head;
+            for (int64_t r = 0; r < group; r += MAX_GROUP) {
+                const int64_t R = group - r < MAX_GROUP ? group - r : MAX_GROUP, at = (s * Hq + g * group + r) * D;
+                const int64_t *table = tables + s * max_blocks;
+                if (D == 64)
+                    attend_rows(64, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at);
+                else if (D == 128)
+                    attend_rows(128, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at);
+                else
+                    attend_rows(D, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at);
+            }
+        }
+    }
+}

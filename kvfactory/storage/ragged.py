@@ -1,0 +1,115 @@
+"""Decode attention over a ragged batch, read from a paged pool's blocks in place.
+
+A serving engine batches the decode steps of many sequences (one query token each) into one forward;
+per layer, each sequence attends over its own blocks of the layer's ``BlockPool``. Copying every
+sequence into one padded tensor first reads and writes the batch's whole K/V once more; vLLM's
+PagedAttention (Kwon et al. 2023) reads the blocks through each sequence's block table instead.
+``paged_decode`` does that on the CPU in C (``kvfactory/kernels/ragged.c``: an online softmax over
+the blocks, the query heads of a KV head together). Elsewhere (other devices, FP8 or non-contiguous
+pools, no C compiler, or ``kernel=False``) it gathers the blocks into a padded tensor, masks the
+tokens outside each sequence and runs one batched softmax attention in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfactory import kernels
+from kvfactory.errors import ShapeError
+
+MAX_DIM = 512  # channels per head ragged.c takes, as there
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # pool dtypes ragged.c reads
+
+
+def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                 starts: torch.Tensor, lengths: torch.Tensor, scale: float, *,
+                 kernel: bool = True) -> torch.Tensor:
+    """Each sequence's query over its own tokens of a layer's pool: ``[S, Hq, D]`` in ``query``'s dtype.
+
+    ``query [S, Hq, D]``: one decode token per sequence, any float dtype. ``k_pool`` / ``v_pool``
+    ``[Hkv, num_blocks, page_size, D]`` (a ``BlockPool``'s ``k`` and ``v``). Sequence ``s`` holds
+    tokens ``[starts[s], starts[s] + lengths[s])`` counted from the start of its first block
+    (``0 <= starts[s] < page_size``), in blocks ``tables[s, :ceil((starts[s] + lengths[s]) / page_size)]``
+    (``tables [S, max_blocks]`` int64; the entries past them, and a length-0 row's, are not read).
+    Query head ``h`` attends over KV head ``h // (Hq // Hkv)``, scores ``scale * q . k``; a sequence of
+    length 0 gets zeros. CPU tensors with contiguous float32 / float16 / bfloat16 pools and ``D <= 512``
+    go to the C kernel (built on first use); the rest, and every call with ``kernel=False``, to the
+    torch path. Raises ``ShapeError`` when the shapes do not fit, or a table is too short or names a
+    block outside the pool.
+    """
+    _check(query, k_pool, v_pool, tables, starts, lengths)
+    starts, lengths = starts.to(tables.device, torch.int64), lengths.to(tables.device, torch.int64)
+    tables = tables.long()
+    if kernel and _kernel_fits(query, k_pool, v_pool) and (lib := kernels.load("ragged")) is not None:
+        s, hq, d = query.shape
+        q = query.float().contiguous()
+        tables, starts, lengths = (t.cpu().contiguous() for t in (tables, starts, lengths))
+        out = torch.empty(s, hq, d, dtype=torch.float32)
+        lib.paged_decode(s, hq, k_pool.shape[0], d, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                         kernels.KINDS[k_pool.dtype], k_pool.shape[1], k_pool.shape[2], tables.data_ptr(),
+                         tables.shape[1], starts.data_ptr(), lengths.data_ptr(), scale, out.data_ptr())
+        return out.to(query.dtype)
+    return _gathered(query, k_pool, v_pool, tables, starts, lengths, scale)
+
+
+def _kernel_fits(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    return (query.device.type == k_pool.device.type == "cpu" and k_pool.dtype in KERNEL_DTYPES
+            and k_pool.is_contiguous() and v_pool.is_contiguous() and query.shape[2] <= MAX_DIM)
+
+
+def _check(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+           starts: torch.Tensor, lengths: torch.Tensor) -> None:
+    if query.dim() != 3 or k_pool.dim() != 4 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ShapeError(f"paged decode takes query [S, Hq, D] and pools [Hkv, num_blocks, page_size, D] "
+                         f"of one dtype; got query {tuple(query.shape)}, k_pool {tuple(k_pool.shape)} "
+                         f"({k_pool.dtype}), v_pool {tuple(v_pool.shape)} ({v_pool.dtype})")
+    (s, hq, d), (hkv, num_blocks, page, pool_d) = query.shape, k_pool.shape
+    if d != pool_d:
+        raise ShapeError(f"paged decode: query head_dim {d} differs from the pool's {pool_d}")
+    if hkv == 0 or hq % hkv:
+        raise ShapeError(f"paged decode: {hq} query heads are not a multiple of the pool's {hkv} KV heads")
+    if tables.dim() != 2 or tables.shape[0] != s or starts.shape != (s,) or lengths.shape != (s,):
+        raise ShapeError(f"paged decode of {s} sequences takes tables [{s}, max_blocks], starts [{s}] and "
+                         f"lengths [{s}]; got {tuple(tables.shape)}, {tuple(starts.shape)}, "
+                         f"{tuple(lengths.shape)}")
+    starts, lengths = starts.to(tables.device), lengths.to(tables.device)
+    wrong = (starts < 0) | (starts >= page) | (lengths < 0)
+    if wrong.any():
+        row = int(wrong.nonzero()[0, 0])
+        raise ShapeError(f"paged decode: sequence {row} starts at {int(starts[row])} with length "
+                         f"{int(lengths[row])}; a start lies in [0, {page}) and a length is >= 0")
+    needed = torch.where(lengths > 0, (starts + lengths + page - 1) // page, 0)
+    short = needed > tables.shape[1]
+    if short.any():
+        row = int(short.nonzero()[0, 0])
+        raise ShapeError(f"paged decode: sequence {row} (start {int(starts[row])}, length "
+                         f"{int(lengths[row])}) needs {int(needed[row])} blocks of {page} tokens; its table "
+                         f"holds {tables.shape[1]}")
+    used = torch.arange(tables.shape[1], device=tables.device) < needed[:, None]
+    outside = used & ((tables < 0) | (tables >= num_blocks))
+    if outside.any():
+        row, col = (int(i) for i in outside.nonzero()[0])
+        raise ShapeError(f"paged decode: sequence {row}'s block {col} is block id {int(tables[row, col])}, "
+                         f"outside the pool's {num_blocks} blocks")
+
+
+def _gathered(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+              starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch path: every sequence's blocks gathered into one padded ``[Hkv, S, tokens, D]`` (the
+    KV head first, so the grouped products need no further copy), the positions outside each
+    sequence masked, one softmax attention for the whole batch in float32 (or the query's wider dtype)."""
+    (s, hq, d), (hkv, num_blocks, page, _) = query.shape, k_pool.shape
+    device, dtype = k_pool.device, torch.promote_types(query.dtype, torch.float32)
+    starts, lengths = starts.to(device), lengths.to(device)
+    blocks = int(torch.where(lengths > 0, (starts + lengths + page - 1) // page, 0).max()) if s else 0
+    if blocks == 0:
+        return query.new_zeros(s, hq, d)
+    # a row's entries past its own blocks may hold anything: read a valid block there, masked below
+    ids = tables[:, :blocks].to(device).clamp(0, num_blocks - 1).flatten()
+    k, v = (pool.index_select(1, ids).view(hkv, s, blocks * page, d).to(dtype) for pool in (k_pool, v_pool))
+    q = query.to(device, dtype).view(s, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, S, group, D]
+    positions = torch.arange(blocks * page, device=device)
+    outside = (positions < starts[:, None]) | (positions >= (starts + lengths)[:, None])  # [S, tokens]
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill_(outside[None, :, None], float("-inf"))
+    out = (scores.softmax(-1) @ v).masked_fill_((lengths == 0)[None, :, None, None], 0.0)  # 0/0 rows: zeros
+    return out.transpose(0, 1).reshape(s, hq, d).to(query.dtype)
