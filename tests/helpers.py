@@ -141,3 +141,18 @@ def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ..
     torch.manual_seed(0)
     Router(RouterShape(hidden, kv_heads, head_dim, layers, group_size=1)).save(path)
     return str(path)
+
+
+@torch.no_grad()
+def greedy_tokens(model: Any, prompt: list[int], new_tokens: int, cache: Any = None) -> list[int]:
+    """``new_tokens`` greedy tokens after ``prompt`` with ``cache`` (default ``DynamicCache``), one
+    forward per token and EOS not special: the reference an engine's greedy output must equal."""
+    from transformers import DynamicCache
+
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    ids, out = torch.tensor([prompt]), []
+    for _ in range(new_tokens):
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        out.append(int(logits.argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out

@@ -1,0 +1,38 @@
+"""The engine on tiny random models of every architecture the cache tests cover: greedy outputs
+equal ``model.generate`` with ``DynamicCache`` sequence by sequence, whatever shares the batch
+(prompts of different lengths, chunked prefills, a sliding window shorter than the prompts)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import greedy_tokens
+from tiny_models import TINY_IDS, random_prompt, tiny_model
+
+from kvfactory.engine import Engine, SamplingParams
+
+ENGINE_ARCHITECTURES = [name for name in TINY_IDS if name != "gpt2"]
+
+
+@pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)
+@pytest.mark.parametrize("budget", [7, 64])  # 7: prefills are chunked over several steps
+def test_greedy_equals_generate(name: str, budget: int) -> None:
+    model = tiny_model(name)
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (5, 23, 12, 40)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512,
+                    max_num_batched_tokens=budget)
+    outputs = engine.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, 10)
+        assert output.finish_reason == "length"
+    stats = engine.stats()
+    assert stats["sequences"] == 0 and stats["running"] == stats["waiting"] == 0
+
+
+def test_eos_ends_a_request() -> None:
+    model = tiny_model("llama")
+    engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512)
+    prompt = random_prompt(9)[0].tolist()
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    stop = engine.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=(greedy[2],)))[0]
+    assert stop.token_ids == greedy[:greedy.index(greedy[2]) + 1] and stop.finish_reason == "stop"

@@ -1,0 +1,156 @@
+"""The engine on the embedded SmolLM2: outputs equal running each request alone, for every kind of
+config, under chunked prefills, prefix hits, staggered arrivals and preemption by swap or recompute;
+sampling, stops, aborts and admission errors."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import greedy_tokens
+
+from kvfactory.engine import AdmissionError, Engine, EngineFullError, SamplingParams
+from kvfactory.errors import ConfigError
+from kvfactory.factory import KVCacheFactory
+from kvfactory.presets import load_preset
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea, there lived",
+           "def fibonacci(n):\n    ", "The three laws of thermodynamics state that"]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def ids_of(tokenizer, prompts: list[str]) -> list[list[int]]:
+    return [tokenizer(p)["input_ids"] for p in prompts]
+
+
+def assert_idle(engine: Engine) -> None:
+    """No request holds a block: what is still used is idle prefix-cache blocks, reclaimable."""
+    stats = engine.stats()
+    assert stats["sequences"] == 0 and stats["running"] == stats["waiting"] == stats["swapped"] == 0
+    layers = len(engine.manager.pool.block_pools())
+    assert stats["pool_blocks_used"] == stats["prefix_cached_blocks"] * layers
+
+
+def test_greedy_equals_dynamic_cache_with_staggered_arrivals(smollm2) -> None:
+    model, tokenizer = smollm2
+    prompts = ids_of(tokenizer, PROMPTS)
+    engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=2048,
+                    max_num_batched_tokens=16)  # prefills chunked and mixed with decodes
+    done: dict[str, list[int]] = {}
+    ids = [engine.add_request(prompts[0], GREEDY)]
+    for prompt in prompts[1:]:  # each arrives while the others decode
+        for _ in range(3):
+            done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        ids.append(engine.add_request(prompt, GREEDY))
+    while engine.has_unfinished():
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert done[request_id] == greedy_tokens(model, prompt, GREEDY.max_tokens)
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("preset", ["int8", "int4", "snapkv@0.5", "quest@0.25", "oval@0.25"])
+def test_every_config_equals_its_cache_alone(smollm2, preset: str) -> None:
+    """A lossy config in the engine computes what the same cache computes alone under ``generate``."""
+    model, tokenizer = smollm2
+    long_prompt = tokenizer("Call me Ishmael. " * 40)["input_ids"]
+    prompts = [*ids_of(tokenizer, PROMPTS[:2]), long_prompt]
+    config = load_preset(preset)
+    engine = Engine(model, tokenizer, config, pool_tokens=4096, max_num_batched_tokens=512)
+    outputs = engine.generate(prompts, GREEDY)
+    factory = KVCacheFactory(model.config, config)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
+    assert engine.stats()["sequences"] == 0
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_preemption_keeps_outputs(smollm2, preemption: str) -> None:
+    model, tokenizer = smollm2
+    prompts = ids_of(tokenizer, [f"Story {i}: " + PROMPTS[i % 4] for i in range(8)])
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    need = max(len(p) for p in prompts) + params.max_tokens
+    engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=3 * need,
+                    preemption=preemption, prefix_caching=False)
+    outputs = engine.generate(prompts, params)
+    assert engine.scheduler.preemptions > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, params.max_tokens)
+    assert_idle(engine)
+
+
+def test_shared_system_prompt_is_prefilled_once(smollm2) -> None:
+    model, tokenizer = smollm2
+    system = "You are a helpful assistant who answers briefly and precisely. " * 4
+    prompts = ids_of(tokenizer, [system + q for q in ("What is 2+2?", "Name a colour.", "Who wrote Hamlet?")])
+    engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=2048)
+    first = engine.generate(prompts[:1], GREEDY)[0]
+    rest = engine.generate(prompts[1:], GREEDY)
+    shared = len(tokenizer(system)["input_ids"]) // 16 * 16
+    assert first.cached_tokens == 0 and all(o.cached_tokens >= shared - 16 for o in rest)
+    for prompt, output in zip(prompts, [first, *rest], strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens)
+    assert_idle(engine)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(smollm2) -> None:
+    model, tokenizer = smollm2
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = Engine(model, tokenizer, pool_tokens=2048).generate([PROMPTS[1]], sampled)[0].token_ids
+    engine = Engine(model, tokenizer, pool_tokens=2048)
+    engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_tokens=10, temperature=1.0, seed=3))
+    again = engine.generate([PROMPTS[0], PROMPTS[1]], sampled)
+    assert again[1].token_ids == alone and again[0].token_ids != alone
+    top1 = SamplingParams(max_tokens=10, temperature=1.0, top_k=1, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    assert engine.generate([PROMPTS[1]], top1)[0].token_ids == engine.generate([PROMPTS[1]], greedy)[0].token_ids
+
+
+def test_stops_and_streaming_text(smollm2) -> None:
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, pool_tokens=2048)
+    full = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12))[0]
+    stop = full.text[4:7]
+    cut = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+    pieces = list(engine.stream(PROMPTS[2], SamplingParams(max_tokens=12)))
+    assert "".join(p.new_text for p in pieces) == full.text
+    assert sum(len(p.new_token_ids) for p in pieces) == len(full.token_ids)
+    assert pieces[-1].finished and not any(p.finished for p in pieces[:-1])
+
+
+def test_abort_gives_blocks_back(smollm2) -> None:
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, pool_tokens=2048, prefix_caching=False)
+    first = engine.add_request(PROMPTS[1], GREEDY)
+    engine.add_request(PROMPTS[2], GREEDY)
+    engine.step()
+    assert engine.stats()["pool_blocks_used"] > 0
+    output = engine.abort(first)
+    assert output.finished and output.finish_reason == "abort"
+    assert [o for o in engine.step() if o.request_id == first] == [output]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["pool_blocks_used"] == 0 and engine.abort(first) is None
+
+
+def test_admission_errors_name_the_field(smollm2) -> None:
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, pool_tokens=256, max_waiting=1)
+    with pytest.raises(AdmissionError) as err:
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=300))
+    assert err.value.field == "max_tokens" and "KV pool" in str(err.value)
+    with pytest.raises(AdmissionError) as err:
+        engine.add_request([1] * 9000, SamplingParams(max_tokens=4))
+    assert err.value.field == "prompt" and "8192" in str(err.value)
+    with pytest.raises(AdmissionError):
+        engine.add_request([], SamplingParams())
+    for field, value in (("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5),
+                         ("top_k", -2), ("seed", -1)):
+        with pytest.raises(ConfigError) as err:
+            SamplingParams(**{field: value})
+        assert err.value.key == field
+    engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(EngineFullError):
+        engine.add_request(PROMPTS[1], GREEDY)
+    assert engine.stats()["waiting"] == 1
