@@ -38,15 +38,6 @@ class Segment:
         return self.end - self.start
 
 
-@dataclass
-class _Generic:
-    segment: Segment
-    keys: torch.Tensor
-    values: torch.Tensor
-    read: attention.DeferredRead | attention.NarrowRead | None
-    observer: attention.Observer | None
-
-
 class StepBatch:
     """The segments of one step; ``write`` is ``kvfactory.cache.PackedBatch``'s per-layer callback."""
 
@@ -55,46 +46,45 @@ class StepBatch:
         self.in_place = in_place  # decode plain pages with the paged kernel (False: through each cache)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> attention.BatchRead:
-        paged: list[tuple[int, PagedStore]] = []
-        generic: list[_Generic] = []
-        for segment in self.segments:
-            k, v = key[:, :, segment.start:segment.end], value[:, :, segment.start:segment.end]
-            layer = segment.cache.layers[layer_idx]
-            plain = type(layer.store) is PagedStore and not layer.is_sliding
-            if self.in_place and segment.tokens == 1 and plain:
-                layer.append(k, v)
-                paged.append((segment.start, layer.store))
-                continue
-            keys, values = segment.cache.update(k, v, layer_idx)
-            read, observer = attention.take(keys, layer_idx)
-            generic.append(_Generic(segment, keys, values, read, observer))
-        return _StepRead(layer_idx, paged, generic)
+        return _StepRead(self, layer_idx, key, value)
 
 
 class _StepRead(attention.BatchRead):
-    def __init__(self, layer_idx: int, paged: list[tuple[int, PagedStore]], generic: list[_Generic]) -> None:
-        self.layer_idx, self.paged, self.generic = layer_idx, paged, generic
+    """One layer's writes and attention, run when the layer attends. Each sequence outside the paged
+    kernel writes and attends in turn, as under ``generate``: a store's read may live in a workspace
+    that the next sequence's read reuses."""
+
+    def __init__(self, batch: StepBatch, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.batch, self.layer_idx, self.key, self.value = batch, layer_idx, key, value
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float, **kwargs: object
                ) -> torch.Tensor:
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
-        if self.paged:
-            self._paged(query, scaling, out)
-        for item in self.generic:
-            segment = item.segment
-            q = query[:, :, segment.start:segment.end]
-            chunked = isinstance(item.read, attention.DeferredRead)
-            length = item.read.length if chunked else item.keys.shape[-2]
-            window = segment.cache.layers[self.layer_idx].sliding_window
-            mask = causal_mask(q.shape[2], length, window, q.device) if q.shape[2] > 1 else None
-            attention.defer(item.read, item.keys, self.layer_idx, item.observer)
-            result, _ = kvfactory_attention(module, q, item.keys, item.values, mask, scaling=scaling,
-                                            **kwargs)
-            out[:, segment.start:segment.end] = result
+        paged: list[tuple[int, PagedStore]] = []
+        for segment in self.batch.segments:
+            span = slice(segment.start, segment.end)
+            k, v = self.key[:, :, span], self.value[:, :, span]
+            layer = segment.cache.layers[self.layer_idx]
+            plain = type(layer.store) is PagedStore and not layer.is_sliding
+            if self.batch.in_place and segment.tokens == 1 and plain:
+                layer.append(k, v)
+                paged.append((segment.start, layer.store))
+                continue
+            keys, values = segment.cache.update(k, v, self.layer_idx)
+            read, observer = attention.take(keys, self.layer_idx)
+            q = query[:, :, span]
+            length = read.length if isinstance(read, attention.DeferredRead) else keys.shape[-2]
+            mask = causal_mask(q.shape[2], length, layer.sliding_window, q.device) if q.shape[2] > 1 else None
+            attention.defer(read, keys, self.layer_idx, observer)
+            out[:, span], _ = kvfactory_attention(module, q, keys, values, mask, scaling=scaling, **kwargs)
+        if paged:
+            self._paged(paged, query, scaling, out)
         return out
 
-    def _paged(self, query: torch.Tensor, scaling: float, out: torch.Tensor) -> None:
-        views = [store.pages_in_place() for _, store in self.paged]
+    @staticmethod
+    def _paged(paged: list[tuple[int, PagedStore]], query: torch.Tensor, scaling: float,
+               out: torch.Tensor) -> None:
+        views = [store.pages_in_place() for _, store in paged]
         pool = views[0][0]
         width = max(ids.numel() for _, ids, _, _ in views)
         tables = torch.zeros(len(views), width, dtype=torch.long)
@@ -102,7 +92,7 @@ class _StepRead(attention.BatchRead):
             tables[row, :ids.numel()] = ids
         starts = torch.tensor([start for _, _, start, _ in views])
         lengths = torch.tensor([length for _, _, _, length in views])
-        rows = torch.tensor([start for start, _ in self.paged], device=query.device)
+        rows = torch.tensor([start for start, _ in paged], device=query.device)
         q = query[0, :, rows].transpose(0, 1)  # [S, Hq, D]
         out[0, rows] = paged_decode(q, pool.k, pool.v, tables, starts, lengths, scaling)
 

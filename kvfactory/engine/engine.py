@@ -155,6 +155,9 @@ class Engine:
         """Queue a request (text, or token ids); returns its id. ``AdmissionError`` (naming the field)
         when it could never run, ``EngineFullError`` when the queue is full; nothing is queued then."""
         params = params or SamplingParams()
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
+            raise AdmissionError("prompt" if isinstance(prompt, str) else "stop",
+                                 "an engine without a tokenizer takes token ids and no stop strings")
         ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) \
             else [int(t) for t in prompt]
         request_id = request_id or f"req-{next(self._ids)}"
@@ -270,7 +273,8 @@ class Engine:
     def _append(self, request: Request, token: int, now: float) -> RequestOutput:
         request.output_ids.append(token)
         self.metrics.token(request, now)
-        request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        if self.tokenizer is not None:  # without one, requests are token ids in and out
+            request.text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
         params = request.params
         reason = None
         hits = [at for at in (request.text.find(s) for s in params.stop) if at >= 0]

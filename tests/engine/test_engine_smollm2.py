@@ -103,7 +103,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(smollm2) -> None:
     assert again[1].token_ids == alone and again[0].token_ids != alone
     top1 = SamplingParams(max_tokens=10, temperature=1.0, top_k=1, ignore_eos=True)
     greedy = SamplingParams(max_tokens=10, ignore_eos=True)
-    assert engine.generate([PROMPTS[1]], top1)[0].token_ids == engine.generate([PROMPTS[1]], greedy)[0].token_ids
+    assert engine.generate([PROMPTS[1]], top1)[0].token_ids == \
+        engine.generate([PROMPTS[1]], greedy)[0].token_ids
 
 
 def test_stops_and_streaming_text(smollm2) -> None:
