@@ -1,0 +1,213 @@
+"""Serving throughput and latency: kvfactory's engine against sequential ``model.generate`` and
+transformers' ``generate_batch``, on the same machine in the same run.
+
+Workloads (token counts from WikiText-2 test, SmolLM2-135M fp32, CPU, one torch thread, greedy, EOS
+ignored so every request generates its full ``max_tokens``):
+
+- ``a``: 16 chats sharing a 1,024-token system prompt, each with its own 64-token question, 64 new
+  tokens (prefix caching: the system prompt is prefilled once);
+- ``b``: 8 prompts of 2,048 tokens, 64 new tokens;
+- ``c``: 8 prompts of 6,144 tokens, 64 new tokens (``--new-tokens 256`` for the long-decode run).
+
+Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``),
+``sequential`` (``model.generate`` with ``DynamicCache``, one request after another) and
+``generate_batch`` (transformers' continuous batching). Each reports wall time, throughput
+(generated tokens / wall), time to first token p50/p99 (all requests arrive at t=0), inter-token
+latency p50/p99, prefill tokens/s (prompt tokens over the time of steps that prefilled), decode
+tokens/s (tokens generated in decode-only steps over their time: prefill excluded) and peak KV
+bytes. ``--scale`` shrinks every length for a quick look. Prints JSON (``--out FILE`` also writes it).
+
+    python benchmarks/serve.py --workloads a,b --systems engine:paged16,engine:int4,sequential
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from kvfactory.cache import dynamic_cache_bytes
+from kvfactory.engine import Engine, SamplingParams
+from kvfactory.models import load_model
+from kvfactory.presets import load_preset
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
+WORKLOADS = {"a": dict(system=1024, own=64, requests=16, new=64),
+             "b": dict(system=0, own=2048, requests=8, new=64),
+             "c": dict(system=0, own=6144, requests=8, new=64)}
+
+
+def prompts_for(name: str, tokens: list[int], scale: float, new_tokens: int | None
+                ) -> tuple[list[list[int]], int]:
+    spec = WORKLOADS[name]
+    system, own = int(spec["system"] * scale), max(1, int(spec["own"] * scale))
+    prompts = []
+    for i in range(spec["requests"]):
+        start = system + i * own
+        prompts.append(tokens[:system] + tokens[start:start + own])
+    return prompts, new_tokens or spec["new"]
+
+
+def quantiles(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    ordered = sorted(values)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+def summary(wall: float, generated: int, ttft: list[float], itl: list[float], prefill: tuple[int, float],
+            decode: tuple[int, float], peak: int | None) -> dict[str, Any]:
+    t50, t99 = quantiles(ttft)
+    i50, i99 = quantiles(itl)
+    return {"wall_s": round(wall, 2), "throughput_tok_s": round(generated / wall, 2),
+            "ttft_p50_s": round(t50, 3), "ttft_p99_s": round(t99, 3),
+            "itl_p50_ms": round(i50 * 1e3, 1), "itl_p99_ms": round(i99 * 1e3, 1),
+            "prefill_tok_s": round(prefill[0] / prefill[1], 1) if prefill[1] else None,
+            "decode_tok_s": round(decode[0] / decode[1], 2) if decode[1] else None,
+            "peak_kv_bytes": peak}
+
+
+def run_engine(model: Any, tokenizer: Any, preset: str, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    total = sum(len(p) for p in prompts) + len(prompts) * new
+    engine = Engine(model, tokenizer, load_preset(preset), pool_tokens=total + 64 * len(prompts),
+                    max_num_batched_tokens=512, max_num_seqs=len(prompts))
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    start = time.perf_counter()
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    prefill, decode, peak = [0, 0.0], [0, 0.0], 0
+    ttft, itl, last = [], [], {}
+    generated = 0
+    while engine.has_unfinished():
+        before = engine.metrics.prompt_tokens._value.get()
+        began = time.perf_counter()
+        outputs = engine.step()
+        took = time.perf_counter() - began
+        fed = engine.metrics.prompt_tokens._value.get() - before
+        if fed:
+            prefill[0] += fed
+            prefill[1] += took
+        else:
+            decode[0] += len(outputs)
+            decode[1] += took
+        now = time.perf_counter()
+        for output in outputs:
+            generated += len(output.new_token_ids)
+            if output.request_id in last:
+                itl.append(now - last[output.request_id])
+            else:
+                ttft.append(now - start)
+            last[output.request_id] = now
+        used = sum((pool.num_blocks - len(pool.free)) * pool.block_bytes
+                   for pool in engine.manager.pool.pools.values())
+        peak = max(peak, used)
+    wall = time.perf_counter() - start
+    result = summary(wall, generated, ttft, itl, (prefill[0], prefill[1]), (decode[0], decode[1]), peak)
+    stats = engine.stats()
+    result |= {"prompt_tokens_computed": int(engine.metrics.prompt_tokens._value.get()),
+               "prefix_hit_tokens": int(engine.metrics.prefix_hits._value.get()),
+               "preemptions": stats["preemptions"]}
+    return result
+
+
+class _Clock:
+    """A ``generate`` streamer that timestamps each new token (the first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def run_sequential(model: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    ttft, itl, prefill, decode, peak, generated = [], [], [0, 0.0], [0, 0.0], 0, 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        cache, clock = DynamicCache(config=model.config), _Clock()
+        began = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, cache=cache, streamer=clock)
+        ttft.append(clock.times[0] - start)
+        itl += [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
+        prefill[0] += len(prompt)
+        prefill[1] += clock.times[0] - began
+        decode[0] += len(clock.times) - 1
+        decode[1] += clock.times[-1] - clock.times[0]
+        generated += len(clock.times)
+        peak = max(peak, dynamic_cache_bytes(cache))
+    wall = time.perf_counter() - start
+    return summary(wall, generated, ttft, itl, (prefill[0], prefill[1]), (decode[0], decode[1]), peak)
+
+
+def run_generate_batch(prompts: list[list[int]], new: int) -> dict[str, Any]:
+    model, _ = load_model(attention="sdpa")  # its own copy: generate_batch switches the attention
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=-1)
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=prompts, generation_config=config, record_timestamps=True)
+    wall = time.perf_counter() - start
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return summary(wall, generated, [], [], (0, 0.0), (0, 0.0), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="a,b,c")
+    parser.add_argument("--systems",
+                        default="engine:paged16,engine:int4,engine:quest@0.125,sequential,generate_batch")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length")
+    parser.add_argument("--new-tokens", type=int, default=None, help="override each workload's new tokens")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, tokenizer = load_model()
+    tokens = tokenizer(DATA.read_text()[:400_000])["input_ids"]
+    report: dict[str, Any] = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "threads": 1,
+                              "machine": platform.processor() or platform.machine(), "scale": args.scale,
+                              "workloads": {}}
+    for name in args.workloads.split(","):
+        prompts, new = prompts_for(name, tokens, args.scale, args.new_tokens)
+        rows = report["workloads"][name] = {"requests": len(prompts), "prompt_tokens": len(prompts[0]),
+                                            "new_tokens": new, "systems": {}}
+        with torch.inference_mode():
+            for system in args.systems.split(","):
+                if system.startswith("engine:"):
+                    result = run_engine(model, tokenizer, system.split(":", 1)[1], prompts, new)
+                elif system == "sequential":
+                    result = run_sequential(model, prompts, new)
+                elif system == "generate_batch":
+                    result = run_generate_batch(prompts, new)
+                else:
+                    raise SystemExit(f"unknown system {system!r}")
+                rows["systems"][system] = result
+                print(json.dumps({"workload": name, "system": system, **result}), flush=True)
+        base = rows["systems"].get("sequential")
+        if base:
+            for result in rows["systems"].values():
+                result["wall_vs_sequential"] = round(result["wall_s"] / base["wall_s"], 3)
+                if result["decode_tok_s"] and base["decode_tok_s"]:
+                    result["decode_vs_sequential"] = round(result["decode_tok_s"] / base["decode_tok_s"], 2)
+                if result["prefill_tok_s"] and base["prefill_tok_s"]:
+                    ratio = result["prefill_tok_s"] / base["prefill_tok_s"]
+                    result["prefill_vs_sequential"] = round(ratio, 2)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
