@@ -36,3 +36,20 @@ def test_eos_ends_a_request() -> None:
     greedy = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     stop = engine.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=(greedy[2],)))[0]
     assert stop.token_ids == greedy[:greedy.index(greedy[2]) + 1] and stop.finish_reason == "stop"
+
+
+def test_int4_pages_admit_more_sequences_in_one_byte_budget() -> None:
+    """With one KV byte budget, int4 pages hold over three times the concurrent long sequences of plain
+    pages (the scheduler admits while their writes fit the pool)."""
+    model = tiny_model("llama")
+    prompt = random_prompt(400)[0].tolist()
+    running = {}
+    for name, config in (("plain", {"type": "paged", "page_size": 16}),
+                         ("int4", {"type": "paged", "page_size": 16, "quantization": "int4"})):
+        pool = {"pool_bytes": 6 * 416 * 2 * 2 * 16 * 4 * 2}  # 6 plain sequences of 416 tokens, 2 layers
+        engine = Engine(model, None, config | pool, max_num_batched_tokens=100_000, max_num_seqs=64)
+        for _ in range(40):
+            engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+        engine.step()
+        running[name] = len(engine.scheduler.running)
+    assert running["plain"] == 6 and running["int4"] >= 3 * running["plain"]
