@@ -21,22 +21,6 @@ static inline __m512 load16(const void *f, int kind, int64_t i) {
     return _mm512_loadu_ps((const float *)f + i);
 }
 
-/* The horizontal sums of v[0..16) as one vector (lane j: the sum of v[j]): pairs of vectors are
- * folded by unpacking within 128-bit lanes, then across lanes, 45 instructions in all where 16
- * separate reductions take about 130. */
-static inline __m512 sums16(const __m512 *v) {
-    __m512 w[8], y[4];
-    for (int k = 0; k < 8; k++)
-        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++) {
-        const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
-        y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
-    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
-}
-
 #define BLOCK 16     /* pages scored together: one vector of their scores per row */
 #define WIDEST 128   /* features a block keeps converted (BLOCK x WIDEST floats, 8 KB) */
 
