@@ -9,7 +9,10 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
   tensor; vLLM's PagedAttention, Kwon et al. 2023);
 - everything else (prefill chunks, quantized pages, eviction policies, page selectors, sliding
   layers) goes through the sequence's own cache and kvfactory's attention, exactly as
-  ``model.generate`` would run it, with a causal mask aligned to the chunk's end.
+  ``model.generate`` would run it, with a causal mask aligned to the chunk's end. These sequences
+  are written and read one after another when the layer attends: a cache's read may sit in a
+  workspace buffer shared by every cache of the pool (``ReadWorkspace``), valid only until the
+  next read.
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ class Segment:
 
 @dataclass
 class _Generic:
+    """A segment written through its cache when the layer attends: its slice of the new K/V."""
+
     segment: Segment
-    keys: torch.Tensor
-    values: torch.Tensor
-    read: attention.DeferredRead | attention.NarrowRead | None
-    observer: attention.Observer | None
+    key: torch.Tensor
+    value: torch.Tensor
 
 
 class StepBatch:
@@ -64,10 +67,8 @@ class StepBatch:
             if self.in_place and segment.tokens == 1 and plain:
                 layer.append(k, v)
                 paged.append((segment.start, layer.store))
-                continue
-            keys, values = segment.cache.update(k, v, layer_idx)
-            read, observer = attention.take(keys, layer_idx)
-            generic.append(_Generic(segment, keys, values, read, observer))
+            else:
+                generic.append(_Generic(segment, k, v))
         return _StepRead(layer_idx, paged, generic)
 
 
@@ -80,16 +81,16 @@ class _StepRead(attention.BatchRead):
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         if self.paged:
             self._paged(query, scaling, out)
-        for item in self.generic:
+        for item in self.generic:  # each read is attended to before the next one is made
             segment = item.segment
+            keys, values = segment.cache.update(item.key, item.value, self.layer_idx)
+            read, observer = attention.take(keys, self.layer_idx)
             q = query[:, :, segment.start:segment.end]
-            chunked = isinstance(item.read, attention.DeferredRead)
-            length = item.read.length if chunked else item.keys.shape[-2]
+            length = read.length if isinstance(read, attention.DeferredRead) else keys.shape[-2]
             window = segment.cache.layers[self.layer_idx].sliding_window
             mask = causal_mask(q.shape[2], length, window, q.device) if q.shape[2] > 1 else None
-            attention.defer(item.read, item.keys, self.layer_idx, item.observer)
-            result, _ = kvfactory_attention(module, q, item.keys, item.values, mask, scaling=scaling,
-                                            **kwargs)
+            attention.defer(read, keys, self.layer_idx, observer)
+            result, _ = kvfactory_attention(module, q, keys, values, mask, scaling=scaling, **kwargs)
             out[:, segment.start:segment.end] = result
         return out
 
