@@ -1,12 +1,14 @@
-"""The ``kvfactory`` command line: ``size`` (KV memory calculator) and ``run`` (side-by-side caches).
+"""The ``kvfactory`` command line: ``size`` (KV memory calculator), ``run`` (side-by-side caches),
+``serve`` (an OpenAI-compatible server), evaluation and calibration.
 
-Commands only parse arguments; the work lives in ``kvfactory.sizing`` and ``kvfactory.run``.
+Commands only parse arguments; the work lives in ``kvfactory.sizing``, ``kvfactory.run``,
+``kvfactory.server`` and the packages each command names.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -274,6 +276,66 @@ def read_text(path: Path, param_hint: str | None = None) -> str:
                                  param_hint=param_hint) from exc
 
 
+@app.command()
+def serve(
+    model: ModelOption = models.EMBEDDED,
+    cache: Annotated[str, typer.Option(
+        help="the paged KV cache: a preset (paged16, int8, int4, snapkv@0.5, quest@0.125, ...), a YAML "
+             "file or an inline JSON/YAML config")] = "paged16",
+    pool_tokens: Annotated[int | None, typer.Option(
+        min=1, help="tokens per layer of the shared KV pool; default: the config's own pool options "
+                    "(without any, the pool grows and nothing is preempted)")] = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 8000,
+    max_num_seqs: Annotated[int, typer.Option(min=1, help="sequences holding K/V at once")] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="tokens in one engine step")] = 512,
+    max_waiting: Annotated[int, typer.Option(min=1, help="queued requests; beyond them a 503")] = 256,
+    preemption: Annotated[Literal["swap", "recompute"], typer.Option(
+        help="what makes room when the pool is full: swap K/V to host memory, or drop it and "
+             "recompute")] = "swap",
+    served_model_name: Annotated[str | None, typer.Option(
+        help="the model name requests must give; default: --model as given")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens of a chat request that gives none")]
+    = 256,
+    shutdown_timeout: Annotated[float, typer.Option(
+        min=0, help="seconds requests in flight get to finish after SIGTERM before they are aborted")]
+    = 10.0,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads; default: torch's")] = None,
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], typer.Option(help="log level")]
+    = "info",
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health, /metrics) with continuous batching over one KV pool."""
+    import logging
+
+    import torch
+
+    from kvfactory.engine import Engine
+    from kvfactory.eval.runner import EvalError, resolve_cache
+    from kvfactory.server import create_app
+    from kvfactory.server import serve as serve_app
+
+    try:
+        spec = resolve_cache(cache)
+    except EvalError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--cache") from exc
+    if spec.kind != "kvfactory":
+        raise typer.BadParameter(f"{cache!r}: the engine serves kvfactory's paged configs, not {spec.name}",
+                                 param_hint="--cache")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    loaded, tokenizer = models.load_model(model)
+    try:
+        engine = Engine(loaded, tokenizer, spec.config, pool_tokens=pool_tokens, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
+                        preemption=preemption)
+    except KVFactoryError as exc:
+        _fail(exc)
+    serve_app.run(create_app(engine, served_model_name or model, max_tokens=max_tokens), host, port,
+                  shutdown_timeout, log_level)
+
+
 oval_app = typer.Typer(help="OVAL page routing: train a router.",
                        no_args_is_help=True)
 app.add_typer(oval_app, name="oval")
@@ -373,3 +435,7 @@ def selectors_calibrate(
 def oval_calibrate() -> None:
     """Moved: read-budget calibration is `kvfactory selectors calibrate` (it is not OVAL's)."""
     raise typer.BadParameter("moved to `kvfactory selectors calibrate`")
+
+
+if __name__ == "__main__":  # python -m kvfactory.cli
+    app()

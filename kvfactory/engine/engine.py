@@ -180,6 +180,7 @@ class Engine:
         if request is None or request.finished:
             return None
         self._finish(request, "abort")
+        self.metrics.update_gauges()  # no step may follow to refresh them
         output = self._output(request, [])
         self._aborted.append(output)
         return output
