@@ -92,6 +92,8 @@ class OpenAIServer:
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         params = self._params(body, self.max_tokens)
+        if self.tokenizer.chat_template is None:
+            raise APIError(400, f"{self.name!r} has no chat template: use /v1/completions", "messages")
         try:
             ids = self.tokenizer.apply_chat_template(body.conversation(), add_generation_prompt=True,
                                                      tokenize=True, return_dict=True)["input_ids"]
@@ -111,9 +113,12 @@ class OpenAIServer:
                                             "max_model_len": self.runner.engine.max_model_len}]}
 
     async def health(self) -> JSONResponse:
-        if not self.runner.accepting:
+        try:
+            if not self.runner.accepting:
+                raise ShuttingDownError("the server is shutting down")
+            return JSONResponse({"status": "ok", "model": self.name, **await self.runner.stats()})
+        except ShuttingDownError:
             return JSONResponse({"status": "shutting down"}, 503)
-        return JSONResponse({"status": "ok", "model": self.name, **await self.runner.stats()})
 
     async def metrics(self) -> Response:
         return Response(generate_latest(self.runner.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)

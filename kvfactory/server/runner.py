@@ -89,6 +89,7 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._inbox: list[Callable[[], None]] = []
         self._stopping = False
+        self._stopped = False  # the thread took its last commands: later ones are refused
         self._queues: dict[str, asyncio.Queue] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -141,13 +142,18 @@ class AsyncEngine:
         return self._final
 
     # -- the engine thread -------------------------------------------------------------------------
-    def _post(self, command: Callable[[], None]) -> None:
+    def _post(self, command: Callable[[], None]) -> bool:
+        """Queue ``command`` for the engine thread; False once it stopped taking commands."""
         with self._wake:
+            if self._stopped:
+                return False
             self._inbox.append(command)
             self._wake.notify()
+            return True
 
     def _call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the engine thread; its result or exception in the future."""
+        """Run ``fn`` on the engine thread; its result or exception (``ShuttingDownError`` once the
+        thread stopped) in the future."""
         future: Future[T] = Future()
 
         def command() -> None:
@@ -158,7 +164,8 @@ class AsyncEngine:
             except Exception as exc:  # handed to the awaiting handler
                 future.set_exception(exc)
 
-        self._post(command)
+        if not self._post(command):
+            future.set_exception(ShuttingDownError("the server is shutting down"))
         return future
 
     def _run(self) -> None:
@@ -167,7 +174,7 @@ class AsyncEngine:
                 while not (self._inbox or self._stopping or self.engine.has_unfinished()):
                     self._wake.wait()
                 commands, self._inbox = self._inbox, []
-                stopping = self._stopping
+                stopping = self._stopped = self._stopping
             for command in commands:
                 command()
             if stopping:

@@ -1,0 +1,26 @@
+"""``kvfactory serve``'s refusals: configs the engine cannot serve end before anything listens."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvfactory.cli import app
+
+WIDE = {"COLUMNS": "200"}
+
+
+@pytest.mark.parametrize(("cache", "says"), [("transformers/quanto-int4", "kvfactory's paged configs"),
+                                             ("DynamicCache", "kvfactory's paged configs"),
+                                             ("no-such-preset", "--cache")])
+def test_caches_the_engine_cannot_serve_are_usage_errors(cache: str, says: str) -> None:
+    result = CliRunner().invoke(app, ["serve", "--cache", cache], env=WIDE)
+    assert result.exit_code == 2
+    assert says in result.output
+
+
+@pytest.mark.slow
+def test_a_dense_config_fails_before_serving() -> None:
+    result = CliRunner().invoke(app, ["serve", "--cache", "dense", "--port", "1"], env=WIDE)
+    assert result.exit_code == 2
+    assert "error: ConfigError" in result.output and "KVCacheManager" in result.output
