@@ -83,8 +83,11 @@ EVICTION = {"type": "composite", "strategies": [{"name": "paged", "page_size": P
 
 def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None:
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="sparse caches are not managed"):
-        KVCacheManager(model.config, SPARSE)
+    with pytest.raises(ConfigError, match="paged storage"):
+        KVCacheManager(model.config, {"type": "dense"})
+    with pytest.raises(ConfigError, match="prefix_caching"):  # sparse caches are managed, prefixes not shared
+        KVCacheManager(model.config, SPARSE, prefix_caching=True)
+    assert not KVCacheManager(model.config, SPARSE).prefix_caching
     with pytest.raises(ConfigError, match="prefix_caching"):
         KVCacheManager(model.config, PAGED | {"quantization": "int8"}, prefix_caching=True)
     with attn_implementation(model, "kvfactory"):
