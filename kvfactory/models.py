@@ -30,6 +30,14 @@ def embedded_model_dir() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
+def converted_model_dir() -> Path:
+    """The embedded model as a plain transformers folder (safetensors), converted on first use: what
+    another engine loads (vLLM's server in ``benchmarks/serve.py``)."""
+    if not (_cache_dir() / "config.json").exists():
+        _load(EMBEDDED, torch.float32)
+    return _cache_dir()
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("KVFACTORY_CACHE_DIR", Path.home() / ".cache" / "kvfactory")) / "smollm2-fp32"
 
