@@ -53,10 +53,21 @@ class EngineMemory:
     def __init__(self, manager: KVCacheManager, preemption: str, like: tuple[torch.Tensor, torch.Tensor],
                  metrics: EngineMetrics) -> None:
         self.manager, self.preemption, self.like, self.metrics = manager, preemption, like, metrics
+        self._needs: dict[tuple[str, int, int], list] = {}  # a scheduling pass asks again as its plan grows
 
     def requests(self, plan: Plan) -> list:
-        return [need for request, tokens in plan
-                for need in self.manager.get(request.request_id).block_requests(tokens, *self.like)]
+        needs = []
+        for request, tokens in plan:
+            cache = self.manager.get(request.request_id)
+            key = (request.request_id, tokens, cache.get_seq_length())
+            if key not in self._needs:
+                self._needs[key] = cache.block_requests(tokens, *self.like)
+            needs += self._needs[key]
+        return needs
+
+    def new_step(self) -> None:
+        """Forget what the last scheduling pass asked: its writes changed the stores."""
+        self._needs.clear()
 
     def fits(self, plan: Plan) -> bool:
         try:
@@ -193,6 +204,7 @@ class Engine:
         """Run one forward over what the scheduler picks; the outputs of the requests that advanced
         (and of those aborted since the last step)."""
         outputs, self._aborted = self._aborted, []
+        self.memory.new_step()
         plan = self.scheduler.schedule()
         if not plan:
             return outputs
