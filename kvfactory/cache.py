@@ -290,6 +290,14 @@ class KVLayer(CacheLayerMixin):
         self._after_write(key_states.shape[-2])
         return keys, values
 
+    def written(self, key_states: torch.Tensor) -> None:
+        """``key_states`` (and their values) were stored in this layer's store by a batched write
+        (``kvfactory.storage.paged.append_one_each``: an engine's decode step): count them as
+        ``append`` would."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, key_states)
+        self._after_write(key_states.shape[-2])
+
     def _after_write(self, new_tokens: int) -> None:
         self.seen += new_tokens
         if self.is_sliding and not self.record_past:

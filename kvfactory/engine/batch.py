@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from kvfactory import attention
-from kvfactory.cache import KVCache, kvfactory_attention
-from kvfactory.storage.paged import PagedStore
+from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
+from kvfactory.storage.paged import PagedStore, append_one_each
 from kvfactory.storage.ragged import paged_decode
 
 
@@ -60,15 +60,14 @@ class _StepRead(attention.BatchRead):
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float, **kwargs: object
                ) -> torch.Tensor:
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
-        paged: list[tuple[int, PagedStore]] = []
+        paged: list[tuple[int, KVLayer]] = []
         for segment in self.batch.segments:
             span = slice(segment.start, segment.end)
             k, v = self.key[:, :, span], self.value[:, :, span]
             layer = segment.cache.layers[self.layer_idx]
             plain = type(layer.store) is PagedStore and not layer.is_sliding
             if self.batch.in_place and segment.tokens == 1 and plain:
-                layer.append(k, v)
-                paged.append((segment.start, layer.store))
+                paged.append((segment.start, layer))
                 continue
             keys, values = segment.cache.update(k, v, self.layer_idx)
             read, observer = attention.take(keys, self.layer_idx)
@@ -81,10 +80,15 @@ class _StepRead(attention.BatchRead):
             self._paged(paged, query, scaling, out)
         return out
 
-    @staticmethod
-    def _paged(paged: list[tuple[int, PagedStore]], query: torch.Tensor, scaling: float,
+    def _paged(self, paged: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                out: torch.Tensor) -> None:
-        views = [store.pages_in_place() for _, store in paged]
+        """Write every decode token of plain pages with one copy, then attend in one kernel call."""
+        at = torch.tensor([start for start, _ in paged], device=query.device)
+        keys, values = self.key[0, :, at].transpose(0, 1), self.value[0, :, at].transpose(0, 1)
+        append_one_each([layer.store for _, layer in paged], keys[:, :, None], values[:, :, None])
+        for i, (_, layer) in enumerate(paged):
+            layer.written(keys[i:i + 1, :, None])
+        views = [layer.store.pages_in_place() for _, layer in paged]
         pool = views[0][0]
         width = max(ids.numel() for _, ids, _, _ in views)
         tables = torch.zeros(len(views), width, dtype=torch.long)
@@ -92,9 +96,8 @@ class _StepRead(attention.BatchRead):
             tables[row, :ids.numel()] = ids
         starts = torch.tensor([start for _, _, start, _ in views])
         lengths = torch.tensor([length for _, _, _, length in views])
-        rows = torch.tensor([start for start, _ in paged], device=query.device)
-        q = query[0, :, rows].transpose(0, 1)  # [S, Hq, D]
-        out[0, rows] = paged_decode(q, pool.k, pool.v, tables, starts, lengths, scaling)
+        q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
+        out[0, at] = paged_decode(q, pool.k, pool.v, tables, starts, lengths, scaling)
 
 
 def causal_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -476,14 +476,7 @@ class BlockTable:
         elif batch != self._ids.shape[0]:
             raise ShapeError(f"layer {block_pool.layer_idx}: batch {batch} appended to a store of batch "
                              f"{self._ids.shape[0]}")
-        grow, cow = self.growth(tokens), self.cow_rows()
-        if grow or cow is not None:
-            block_pool.check(batch * grow + (0 if cow is None else cow.numel()))
-            if cow is not None:
-                col = (self.start + self.length) // self.page_size
-                self.unshare(cow, torch.full_like(cow, col))
-            if grow:
-                self.ids = torch.cat([self._ids, block_pool.allocate(batch * grow).view(batch, grow)], dim=1)
+        self._make_room(block_pool, batch, tokens)
         fill, ps = self.start + self.length, self.page_size
         cols = self._ids[:, fill // ps:(fill + tokens - 1) // ps + 1]
         for name, x in tensors.items():
@@ -496,6 +489,29 @@ class BlockTable:
             rows = raw(x).transpose(0, 1).reshape(h, batch * n, *x.shape[3:])
             flat.index_copy_(1, slots.flatten().to(x.device), rows)
         self.length += tokens
+
+    def _make_room(self, block_pool: BlockPool, batch: int, tokens: int) -> None:
+        """New blocks for ``tokens`` more tokens per row and private copies of shared blocks they write
+        into; ``CacheFullError`` before any change if the pool cannot hand them out."""
+        grow, cow = self.growth(tokens), self.cow_rows()
+        if grow or cow is not None:
+            block_pool.check(batch * grow + (0 if cow is None else cow.numel()))
+            if cow is not None:
+                col = (self.start + self.length) // self.page_size
+                self.unshare(cow, torch.full_like(cow, col))
+            if grow:
+                self.ids = torch.cat([self._ids, block_pool.allocate(batch * grow).view(batch, grow)], dim=1)
+
+    def next_slot(self, block_pool: BlockPool) -> int:
+        """Make room for one more token of this one-row table of plain K/V blocks and count it written:
+        its slot in the pool's ``[heads, blocks * page_size]`` view, for the caller to write."""
+        if self._ids is None:
+            self.pool = block_pool
+            self.ids = torch.empty((1, 0), dtype=torch.long)
+        self._make_room(block_pool, 1, 1)
+        fill = self.start + self.length
+        self.length += 1
+        return int(self._ids[0, fill // self.page_size]) * self.page_size + fill % self.page_size
 
     def unshare(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         """Give this table private copies of the blocks at ``(rows, cols)``."""

@@ -16,7 +16,7 @@ import torch
 
 from kvfactory.errors import ConfigError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
-from kvfactory.storage.blocks import BlockPool, BlockTable, PagedPool, PoolSpec
+from kvfactory.storage.blocks import BlockPool, BlockTable, PagedPool, PoolSpec, raw
 
 MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
 
@@ -185,6 +185,12 @@ class PagedStore(LayerStore):
         table = self._table
         return None if table.ids is None or table.start or self._dropped or self._gapped else table.ids
 
+    def next_slot(self, key: torch.Tensor, value: torch.Tensor) -> tuple[BlockPool, int]:
+        """Room for one more token shaped like ``key`` / ``value`` ``[1, kv_heads, any, head_dim]``:
+        the block pool and the slot to write it to (``append_one_each``), the token counted stored."""
+        block_pool = self.ensure_pool().block_pool(self._spec(key, value))
+        return block_pool, self._table.next_slot(block_pool)
+
     def pages_in_place(self) -> tuple[BlockPool, torch.Tensor, int, int] | None:
         """What a paged attention kernel reads in place (``kvfactory.storage.ragged``): the block pool,
         this one-row store's block ids ``[blocks]``, and its stored tokens' offset in the first block and
@@ -283,3 +289,18 @@ class PagedStore(LayerStore):
     def memory_report(self) -> MemoryReport:
         """Blocks shared by several rows (forks, beams) count once, with their filled slots."""
         return self._table.memory_report()
+
+
+def append_one_each(stores: list[PagedStore], key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store one new token ``key[i]`` / ``value[i]`` (``[S, kv_heads, 1, head_dim]``) in each one-row
+    store ``stores[i]`` of one layer's pool, with one copy per tensor: a batched decode step's write."""
+    places = [store.next_slot(key[i:i + 1], value[i:i + 1]) for i, store in enumerate(stores)]
+    block_pool = places[0][0]
+    if any(pool is not block_pool for pool, _ in places):
+        raise ShapeError("append_one_each: the stores write into different block pools")
+    slots = torch.tensor([slot for _, slot in places], device=key.device)
+    for name, x in (("k", key), ("v", value)):
+        pool_tensor = block_pool.tensors[name]
+        h, num_blocks, page = pool_tensor.shape[:3]
+        flat = raw(pool_tensor).view(h, num_blocks * page, *pool_tensor.shape[3:])
+        flat.index_copy_(1, slots, raw(x)[:, :, 0].transpose(0, 1))
