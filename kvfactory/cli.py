@@ -311,10 +311,14 @@ def serve(
     import torch
 
     from kvfactory.engine import Engine
+    from kvfactory.eval.peers import is_peer
     from kvfactory.eval.runner import EvalError, resolve_cache
     from kvfactory.server import create_app
     from kvfactory.server import serve as serve_app
 
+    if is_peer(cache):  # refused whether or not the peer's package is installed
+        raise typer.BadParameter(f"{cache!r}: the engine serves kvfactory's paged configs, not "
+                                 f"transformers' caches", param_hint="--cache")
     try:
         spec = resolve_cache(cache)
     except EvalError as exc:

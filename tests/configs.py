@@ -65,7 +65,8 @@ NOT_MANAGED = (ConfigError, "paged storage")
 DENSE_FORK = (UnsupportedError, "DenseStore cannot be forked")
 SPARSE_FORK = (UnsupportedError, "SparseStore cannot be forked")
 DENSE = {FORK: DENSE_FORK, PAUSE: NOT_MANAGED, SAVE: NOT_MANAGED, MANAGER: NOT_MANAGED}
-SPARSE = {FORK: SPARSE_FORK, PAUSE: NOT_MANAGED, SAVE: NOT_MANAGED, MANAGER: NOT_MANAGED}
+SPARSE_STATE = (UnsupportedError, "SparseStore cannot be paused or saved")
+SPARSE = {FORK: SPARSE_FORK, PAUSE: SPARSE_STATE, SAVE: SPARSE_STATE}  # managed: sharing one pool
 
 
 @dataclass(frozen=True)

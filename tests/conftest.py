@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import WIKITEXT
 
 from kvfactory.texts import shipped_text
 
@@ -14,10 +14,6 @@ from kvfactory.texts import shipped_text
 # other jobs running, 2 threads made SmolLM2 generation 4-9x slower than 1. Override with
 # KVFACTORY_TEST_THREADS (at most 2) on a quiet machine.
 torch.set_num_threads(max(1, min(2, int(os.environ.get("KVFACTORY_TEST_THREADS", "1")))))
-
-# The repository sits next to ``shared/`` (``/work/main`` and ``/work/shared``; CI has the same layout).
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
-WIKITEXT = DATA_DIR / "wikitext2_test.txt"
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,9 @@ import torch
 
 from kvfactory.selectors.oval.router import Router, RouterShape
 
+# The repository sits next to ``shared/`` (``/work/main`` and ``/work/shared``; CI has the same layout).
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+WIKITEXT = DATA_DIR / "wikitext2_test.txt"
 LOGITS_ATOL = 1e-5  # README "Guarantees": lossless configs give logits within 1e-5 of DynamicCache in fp32
 
 

@@ -168,7 +168,7 @@ def test_read_budget_calibration_moved_out_of_oval() -> None:
 
 @pytest.mark.slow
 def test_the_calibrate_command_writes_a_profile_the_config_accepts(tmp_path, smollm2) -> None:
-    from conftest import DATA_DIR
+    from helpers import DATA_DIR
 
     book = DATA_DIR / "pg84_frankenstein.txt"
     if not book.exists():
@@ -188,7 +188,7 @@ def test_the_calibrate_command_writes_a_profile_the_config_accepts(tmp_path, smo
 def test_the_shipped_profile_reads_more_attention_on_a_book_it_was_not_fitted_on(smollm2) -> None:
     """Fitted on *Pride and Prejudice*; on a 6144-token window of *Frankenstein* the shipped split
     holds more of Quest's attention mass at 1/8 than one budget for every layer."""
-    from conftest import DATA_DIR
+    from helpers import DATA_DIR
 
     book = DATA_DIR / "pg84_frankenstein.txt"
     if not book.exists():

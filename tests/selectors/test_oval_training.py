@@ -62,7 +62,7 @@ def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
 
 @pytest.mark.slow
 def test_the_train_command_writes_a_router_and_its_curves(tmp_path) -> None:
-    from conftest import DATA_DIR
+    from helpers import DATA_DIR
 
     books = sorted(DATA_DIR.glob("pg*.txt"))
     if len(books) < 2:

@@ -93,7 +93,7 @@ def test_the_prompts_attention_keeps_the_needle_that_quests_bounds_lose(smollm2)
     layer 18's retrieval head (36 pages read) and the answer goes wrong from its third token; with
     the prompt's last queries' attention weighed in (``prompt_weight``, Quest's default 2) the
     question's own attention keeps the needle read and the answer is right."""
-    from conftest import DATA_DIR
+    from helpers import DATA_DIR
 
     from kvfactory.eval.data import Corpus, needle_prompts
     from kvfactory.eval.tasks.retrieval import run_needle

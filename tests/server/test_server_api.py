@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import openai
 import pytest
-from conftest import MODEL, ServerProcess, greedy_reference, text_prompts
+from servers import MODEL, ServerProcess, greedy_reference, text_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2
 import openai
 import pytest
-from conftest import MODEL, ServerProcess
+from servers import MODEL, ServerProcess
 
 pytestmark = pytest.mark.slow
 

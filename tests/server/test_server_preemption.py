@@ -7,7 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import MODEL, ServerProcess, greedy_reference, text_prompts
+from servers import MODEL, ServerProcess, greedy_reference, text_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,113 @@
+"""``kvfactory serve`` as a real subprocess on 127.0.0.1, one per configuration a test module needs.
+
+``ServerProcess`` starts ``python -m kvfactory.cli serve`` on a free port with one torch thread,
+waits for ``/health``, and stops it with SIGTERM, returning the exit status and the log.
+``stop_clean`` also checks what every server must end with: no sequence, no pool block held, exit
+status 0 and the log line saying the pool is free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2
+import openai
+import torch
+from transformers import DynamicCache
+
+from kvfactory.texts import shipped_text
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "smollm2"
+START_TIMEOUT = 180.0  # seconds: loading torch and the model on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        command = [sys.executable, "-m", "kvfactory.cli", "serve", "--port", str(self.port), "--threads", "1",
+                   *args]
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"kvfactory serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx2.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.25)
+        self.process.kill()
+        raise RuntimeError(f"kvfactory serve was not ready in {START_TIMEOUT:.0f} s:\n{self.log()}")
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", **kwargs)
+
+    def health(self) -> dict:
+        return httpx2.get(f"{self.url}/health", timeout=30).json()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample of ``/metrics`` (0 when absent)."""
+        text = httpx2.get(f"{self.url}/metrics", timeout=30).text
+        selector = ",".join(f'{key}="{value}"' for key, value in labels.items())
+        pattern = re.escape(name + (f"{{{selector}}}" if selector else "")) + r" (\S+)"
+        match = re.search(f"^{pattern}$", text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM, then the exit status and the log."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        return code, self.log()
+
+    def stop_clean(self) -> None:
+        health = self.health()
+        assert (health["sequences"], health["blocks_held"]) == (0, 0), health
+        code, log = self.stop()
+        assert code == 0, log
+        assert "the pool is free: 0 sequences, 0 blocks held" in log, log
+
+
+def text_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
+    """``count`` token-id prompts of ``tokens`` tokens from distinct parts of the shipped text."""
+    ids = tokenizer(shipped_text(), add_special_tokens=False)["input_ids"]
+    stride = tokens + 64
+    assert len(ids) > 1000 + count * stride
+    return [ids[1000 + i * stride:1000 + i * stride + tokens] for i in range(count)]
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """``model.generate`` with a ``DynamicCache``: the tokens a lossless server must answer with."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             past_key_values=DynamicCache())
+    return out[0, len(prompt):].tolist()
