@@ -31,7 +31,7 @@ from kvfactory.engine.params import SamplingParams
 from kvfactory.engine.request import Request, RequestOutput, RequestStatus
 from kvfactory.engine.sampler import Sampler
 from kvfactory.engine.scheduler import Plan, Scheduler
-from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError, UnsupportedError
+from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError
 from kvfactory.manager import KVCacheManager
 from kvfactory.sizing import KVShape
 
@@ -96,7 +96,7 @@ class EngineMemory:
                 self.manager.pause(request.request_id)
                 self.metrics.preempted("swap")
                 return RequestStatus.SWAPPED
-            except (UnsupportedError, KVFactoryError) as err:  # sparse caches, a full host tier
+            except KVFactoryError as err:  # sparse caches (UnsupportedError), a full host tier
                 logger.info("request %s: swap refused (%s); recomputing instead", request.request_id, err)
         self.release(request)
         self.metrics.preempted("recompute")
@@ -147,7 +147,7 @@ class Engine:
         self.max_model_len: int | None = getattr(text, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
         self.metrics = EngineMetrics(self)
-        like = self._kv_like(text)
+        like = self._kv_like()
         self.memory = EngineMemory(self.manager, preemption, like, self.metrics)
         # eviction policies compress a prompt as a whole when it is written: prefill them in one step
         chunked = self.manager.factory.config.eviction is None
@@ -332,7 +332,7 @@ class Engine:
                                  f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) can never fit in the "
                                  f"KV pool: {err}") from None
 
-    def _kv_like(self, text: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_like(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty K/V shaped like one layer's writes, for asking stores what a write would take."""
         shape = KVShape.from_config(self.model.config)
         dtype = next(self.model.parameters()).dtype
