@@ -402,6 +402,7 @@ class KVCacheManager:
             "paused": sum(record.paused for record in self._sequences.values()),
             "shared_prefixes": len(self._shared),
             "pool_blocks": total, "pool_blocks_free": free, "pool_blocks_used": total - free,
+            "pool_blocks_held": total - free - index.idle_blocks,  # by sequences, not idle cached prefixes
             "prefix_cached_blocks": len(index),
             "prefix_pinned_blocks": sum(e.pinned for e in index.entries.values()),
             "prefix_hit_blocks": index.hit_blocks, "prefix_missed_blocks": index.missed_blocks,

@@ -63,6 +63,12 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self.entries)
 
+    @property
+    def idle_blocks(self) -> int:
+        """Pool blocks only this index holds (one per layer for each idle entry), evicted when the
+        pool needs room."""
+        return len(self.free_queue) * len(self.pools)
+
     def match(self, names: Sequence[bytes]) -> list[CachedBlock]:
         """The cached blocks of the longest cached prefix of ``names`` (counted as hits and misses);
         adopting them takes them out of ``free_queue``."""

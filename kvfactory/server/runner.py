@@ -42,11 +42,9 @@ def pool_state(engine: Engine) -> dict[str, Any]:
     (all layers) less the idle prefix-cache blocks, those only the prefix cache keeps for later
     prompts (and evicts when the pool needs room); 0 when no request holds K/V."""
     stats = engine.stats()
-    index = engine.manager.index
-    idle = len(index.free_queue) * len(index.pools)  # an idle entry: one block in each layer's pool
     keys = ("running", "waiting", "swapped", "sequences", "pool_blocks", "pool_blocks_used",
             "prefix_cached_blocks", "host_bytes", "preemptions")
-    return {**{key: stats[key] for key in keys}, "blocks_held": stats["pool_blocks_used"] - idle}
+    return {**{key: stats[key] for key in keys}, "blocks_held": stats["pool_blocks_held"]}
 
 
 class RequestStream:
