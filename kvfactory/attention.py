@@ -58,6 +58,11 @@ class NarrowRead(ABC):
     """A layer's K/V of which an attention call reads only part, chosen from its query (a page
     selector's read, ``kvfactory.selectors.sparse``): attention runs SDPA over what ``narrow`` returns."""
 
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Tokens stored per row: the columns of the mask ``narrow`` is given."""
+
     @abstractmethod
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``update`` returns in place of the whole K/V: the step's new tokens."""

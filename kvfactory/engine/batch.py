@@ -72,7 +72,8 @@ class _StepRead(attention.BatchRead):
             keys, values = segment.cache.update(k, v, self.layer_idx)
             read, observer = attention.take(keys, self.layer_idx)
             q = query[:, :, span]
-            length = read.length if isinstance(read, attention.DeferredRead) else keys.shape[-2]
+            pending = isinstance(read, attention.DeferredRead | attention.NarrowRead)  # a tail returned
+            length = read.length if pending else keys.shape[-2]
             mask = causal_mask(q.shape[2], length, layer.sliding_window, q.device) if q.shape[2] > 1 else None
             attention.defer(read, keys, self.layer_idx, observer)
             out[:, span], _ = kvfactory_attention(module, q, keys, values, mask, scaling=scaling, **kwargs)

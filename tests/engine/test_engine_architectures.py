@@ -29,6 +29,24 @@ def test_greedy_equals_generate(name: str, budget: int) -> None:
     assert stats["sequences"] == 0 and stats["running"] == stats["waiting"] == 0
 
 
+@pytest.mark.parametrize("selector", ["quest", "oval"])
+def test_sparse_reads_under_chunked_prefill(selector: str) -> None:
+    """A page selector reads sparsely for a prefill chunk written over stored pages too: its mask
+    spans every stored token."""
+    from helpers import tiny_router
+
+    model = tiny_model("llama")
+    entry = {"name": selector, "read_budget": 0.5, "dense_layers": 0}
+    if selector == "oval":
+        entry["router"] = tiny_router(64, 2, 16, (0, 1))
+    config = {"type": "composite", "strategies": [{"name": "paged", "page_size": 4}, entry]}
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (30, 45)]
+    engine = Engine(model, None, config, pool_tokens=512, max_num_batched_tokens=9)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outputs)
+    assert engine.stats()["sequences"] == 0
+
+
 def test_eos_ends_a_request() -> None:
     model = tiny_model("llama")
     engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512)
