@@ -26,12 +26,11 @@ from kvfactory.storage.ragged import paged_decode
 
 @dataclass
 class Segment:
-    """Tokens ``[start, end)`` of the packed step belong to ``cache``, which has seen ``past`` before."""
+    """Tokens ``[start, end)`` of the packed step belong to ``cache``."""
 
     cache: KVCache
     start: int
     end: int
-    past: int
 
     @property
     def tokens(self) -> int:

@@ -263,7 +263,7 @@ class Engine:
         segments, ids, positions, rows, at = [], [], [], [], 0
         for request, tokens in plan:
             cache = self.manager.get(request.request_id)
-            segments.append(Segment(cache, at, at + tokens, request.computed))
+            segments.append(Segment(cache, at, at + tokens))
             ids.extend(request.tokens[request.computed:request.computed + tokens])
             positions.append(torch.arange(request.computed, request.computed + tokens))
             at += tokens
