@@ -37,10 +37,14 @@ def _lut(dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(dtype).float()
 
 
+def lut_pointer(dtype: torch.dtype) -> int | None:
+    """The kernels' table for reading parameters of ``dtype``: FP8's 256 values, None for wider dtypes."""
+    return _lut(dtype).data_ptr() if dtype.itemsize == 1 else None
+
+
 def _param(t: torch.Tensor) -> tuple[object, ...]:
     """Kernel arguments for a scale or zero-point tensor: pointer, kind, table, strides of dims 0-2."""
-    lut = _lut(t.dtype).data_ptr() if t.dtype.itemsize == 1 else None
-    return (t.data_ptr(), kernels.KINDS[t.dtype], lut, *t.stride()[:3])
+    return (t.data_ptr(), kernels.KINDS[t.dtype], lut_pointer(t.dtype), *t.stride()[:3])
 
 
 def supports(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> bool:

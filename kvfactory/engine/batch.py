@@ -7,7 +7,9 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
 - decode tokens of plain paged layers are attended to in one call over the pool's blocks in place
   (``kvfactory.storage.ragged.paged_decode``: no per-step copy of each sequence into a padded
   tensor; vLLM's PagedAttention, Kwon et al. 2023);
-- everything else (prefill chunks, quantized pages, eviction policies, page selectors, sliding
+- decode tokens of KIVI pages likewise, over their packed blocks and full-precision windows in place
+  (``kvfactory.quantization.ragged.quantized_decode``);
+- everything else (prefill chunks, int8 and FP8 pages, eviction policies, page selectors, sliding
   layers) goes through the sequence's own cache and kvfactory's attention, exactly as
   ``model.generate`` would run it, with a causal mask aligned to the chunk's end.
 """
@@ -20,6 +22,7 @@ import torch
 
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
+from kvfactory.quantization.ragged import in_place, quantized_decode
 from kvfactory.storage.paged import PagedStore, append_one_each
 from kvfactory.storage.ragged import paged_decode
 
@@ -42,7 +45,7 @@ class StepBatch:
 
     def __init__(self, segments: list[Segment], in_place: bool = True) -> None:
         self.segments = segments
-        self.in_place = in_place  # decode plain pages with the paged kernel (False: through each cache)
+        self.in_place = in_place  # decode paged layers with the ragged kernels (False: through each cache)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> attention.BatchRead:
         return _StepRead(self, layer_idx, key, value)
@@ -60,14 +63,18 @@ class _StepRead(attention.BatchRead):
                ) -> torch.Tensor:
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         paged: list[tuple[int, KVLayer]] = []
+        quantized: list[tuple[int, KVLayer]] = []
         for segment in self.batch.segments:
             span = slice(segment.start, segment.end)
             k, v = self.key[:, :, span], self.value[:, :, span]
             layer = segment.cache.layers[self.layer_idx]
-            plain = type(layer.store) is PagedStore and not layer.is_sliding
-            if self.batch.in_place and segment.tokens == 1 and plain:
-                paged.append((segment.start, layer))
-                continue
+            if self.batch.in_place and segment.tokens == 1 and not layer.is_sliding:
+                if type(layer.store) is PagedStore:
+                    paged.append((segment.start, layer))
+                    continue
+                if in_place(layer.store, query.shape[1]):
+                    quantized.append((segment.start, layer))
+                    continue
             keys, values = segment.cache.update(k, v, self.layer_idx)
             read, observer = attention.take(keys, self.layer_idx)
             q = query[:, :, span]
@@ -78,6 +85,8 @@ class _StepRead(attention.BatchRead):
             out[:, span], _ = kvfactory_attention(module, q, keys, values, mask, scaling=scaling, **kwargs)
         if paged:
             self._paged(paged, query, scaling, out)
+        if quantized:
+            self._quantized(quantized, query, scaling, out)
         return out
 
     def _paged(self, paged: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
@@ -90,14 +99,21 @@ class _StepRead(attention.BatchRead):
             layer.written(keys[i:i + 1, :, None])
         views = [layer.store.pages_in_place() for _, layer in paged]
         pool = views[0][0]
-        width = max(ids.numel() for _, ids, _, _ in views)
-        tables = torch.zeros(len(views), width, dtype=torch.long)
-        for row, (_, ids, _, _) in enumerate(views):
-            tables[row, :ids.numel()] = ids
+        tables = torch.nn.utils.rnn.pad_sequence([ids for _, ids, _, _ in views], batch_first=True)
         starts = torch.tensor([start for _, _, start, _ in views])
         lengths = torch.tensor([length for _, _, _, length in views])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
-        out[0, at] = paged_decode(q, pool.k, pool.v, tables, starts, lengths, scaling)
+        out[0, at] = paged_decode(q, pool.k, pool.v, tables, starts, lengths, scaling, check=False)
+
+    def _quantized(self, quantized: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
+                   out: torch.Tensor) -> None:
+        """Write each decode token of KIVI pages through its store, then attend with one kernel call for
+        the packed blocks and one for the windows."""
+        at = torch.tensor([start for start, _ in quantized], device=query.device)
+        for start, layer in quantized:
+            layer.append(self.key[:, :, start:start + 1], self.value[:, :, start:start + 1])
+        q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
+        out[0, at] = quantized_decode(q, [layer.store for _, layer in quantized], scaling)
 
 
 def causal_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:

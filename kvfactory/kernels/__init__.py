@@ -1,8 +1,9 @@
 """C kernels for the CPU hot paths, compiled on first use and called through ctypes.
 
 Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in seconds, once):
-``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``), ``pages.c`` scores and
-picks a layer's pages for the page selectors (``kvfactory.selectors.pages``), ``ragged.c`` attends a
+``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``; a batch's pages in place
+for ``kvfactory.quantization.ragged``), ``pages.c`` scores and picks a layer's pages for the page
+selectors (``kvfactory.selectors.pages``), ``ragged.c`` attends a
 batch of decoding sequences over their blocks of a paged pool (``kvfactory.storage.ragged``),
 ``common.h`` is what they share (the wheel ships the headers with the sources). ``load(NAME)`` builds
 one with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
@@ -51,6 +52,12 @@ SIGNATURES = {
         "int64_t T, int64_t P, const void *scale, int skind, const float *slut, int64_t sb, int64_t sh, "
         "int64_t st, const void *zero, int zkind, const float *zlut, int64_t zb, int64_t zh, int64_t zt, "
         "float *out)",
+        "void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, int64_t group, "
+        "const float *query, float scale, const uint8_t *kcodes, const void *kscale, int kskind, "
+        "const float *kslut, const void *kzero, int kzkind, const float *kzlut, const uint8_t *vcodes, "
+        "const void *vscale, int vskind, const float *vslut, const void *vzero, int vzkind, "
+        "const float *vzlut, int64_t NB, int64_t KN, int64_t G, int64_t P, const int64_t *tables, "
+        "int64_t max_blocks, const int64_t *tokens, float *out, float *lse)",
     ),
     "pages": (
         "int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, "
@@ -62,7 +69,7 @@ SIGNATURES = {
         "void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *query, "
         "const void *k_pool, const void *v_pool, int kind, int64_t num_blocks, int64_t P, "
         "const int64_t *tables, int64_t max_blocks, const int64_t *starts, const int64_t *lengths, "
-        "float scale, float *out)",
+        "float scale, float *out, float *lse)",
     ),
 }
 _C_TYPES = {"void": None, "int": ctypes.c_int, "int64_t": I64, "float": ctypes.c_float}

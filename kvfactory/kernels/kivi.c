@@ -12,11 +12,17 @@
  * p * zero is summed per channel group and added once at the end.
  * Scales and zero points are read in their stored dtype (float32, float16, bfloat16, or FP8 through
  * a 256-entry table), so nothing is widened in memory per step.
+ *
+ * kivi_paged_decode runs both per block for a batch of decoding sequences, reading their pages in
+ * place from a paged pool through block tables under an online softmax (kvfactory/quantization/
+ * ragged.py merges its result with the full-precision window's).
  */
 #include "common.h"
 
 #define MAX_DIM 512  /* padded channels per head (Dp); checked by the caller */
 #define MAX_ROWS 64  /* query rows per KV head (heads per group x query length); checked too */
+#define MAX_BLOCK 256 /* tokens per quantized page in kivi_paged_decode; checked too */
+#include <math.h>
 
 /* One key group's query side: qs[r] = q[r] * scale (padded with zeros to Dp channels) and
  * c0[r] = q[r] . zero, from the group's stored scales and zero points. */
@@ -338,4 +344,131 @@ void kivi_value_sums(int64_t B, int64_t H, int64_t R, int64_t D, int bits, int64
     VALUE_FAST(4, 32) VALUE_FAST(4, 64) VALUE_FAST(2, 16) VALUE_FAST(2, 32)
     value_sums_body(B, H, R, D, bits, group, probs, row, codes, cb, ch, ct, T, P, scale, skind, slut, sb, sh, st,
                     zero, zkind, zlut, zb, zh, zt, out);
+}
+
+/* One sequence's R query rows q [R, D] (scaled by the softmax scale) over its quantized pages of one
+ * KV head, read in place: its `tokens` (a multiple of G) fill blocks table[0..) of BT = KN * G tokens,
+ * KN key groups each (the last block possibly in part). Pool
+ * tensors (already at the KV head): key codes [NB, KN, G, P] with scales and zero points
+ * [NB, KN, 1, D]; value codes [NB, BT, P] with scales and zero points [NB, BT, groups]. An online
+ * softmax over the blocks (running maximum m, sum l, value sums acc, rescaled as the maximum grows);
+ * out [R, D] and lse [R] (m + log l: the rows' log-sum-exp, for merging with the full-precision
+ * window's part). */
+static inline __attribute__((always_inline)) void paged_rows(
+        const int bits, const int64_t P, int64_t R, int64_t D, int64_t group, const float *q,
+        const uint8_t *kc, const char *ks, int kskind, const float *kslut, const char *kz, int kzkind,
+        const float *kzlut, const uint8_t *vc, const char *vs, int vskind, const float *vslut, const char *vz,
+        int vzkind, const float *vzlut, int64_t KN, int64_t G, const int64_t *table, int64_t tokens,
+        float *out, float *lse) {
+    const int64_t Dp = P * (8 / bits), BT = KN * G, groups = (D + group - 1) / group;
+    const int64_t kss = param_size(kskind), kzs = param_size(kzkind);
+    const int64_t vss = param_size(vskind), vzs = param_size(vzkind);
+    float qs[MAX_ROWS * MAX_DIM] __attribute__((aligned(64))), c0[MAX_ROWS];
+    float sc[MAX_ROWS * MAX_BLOCK] __attribute__((aligned(64)));
+    float acc[MAX_ROWS * MAX_DIM], part[MAX_ROWS * MAX_DIM], m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * R * D);
+    for (int64_t i = 0; i * BT < tokens; i++) {
+        const int64_t b = table[i], T = tokens - i * BT < BT ? tokens - i * BT : BT;
+        for (int64_t n = 0; n < T / G; n++) {
+            const int64_t at = b * KN + n;
+            scale_query(q, R, D, Dp, ks + at * D * kss, kskind, kslut, kz + at * D * kzs, kzkind, kzlut, qs, c0);
+#ifdef AVX512
+            key_group_avx(qs, Dp, c0, R, kc + at * G * P, G, P, bits, sc + n * G, BT);
+#else
+            key_group_portable(qs, Dp, c0, R, kc + at * G * P, G, P, bits, sc + n * G, BT);
+#endif
+        }
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = sc + r * BT, top = m[r], sum = 0.f;
+            int64_t j = 0;
+#ifdef AVX512
+            __m512 vtop = _mm512_set1_ps(top), vsum = _mm512_setzero_ps();
+            for (; j + 16 <= T; j += 16) vtop = _mm512_max_ps(vtop, _mm512_loadu_ps(sr + j));
+            top = _mm512_reduce_max_ps(vtop);
+            for (int64_t t = j; t < T; t++) top = sr[t] > top ? sr[t] : top;
+            for (j = 0; j + 16 <= T; j += 16) {
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(top)));
+                _mm512_storeu_ps(sr + j, e);
+                vsum = _mm512_add_ps(vsum, e);
+            }
+            sum = _mm512_reduce_add_ps(vsum);
+#else
+            for (int64_t t = 0; t < T; t++) top = sr[t] > top ? sr[t] : top;
+#endif
+            for (; j < T; j++) {
+                sr[j] = expf(sr[j] - top);
+                sum += sr[j];
+            }
+            corr[r] = expf(m[r] - top);  /* 0 on the first block, where m[r] is -inf */
+            l[r] = l[r] * corr[r] + sum;
+            m[r] = top;
+        }
+        const uint8_t *codes = vc + b * BT * P;
+        const char *scale = vs + b * BT * groups * vss, *zero = vz + b * BT * groups * vzs;
+#ifdef AVX512
+        if (group % 16 == 0 && P % 16 == 0 && Dp <= 128) {
+            const int64_t RB = Dp / 16 <= 4 ? 4 : 2;
+            for (int64_t r = 0; r < R; r += RB) {
+                const float *p = sc + r * BT;
+                float *o = part + r * D;
+                switch (R - r >= RB ? RB : R - r) {
+                    case 4: value_rows_avx(4, p, BT, D, bits, group, codes, P, T, P, scale, vskind, vslut, groups, zero, vzkind, vzlut, groups, o); break;
+                    case 3: value_rows_avx(3, p, BT, D, bits, group, codes, P, T, P, scale, vskind, vslut, groups, zero, vzkind, vzlut, groups, o); break;
+                    case 2: value_rows_avx(2, p, BT, D, bits, group, codes, P, T, P, scale, vskind, vslut, groups, zero, vzkind, vzlut, groups, o); break;
+                    default: value_rows_avx(1, p, BT, D, bits, group, codes, P, T, P, scale, vskind, vslut, groups, zero, vzkind, vzlut, groups, o);
+                }
+            }
+        } else
+#endif
+            value_sums_body(1, 1, R, D, bits, group, sc, BT, codes, 0, 0, P, T, P, scale, vskind, vslut, 0, 0,
+                            groups, zero, vzkind, vzlut, 0, 0, groups, part);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * corr[r] + part[r * D + d];
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const float inv = tokens > 0 ? 1.f / l[r] : 0.f;
+        for (int64_t d = 0; d < D; d++) out[r * D + d] = acc[r * D + d] * inv;
+        lse[r] = tokens > 0 ? m[r] + logf(l[r]) : -INFINITY;
+    }
+}
+
+#define PAGED_ARGS R, D, group, q, kc, ks, kskind, kslut, kz, kzkind, kzlut, vc, vs, vskind, vslut, vz, vzkind, \
+    vzlut, KN, G, tables + s * max_blocks, tokens[s], out + at, lse + (s * Hq + h * R)
+
+/* Decode attention of a ragged batch of S sequences (one query token each, query [S, Hq, D] float32)
+ * over their quantized pages in a layer's pool, read in place through each sequence's block table
+ * (tables [S, max_blocks]; tokens[s] quantized tokens, a multiple of G, from its first block's start): out [S, Hq, D] and lse [S, Hq] float32, query head
+ * h reading KV head h / (Hq / Hkv). Pool tensors as BlockPool holds them, [Hkv, NB, ...] contiguous
+ * (see paged_rows); scores are scale * q . k. Sizes are checked by the caller
+ * (kvfactory/quantization/ragged.py). For the common bits and code widths the body is inlined with
+ * them constant, as in kivi_key_scores. */
+void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, int64_t group,
+                       const float *query, float scale, const uint8_t *kcodes, const void *kscale, int kskind,
+                       const float *kslut, const void *kzero, int kzkind, const float *kzlut,
+                       const uint8_t *vcodes, const void *vscale, int vskind, const float *vslut,
+                       const void *vzero, int vzkind, const float *vzlut, int64_t NB, int64_t KN, int64_t G,
+                       int64_t P, const int64_t *tables, int64_t max_blocks, const int64_t *tokens, float *out,
+                       float *lse) {
+    const int64_t R = Hq / Hkv, BT = KN * G, groups = (D + group - 1) / group;
+    float q[MAX_ROWS * MAX_DIM];
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t at = (s * Hq + h * R) * D;
+            for (int64_t i = 0; i < R * D; i++) q[i] = query[at + i] * scale;
+            const uint8_t *kc = kcodes + h * NB * BT * P, *vc = vcodes + h * NB * BT * P;
+            const char *ks = (const char *)kscale + h * NB * KN * D * param_size(kskind);
+            const char *kz = (const char *)kzero + h * NB * KN * D * param_size(kzkind);
+            const char *vs = (const char *)vscale + h * NB * BT * groups * param_size(vskind);
+            const char *vz = (const char *)vzero + h * NB * BT * groups * param_size(vzkind);
+            if (bits == 4 && P == 32) paged_rows(4, 32, PAGED_ARGS);
+            else if (bits == 4 && P == 64) paged_rows(4, 64, PAGED_ARGS);
+            else if (bits == 2 && P == 16) paged_rows(2, 16, PAGED_ARGS);
+            else if (bits == 2 && P == 32) paged_rows(2, 32, PAGED_ARGS);
+            else paged_rows(bits, P, PAGED_ARGS);
+        }
+    }
 }

@@ -58,33 +58,38 @@ static inline __attribute__((always_inline)) void chunk_portable(const float *q,
 #include <immintrin.h>
 #define AVX512 1
 
-/* exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial in r, then
- * 2^n), within 2 ulp of expf; below -87 it underflows to a denormal or zero. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
+/* RB query rows' value sums over one chunk: acc[r] = acc[r] * corr[r] + sum_j w[r, j] v[j] for rows of
+ * NV 16-channel vectors. The rows are taken together so each value vector is loaded once for all of
+ * them, and their RB * NV sums are independent chains that keep the FMA units busy. */
+static inline __attribute__((always_inline)) void value_chunk_avx(const int RB, const int64_t NV, const float *w,
+                                                                 const float *corr, const float *v, int64_t n,
+                                                                 float *acc) {
+    __m512 a[4][MAX_DIM / 16];
+    for (int r = 0; r < RB; r++)
+        for (int64_t i = 0; i < NV; i++)
+            a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r * NV + i) * 16), _mm512_set1_ps(corr[r]));
+    for (int64_t j = 0; j < n; j++) {
+        __m512 wj[4];
+        for (int r = 0; r < RB; r++) wj[r] = _mm512_set1_ps(w[r * CHUNK + j]);
+        for (int64_t i = 0; i < NV; i++) {
+            const __m512 vi = _mm512_loadu_ps(v + (j * NV + i) * 16);
+            for (int r = 0; r < RB; r++) a[r][i] = _mm512_fmadd_ps(wj[r], vi, a[r][i]);
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int64_t i = 0; i < NV; i++) _mm512_storeu_ps(acc + (r * NV + i) * 16, a[r][i]);
 }
 
 /* chunk_portable in AVX-512 for D = 16 NV channels: a row's 16 scores accumulate side by side (one
- * independent chain per token) and are summed in one vector, exponentiated at once, and its value
- * sums stay in NV registers over the chunk, each token's weight broadcast from memory. */
+ * independent chain per token) and are summed in one vector and exponentiated at once; then the
+ * value sums of up to four rows at a time (value_chunk_avx). */
 static inline __attribute__((always_inline)) void chunk_avx(const float *q, int64_t R, const int64_t NV,
                                                             const float *k, const float *v, int64_t n,
                                                             float *m, float *l, float *acc) {
     const __mmask16 live = n == CHUNK ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    float w[MAX_GROUP * CHUNK] __attribute__((aligned(64))), corr[MAX_GROUP];
     for (int64_t r = 0; r < R; r++) {
-        __m512 qv[MAX_DIM / 16], a[MAX_DIM / 16], dots[CHUNK];
+        __m512 qv[MAX_DIM / 16], dots[CHUNK];
         for (int64_t i = 0; i < NV; i++) qv[i] = _mm512_loadu_ps(q + (r * NV + i) * 16);
         for (int64_t j = 0; j < CHUNK; j++) {
             dots[j] = _mm512_setzero_ps();
@@ -93,19 +98,20 @@ static inline __attribute__((always_inline)) void chunk_avx(const float *q, int6
         }
         const __m512 s = sums16(dots);
         const float top = fmaxf(m[r], _mm512_mask_reduce_max_ps(live, s));
-        const float corr = expf(m[r] - top);  /* 0 on the first chunk, where m[r] is -inf */
+        corr[r] = expf(m[r] - top);  /* 0 on the first chunk, where m[r] is -inf */
         const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-        float w[CHUNK] __attribute__((aligned(64)));
-        _mm512_store_ps(w, p);
-        l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+        _mm512_store_ps(w + r * CHUNK, p);
+        l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(p);
         m[r] = top;
+    }
+    const int64_t RB = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;
+    for (int64_t r = 0; r < R; r += RB) {
+        const int64_t rows = R - r < RB ? R - r : RB;
         float *ar = acc + r * NV * 16;
-        for (int64_t i = 0; i < NV; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * i), _mm512_set1_ps(corr));
-        for (int64_t j = 0; j < n; j++) {
-            const __m512 wj = _mm512_set1_ps(w[j]);
-            for (int64_t i = 0; i < NV; i++) a[i] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(v + (j * NV + i) * 16), a[i]);
-        }
-        for (int64_t i = 0; i < NV; i++) _mm512_storeu_ps(ar + 16 * i, a[i]);
+        if (rows == 4) value_chunk_avx(4, NV, w + r * CHUNK, corr + r, v, n, ar);
+        else if (rows == 3) value_chunk_avx(3, NV, w + r * CHUNK, corr + r, v, n, ar);
+        else if (rows == 2) value_chunk_avx(2, NV, w + r * CHUNK, corr + r, v, n, ar);
+        else value_chunk_avx(1, NV, w + r * CHUNK, corr + r, v, n, ar);
     }
 }
 #endif
@@ -115,7 +121,7 @@ static inline __attribute__((always_inline)) void chunk_avx(const float *q, int6
  * head sizes, so the AVX-512 loops unroll into registers. */
 static inline __attribute__((always_inline)) void attend_rows(
         const int64_t D, int64_t R, const float *q, const char *k, const char *v, int kind, int64_t P,
-        const int64_t *table, int64_t start, int64_t length, float scale, float *out) {
+        const int64_t *table, int64_t start, int64_t length, float scale, float *out, float *lse) {
     const int64_t size = param_size(kind);
     float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
     float kf[CHUNK * MAX_DIM], vf[CHUNK * MAX_DIM];
@@ -160,6 +166,7 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int64_t r = 0; r < R; r++) {
         const float inv = length > 0 ? 1.f / l[r] : 0.f;
         for (int64_t d = 0; d < D; d++) out[r * D + d] = acc[r * D + d] * inv;
+        if (lse) lse[r] = length > 0 ? m[r] + logf(l[r]) : -INFINITY;
     }
 }
 
@@ -167,11 +174,13 @@ static inline __attribute__((always_inline)) void attend_rows(
  * KV head h / (Hq / Hkv) of tokens [starts[s], starts[s] + lengths[s]) counted from the start of the
  * sequence's first block, its blocks tables[s, 0..] ([S, max_blocks]). query, out: float32
  * [S, Hq, D] contiguous. k_pool, v_pool: [Hkv, num_blocks, P, D] contiguous, of dtype `kind` (F32,
- * F16 or BF16). A sequence of length 0 gets zeros. D <= MAX_DIM and the block ids are checked by
- * the caller. */
+ * F16 or BF16). A sequence of length 0 gets zeros. lse, unless NULL: [S, Hq] float32, each row's
+ * log-sum-exp of its scores (-inf at length 0), for merging with attention over other tokens.
+ * D <= MAX_DIM and the block ids are checked by the caller. */
 void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *query, const void *k_pool,
                   const void *v_pool, int kind, int64_t num_blocks, int64_t P, const int64_t *tables,
-                  int64_t max_blocks, const int64_t *starts, const int64_t *lengths, float scale, float *out) {
+                  int64_t max_blocks, const int64_t *starts, const int64_t *lengths, float scale, float *out,
+                  float *lse) {
     const int64_t group = Hq / Hkv, head = num_blocks * P * D * param_size(kind);
     for (int64_t s = 0; s < S; s++) {
         for (int64_t g = 0; g < Hkv; g++) {
@@ -180,11 +189,14 @@ void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *qu
                 const int64_t R = group - r < MAX_GROUP ? group - r : MAX_GROUP, at = (s * Hq + g * group + r) * D;
                 const int64_t *table = tables + s * max_blocks;
                 if (D == 64)
-                    attend_rows(64, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at);
+                    attend_rows(64, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at,
+                                lse ? lse + at / D : NULL);
                 else if (D == 128)
-                    attend_rows(128, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at);
+                    attend_rows(128, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at,
+                                lse ? lse + at / D : NULL);
                 else
-                    attend_rows(D, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at);
+                    attend_rows(D, R, query + at, k, v, kind, P, table, starts[s], lengths[s], scale, out + at,
+                                lse ? lse + at / D : NULL);
             }
         }
     }

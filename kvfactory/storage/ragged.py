@@ -23,8 +23,11 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # pool dtypes ra
 
 def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  starts: torch.Tensor, lengths: torch.Tensor, scale: float, *,
-                 kernel: bool = True) -> torch.Tensor:
-    """Each sequence's query over its own tokens of a layer's pool: ``[S, Hq, D]`` in ``query``'s dtype.
+                 kernel: bool = True, check: bool = True, return_lse: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's query over its own tokens of a layer's pool: ``[S, Hq, D]`` in ``query``'s dtype
+    (with ``return_lse``, also each row's log-sum-exp of its scores, ``[S, Hq]`` float32, ``-inf`` at
+    length 0: what merging with attention over other tokens needs).
 
     ``query [S, Hq, D]``: one decode token per sequence, any float dtype. ``k_pool`` / ``v_pool``
     ``[Hkv, num_blocks, page_size, D]`` (a ``BlockPool``'s ``k`` and ``v``). Sequence ``s`` holds
@@ -35,9 +38,11 @@ def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     length 0 gets zeros. CPU tensors with contiguous float32 / float16 / bfloat16 pools and ``D <= 512``
     go to the C kernel (built on first use); the rest, and every call with ``kernel=False``, to the
     torch path. Raises ``ShapeError`` when the shapes do not fit, or a table is too short or names a
-    block outside the pool.
+    block outside the pool; ``check=False`` skips that validation, for a caller that built the tables
+    from the stores themselves (the engine's decode step).
     """
-    _check(query, k_pool, v_pool, tables, starts, lengths)
+    if check:
+        _check(query, k_pool, v_pool, tables, starts, lengths)
     starts, lengths = starts.to(tables.device, torch.int64), lengths.to(tables.device, torch.int64)
     tables = tables.long()
     if kernel and _kernel_fits(query, k_pool, v_pool) and (lib := kernels.load("ragged")) is not None:
@@ -45,11 +50,14 @@ def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         q = query.float().contiguous()
         tables, starts, lengths = (t.cpu().contiguous() for t in (tables, starts, lengths))
         out = torch.empty(s, hq, d, dtype=torch.float32)
+        lse = torch.empty(s, hq, dtype=torch.float32) if return_lse else None
         lib.paged_decode(s, hq, k_pool.shape[0], d, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                          kernels.KINDS[k_pool.dtype], k_pool.shape[1], k_pool.shape[2], tables.data_ptr(),
-                         tables.shape[1], starts.data_ptr(), lengths.data_ptr(), scale, out.data_ptr())
-        return out.to(query.dtype)
-    return _gathered(query, k_pool, v_pool, tables, starts, lengths, scale)
+                         tables.shape[1], starts.data_ptr(), lengths.data_ptr(), scale, out.data_ptr(),
+                         None if lse is None else lse.data_ptr())
+        return (out.to(query.dtype), lse) if return_lse else out.to(query.dtype)
+    out, lse = _gathered(query, k_pool, v_pool, tables, starts, lengths, scale)
+    return (out, lse) if return_lse else out
 
 
 def _kernel_fits(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
@@ -94,16 +102,17 @@ def _check(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
 
 
 def _gathered(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-              starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """The torch path: every sequence's blocks gathered into one padded ``[Hkv, S, tokens, D]`` (the
-    KV head first, so the grouped products need no further copy), the positions outside each
-    sequence masked, one softmax attention for the whole batch in float32 (or the query's wider dtype)."""
+              starts: torch.Tensor, lengths: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path (output and log-sum-exp): every sequence's blocks gathered into one padded
+    ``[Hkv, S, tokens, D]`` (the KV head first, so the grouped products need no further copy), the
+    positions outside each sequence masked, one softmax attention for the whole batch in float32 (or
+    the query's wider dtype)."""
     (s, hq, d), (hkv, num_blocks, page, _) = query.shape, k_pool.shape
     device, dtype = k_pool.device, torch.promote_types(query.dtype, torch.float32)
     starts, lengths = starts.to(device), lengths.to(device)
     blocks = int(torch.where(lengths > 0, (starts + lengths + page - 1) // page, 0).max()) if s else 0
     if blocks == 0:
-        return query.new_zeros(s, hq, d)
+        return query.new_zeros(s, hq, d), torch.full((s, hq), float("-inf"), device=device)
     # a row's entries past its own blocks may hold anything: read a valid block there, masked below
     ids = tables[:, :blocks].to(device).clamp(0, num_blocks - 1).flatten()
     k, v = (pool.index_select(1, ids).view(hkv, s, blocks * page, d).to(dtype) for pool in (k_pool, v_pool))
@@ -112,4 +121,5 @@ def _gathered(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, t
     outside = (positions < starts[:, None]) | (positions >= (starts + lengths)[:, None])  # [S, tokens]
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill_(outside[None, :, None], float("-inf"))
     out = (scores.softmax(-1) @ v).masked_fill_((lengths == 0)[None, :, None, None], 0.0)  # 0/0 rows: zeros
-    return out.transpose(0, 1).reshape(s, hq, d).to(query.dtype)
+    lse = scores.logsumexp(-1).transpose(0, 1).reshape(s, hq).float()
+    return out.transpose(0, 1).reshape(s, hq, d).to(query.dtype), lse

@@ -47,6 +47,31 @@ def test_sparse_reads_under_chunked_prefill(selector: str) -> None:
     assert engine.stats()["sequences"] == 0
 
 
+@pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)
+def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
+    """KIVI pages decoded by the batched in-place kernels (``quantized_decode``, over packed blocks and
+    windows) give the tokens each sequence's own cache gives (``in_place_decode=False``); sliding layers
+    (Mistral's) keep reading through their caches."""
+    from kvfactory.engine import batch
+
+    calls = []
+    real = batch.quantized_decode
+    monkeypatch.setattr(batch, "quantized_decode",
+                        lambda query, stores, scale: calls.append(max(s.quantized_tokens for s in stores))
+                        or real(query, stores, scale))
+    model = tiny_model(name)
+    quantization = {"codec": "int4", "group_size": 8, "residual": 4}
+    config = {"type": "paged", "page_size": 4, "quantization": quantization}
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (5, 23, 12, 40)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    outputs = {mode: [o.token_ids for o in Engine(model, None, config, pool_tokens=1024, in_place_decode=mode,
+                                                  max_num_batched_tokens=64).generate(prompts, params)]
+               for mode in (True, False)}
+    assert outputs[True] == outputs[False]
+    if getattr(model.config, "sliding_window", None) is None:  # sliding layers read through their caches
+        assert calls and max(calls) > 0  # the packed part was read in place
+
+
 def test_eos_ends_a_request() -> None:
     model = tiny_model("llama")
     engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512)

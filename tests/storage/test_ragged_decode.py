@@ -2,7 +2,8 @@
 both its paths: the C kernel (``ragged.c``; its torch path is patched to fail, so the kernel really
 answers) and the torch path (``kernel=False``). Layouts mix lengths (1 token, exactly a page, many
 pages, 0), shuffled block ids, starts past a dropped front, GQA and plain multi-head attention,
-fp32/fp16/bf16 pools; wrong shapes and tables raise ``ShapeError`` with their numbers."""
+fp32/fp16/bf16 pools; each row's log-sum-exp on request; wrong shapes and tables raise ``ShapeError``
+with their numbers."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 def decode(request, monkeypatch):
     """``paged_decode`` through one path."""
     if request.param == "torch":
-        return lambda *args: paged_decode(*args, kernel=False)
+        return lambda *args, **kwargs: paged_decode(*args, kernel=False, **kwargs)
 
     def no_torch_path(*args):
         raise AssertionError("the C kernel should have answered")
@@ -102,6 +103,20 @@ def test_float32_query_over_half_pools_and_large_scores(decode) -> None:
     k_pool, v_pool = pools(3, num_blocks, 16, 64, torch.bfloat16)
     query = 20 * torch.randn(len(STARTS), 9, 64, generator=torch.Generator().manual_seed(2))
     check(decode, query, k_pool, v_pool, tables, starts, lengths, 1.0, 1e-4)
+
+
+def test_log_sum_exp_of_each_row(decode) -> None:
+    """``return_lse``: each row's log-sum-exp of its scaled scores (what merging two parts of one
+    row's attention takes), ``-inf`` for an empty sequence."""
+    tables, starts, lengths, num_blocks = layout(STARTS, LENGTHS, page=16)
+    k_pool, _ = pools(3, num_blocks, 16, 64, torch.float32)
+    query = torch.randn(len(STARTS), 9, 64, generator=torch.Generator().manual_seed(3))
+    _, lse = decode(query, k_pool, k_pool, tables, starts, lengths, 0.125, return_lse=True)
+    for s, (start, length) in enumerate(zip(STARTS, LENGTHS, strict=True)):
+        ids = tables[s, :-(-(start + length) // 16)] if length else tables[s, :0]
+        k = k_pool[:, ids].reshape(3, -1, 64)[:, start:start + length].double()
+        scores = query[s].double().view(3, 3, 64) @ k.transpose(-1, -2) * 0.125
+        torch.testing.assert_close(lse[s], scores.logsumexp(-1).flatten().float(), atol=1e-5, rtol=1e-5)
 
 
 def test_length_zero_gives_zeros(decode) -> None:

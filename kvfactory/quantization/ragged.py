@@ -1,0 +1,98 @@
+"""Decode attention of a ragged batch over KIVI pages, read in place.
+
+A serving engine decodes many int4 / int2 sequences in one forward. Each sequence's layer keeps whole
+key groups in the pool's ``packed`` blocks and its newest tokens in full-precision ``window`` blocks
+(``QuantizedStore`` over ``PagedStore``). ``quantized_decode`` attends every sequence over both
+without gathering or decoding either: the packed blocks in one call of ``kivi_paged_decode``
+(``kvfactory/kernels/kivi.c``: per block, KIVI's key scores from the codes as
+``q . (code * scale + zero) = (q * scale) . code + q . zero``, an online softmax, value sums from the
+codes; Liu et al. 2024), the windows in one call of the plain paged kernel
+(``kvfactory.storage.ragged.paged_decode``), and the two parts merged by their log-sum-exps, as
+FlashAttention merges the blocks of a row (Dao et al. 2022).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfactory import kernels
+from kvfactory.codecs import native
+from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
+from kvfactory.quantization.store import PagedRuns, QuantizedStore
+from kvfactory.storage.paged import PagedStore
+from kvfactory.storage.ragged import paged_decode
+
+MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
+
+
+def in_place(store: object, query_heads: int) -> bool:
+    """Whether ``quantized_decode`` reads ``store``: a one-row ``QuantizedStore`` over paged storage
+    with KIVI keys and values of one bit width, its packed tokens from the start of their first block,
+    sizes the kernel takes, on the CPU with the C kernels built."""
+    if type(store) is not QuantizedStore or type(store.inner) is not PagedStore:
+        return False
+    keys, values, like = store.key_codec, store.value_codec, store._like
+    if type(keys) is not KiviKeyCodec or type(values) is not KiviValueCodec or keys.bits != values.bits:
+        return False
+    if like is None or like[0].shape[0] != 1 or like[0].device.type != "cpu" or not native.available():
+        return False
+    head_dim, kv_heads = like[0].shape[3], like[0].shape[1]
+    packed = store._packed
+    return (like[1].shape[3] == head_dim <= MAX_DIM and query_heads % kv_heads == 0
+            and query_heads // kv_heads <= MAX_ROWS
+            and (packed is None or (isinstance(packed, PagedRuns) and packed.table.start == 0
+                                    and packed.block_tokens <= MAX_BLOCK)))
+
+
+def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float) -> torch.Tensor:
+    """Each sequence's query ``[S, Hq, D]`` over store ``stores[s]`` (each ``in_place``, of one layer
+    and pool, its new token written): ``[S, Hq, D]`` in ``query``'s dtype."""
+    windows = [store.inner.pages_in_place() for store in stores]
+    window_pool = next(view[0] for view in windows if view is not None)
+    empty = torch.zeros(0, dtype=torch.long)
+    tables = _padded([empty if v is None else v[1] for v in windows])
+    starts = torch.tensor([0 if v is None else v[2] for v in windows])
+    lengths = torch.tensor([0 if v is None else v[3] for v in windows])
+    out, lse = paged_decode(query, window_pool.k, window_pool.v, tables, starts, lengths, scale,
+                            check=False, return_lse=True)
+    packed = [store._packed if store.quantized_tokens else None for store in stores]
+    if all(runs is None for runs in packed):
+        return out
+    quantized, quantized_lse = _packed_decode(query, stores, packed, scale)
+    merged = torch.logaddexp(lse, quantized_lse)
+    weights = (lse - merged).exp()[..., None], (quantized_lse - merged).exp()[..., None]
+    out = out.float() * weights[0] + quantized * weights[1]
+    return out.to(query.dtype)
+
+
+def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], packed: list[PagedRuns | None],
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed part: output ``[S, Hq, D]`` and log-sum-exp ``[S, Hq]`` (float32; ``-inf`` where a
+    sequence has no packed tokens yet)."""
+    first = next(runs for runs in packed if runs is not None)
+    pool = first.table.pool.tensors
+    keys, values = stores[0].key_codec, stores[0].value_codec
+    empty = torch.zeros(0, dtype=torch.long)
+    tables = _padded([empty if runs is None else runs.table.ids[0] for runs in packed])
+    tokens = torch.tensor([0 if runs is None else runs.tokens for runs in packed])
+    s, hq, d = query.shape
+    hkv, num_blocks, key_groups, group_tokens, code_bytes = pool["k.codes"].shape
+    q = query.float().contiguous()
+    out = torch.empty(s, hq, d, dtype=torch.float32)
+    lse = torch.empty(s, hq, dtype=torch.float32)
+    kernels.load("kivi").kivi_paged_decode(
+        s, hq, hkv, d, keys.bits, values.group_size, q.data_ptr(), scale, pool["k.codes"].data_ptr(),
+        *_param(pool["k.scale"]), *_param(pool["k.zero"]), pool["v.codes"].data_ptr(),
+        *_param(pool["v.scale"]), *_param(pool["v.zero"]), num_blocks, key_groups, group_tokens,
+        code_bytes, tables.data_ptr(), tables.shape[1], tokens.data_ptr(), out.data_ptr(), lse.data_ptr())
+    return out, lse
+
+
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Block tables ``[S, longest]`` (entries past a row's own blocks are never read)."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def _param(t: torch.Tensor) -> tuple[int, int, int | None]:
+    """A pool's scale or zero-point tensor as the kernel reads it: pointer, dtype kind, FP8 table."""
+    return t.data_ptr(), kernels.KINDS[t.dtype], native.lut_pointer(t.dtype)

@@ -1,0 +1,93 @@
+"""``quantized_decode`` (``kvfactory.quantization.ragged``) equals attention over each sequence's
+decoded K/V: several KIVI stores of one pool (int4 and int2, 16- and 64-token pages, so packed blocks
+hold one or two key groups and the last may be partly filled), lengths inside the full-precision
+window, at a flush and far past it, GQA, MQA and multi-head shapes, code widths the kernel inlines and
+ones it does not, and a store whose front was dropped. ``in_place`` refuses the stores it cannot
+read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+
+from kvfactory import kernels
+from kvfactory.manager import KVCacheManager
+from kvfactory.quantization.ragged import in_place, quantized_decode
+
+pytestmark = pytest.mark.skipif(kernels.load("kivi") is None or kernels.load("ragged") is None,
+                                reason="no C compiler")
+LENGTHS = [5, 128, 160, 161, 700, 1001]  # window only; at a flush; just past one; many blocks
+
+
+def stores_of(config: dict, query_heads: int, kv_heads: int, head_dim: int, lengths: list[int],
+              seed: int = 0) -> tuple[KVCacheManager, list]:
+    """One manager's caches, layer 0 of each holding ``lengths[i]`` random tokens."""
+    model_config = LlamaConfig(hidden_size=query_heads * head_dim, num_attention_heads=query_heads,
+                               num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=1,
+                               vocab_size=16, max_position_embeddings=4096)
+    manager = KVCacheManager(model_config, {**config, "pool_tokens": sum(lengths) + 64 * len(lengths)})
+    gen = torch.Generator().manual_seed(seed)
+    stores = []
+    for i, length in enumerate(lengths):
+        layer = manager.create(f"s{i}").layers[0]
+        for chunk in torch.arange(length).split(300):  # writes in pieces, as prefill chunks and decodes do
+            k, v = (torch.randn(1, kv_heads, chunk.numel(), head_dim, generator=gen) * 2 for _ in range(2))
+            layer.append(k, v)
+        stores.append(layer.store)
+    return manager, stores
+
+
+def reference(query: torch.Tensor, stores: list, scale: float) -> torch.Tensor:
+    rows = []
+    for s, store in enumerate(stores):
+        keys, values = (x.double() for x in store.gather())
+        q = query[None, s, :, None].double()
+        rows.append(F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)[0, :, 0])
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("config", [{"type": "paged", "page_size": 16, "quantization": "int4"},
+                                    {"type": "paged", "page_size": 64, "quantization": "int4"},
+                                    {"type": "paged", "page_size": 16, "quantization": "int2"}],
+                         ids=["int4-page16", "int4-page64", "int2-page16"])
+@pytest.mark.parametrize(("query_heads", "kv_heads", "head_dim"),
+                         [(9, 3, 64), (4, 1, 128), (4, 4, 32), (6, 2, 48)],
+                         ids=["gqa-64", "mqa-128", "mha-32", "gqa-48"])
+def test_matches_attention_over_decoded_kv(config, query_heads, kv_heads, head_dim) -> None:
+    manager, stores = stores_of(config, query_heads, kv_heads, head_dim, LENGTHS)
+    assert all(in_place(store, query_heads) for store in stores)
+    assert stores[0].quantized_tokens == 0 and stores[-1].quantized_tokens > 0
+    query = torch.randn(len(stores), query_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    scale = head_dim ** -0.5
+    out = quantized_decode(query, stores, scale)
+    torch.testing.assert_close(out, reference(query, stores, scale), atol=2e-5, rtol=1e-4)
+
+
+def test_window_only_batches_skip_the_packed_kernel() -> None:
+    _, stores = stores_of({"type": "paged", "quantization": "int4"}, 9, 3, 64, [3, 100])
+    query = torch.randn(2, 9, 64)
+    torch.testing.assert_close(quantized_decode(query, stores, 0.125), reference(query, stores, 0.125),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", [{"type": "paged", "quantization": "int8"}, {"type": "paged"}],
+                         ids=["int8", "plain"])
+def test_refuses_other_stores(config) -> None:
+    _, stores = stores_of(config, 9, 3, 64, [200])
+    assert not in_place(stores[0], 9)
+
+
+def test_refuses_query_heads_that_do_not_group() -> None:
+    _, stores = stores_of({"type": "paged", "quantization": "int4"}, 9, 3, 64, [700])
+    assert in_place(stores[0], 9) and not in_place(stores[0], 8)
+
+
+def test_reads_a_store_whose_front_was_dropped() -> None:
+    _, stores = stores_of({"type": "paged", "quantization": "int4"}, 9, 3, 64, [700, 400])
+    stores[0].drop_front(100)
+    assert in_place(stores[0], 9)
+    query = torch.randn(2, 9, 64)
+    torch.testing.assert_close(quantized_decode(query, stores, 0.125), reference(query, stores, 0.125),
+                               atol=2e-5, rtol=1e-4)
