@@ -198,3 +198,23 @@ def test_a_compiler_failure_falls_back_to_decoding_in_chunks(monkeypatch) -> Non
         got = attention.attend(query, store.deferred_read(), None, 0.25)
     assert not fused.available()
     torch.testing.assert_close(got, sdpa_reference(query, store, None, 0.25), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("chunk", "total"), [(1, 1), (5, 5), (7, 40), (33, 100), (16, 17)])
+@pytest.mark.parametrize(("query_heads", "kv_heads"), [(9, 3), (4, 4), (4, 1)])
+@pytest.mark.parametrize("path", ["causal_chunk", "_split_chunk", "_biased_chunk"])
+def test_causal_chunk_equals_sdpa_with_a_mask_aligned_to_the_end(chunk, total, query_heads, kv_heads,
+                                                                  path) -> None:
+    """A prefill chunk over stored tokens: the CPU's split (stored tokens, then the chunk causally,
+    merged by log-sum-exps), the lower-right causal bias used elsewhere, and the choice between them
+    all equal SDPA with an explicit mask."""
+    if path == "_split_chunk" and chunk == total:
+        pytest.skip("the split needs stored tokens before the chunk")
+    gen = torch.Generator().manual_seed(chunk * total)
+    query = torch.randn(2, query_heads, chunk, 16, generator=gen)
+    key, value = (torch.randn(2, kv_heads, total, 16, generator=gen) for _ in range(2))
+    got = getattr(attention, path)(query, key, value, 0.3)
+    visible = torch.arange(total)[None, :] <= torch.arange(chunk)[:, None] + (total - chunk)
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=0.3,
+                                              enable_gqa=True)
+    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
