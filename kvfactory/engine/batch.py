@@ -9,8 +9,9 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
   tensor; vLLM's PagedAttention, Kwon et al. 2023);
 - decode tokens of KIVI pages likewise, over their packed blocks and full-precision windows in place
   (``kvfactory.quantization.ragged.quantized_decode``);
-- a prefill chunk over plain K/V is written through its cache and attends causally over its stored
-  tokens and itself (``kvfactory.attention.causal_chunk``);
+- a prefill chunk over plain or quantized pages is written through its cache and attends causally
+  over its stored tokens (decoded, for quantized ones) and itself
+  (``kvfactory.attention.causal_chunk``);
 - everything else (int8 and FP8 pages, eviction policies, page selectors, sliding layers) goes
   through the sequence's own cache and kvfactory's attention, exactly as ``model.generate`` would
   run it, with a causal mask aligned to the chunk's end.
@@ -82,9 +83,12 @@ class _StepRead(attention.BatchRead):
             q = query[:, :, span]
             pending = isinstance(read, attention.DeferredRead | attention.NarrowRead)  # a tail returned
             length = read.length if pending else keys.shape[-2]
-            plain = read is None and observer is None and layer.sliding_window is None
-            if q.shape[2] > 1 and plain and not kwargs.get("dropout") and kwargs.get("softcap") is None \
-                    and kwargs.get("s_aux") is None:  # a chunk over plain K/V
+            whole = read is None or (isinstance(read, attention.DeferredRead)  # K/V read whole for a chunk
+                                     and q.shape[2] > attention.MAX_CHUNKED_QUERY)
+            plain_math = not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+            if q.shape[2] > 1 and whole and observer is None and layer.sliding_window is None and plain_math:
+                if read is not None:  # quantized pages, decoded for the chunk as kvfactory_attention would
+                    keys, values = read.materialize()
                 out[:, span] = attention.causal_chunk(q, keys, values, scaling)
                 continue
             mask = causal_mask(q.shape[2], length, layer.sliding_window, q.device) if q.shape[2] > 1 else None
