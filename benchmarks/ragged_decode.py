@@ -4,7 +4,11 @@ A batch of sequences (one query token each) over one SmolLM2 layer's block pool 
 3 KV heads, head_dim 64, pages of 16 tokens, fp32), each sequence's blocks shuffled through the pool.
 Times ``kvfactory.storage.ragged.paged_decode`` in C (blocks read in place), its torch path
 (``kernel=False``: one padded gather and masked attention for the batch) and a baseline that gathers
-each sequence with ``index_select`` and runs SDPA on it; 1 thread, median of ``--runs``; prints JSON.
+each sequence with ``index_select`` and runs SDPA on it. Then the same batch in int4 pages (the
+``int4`` preset's stores, written in interleaved 512-token chunks as an engine's prefills write
+them): ``kvfactory.quantization.ragged.quantized_decode`` (packed blocks and windows read in place,
+two kernel calls) against each sequence's own chunked read (``attention.attend`` over its
+``QuantizedRead``, what the engine ran before). 1 thread, median of ``--runs``; prints JSON.
 
     python benchmarks/ragged_decode.py [--sequences 8] [--tokens 6144] [--runs 20]
 """
@@ -18,6 +22,11 @@ import torch
 import torch.nn.functional as F
 from codec_decode import timed
 
+from kvfactory import attention
+from kvfactory.manager import KVCacheManager
+from kvfactory.models import load_config
+from kvfactory.presets import load_preset
+from kvfactory.quantization.ragged import quantized_decode
 from kvfactory.storage.ragged import paged_decode
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
@@ -59,8 +68,19 @@ def main() -> None:
     expected = baseline()
     for fn in (kernel, gathered):
         torch.testing.assert_close(fn(), expected, atol=1e-5, rtol=1e-5)
+    stores = int4_stores(args.sequences, args.tokens, gen)
+
+    def int4_in_place() -> torch.Tensor:
+        return quantized_decode(query, stores, scale)
+
+    def int4_each() -> torch.Tensor:
+        return torch.cat([attention.attend(query[None, s, :, None], store.deferred_read(), None, scale)
+                          [:, 0] for s, store in enumerate(stores)])
+
+    torch.testing.assert_close(int4_in_place(), int4_each(), atol=1e-5, rtol=1e-5)
     times = {name: timed(fn, args.runs) for name, fn in
-             (("c_kernel", kernel), ("torch_path", gathered), ("gather_sdpa", baseline))}
+             (("c_kernel", kernel), ("torch_path", gathered), ("gather_sdpa", baseline),
+              ("int4_in_place", int4_in_place), ("int4_each_sequence", int4_each))}
     print(json.dumps({
         "benchmark": "ragged_decode", "threads": 1, "sequences": args.sequences, "tokens": args.tokens,
         "query_heads": QUERY_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
@@ -68,7 +88,21 @@ def main() -> None:
         **{f"{name}_ms": round(t * 1e3, 3) for name, t in times.items()},
         "speedup_vs_torch_path": round(times["torch_path"] / times["c_kernel"], 2),
         "speedup_vs_gather_sdpa": round(times["gather_sdpa"] / times["c_kernel"], 2),
+        "int4_speedup_vs_each_sequence": round(times["int4_each_sequence"] / times["int4_in_place"], 2),
     }, indent=2))
+
+
+def int4_stores(sequences: int, tokens: int, gen: torch.Generator) -> list:
+    """Layer 0 of ``sequences`` int4 caches over one pool, ``tokens`` random K/V each (SmolLM2's scale),
+    written 512 tokens at a time, one sequence after another, so their blocks interleave."""
+    config = {**load_preset("int4"), "pool_tokens": sequences * (tokens + 256)}
+    manager = KVCacheManager(load_config(), config)
+    layers = [manager.create(f"s{s}").layers[0] for s in range(sequences)]
+    for start in range(0, tokens, 512):
+        for layer in layers:
+            n = min(512, tokens - start)
+            layer.append(*(torch.randn(1, KV_HEADS, n, HEAD_DIM, generator=gen) for _ in range(2)))
+    return [layer.store for layer in layers]
 
 
 if __name__ == "__main__":

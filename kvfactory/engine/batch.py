@@ -27,7 +27,7 @@ from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
 from kvfactory.quantization.ragged import in_place, quantized_decode
 from kvfactory.storage.paged import PagedStore, append_one_each
-from kvfactory.storage.ragged import paged_decode
+from kvfactory.storage.ragged import block_tables, paged_decode
 
 
 @dataclass
@@ -111,7 +111,7 @@ class _StepRead(attention.BatchRead):
             layer.written(keys[i:i + 1, :, None])
         views = [layer.store.pages_in_place() for _, layer in paged]
         pool = views[0][0]
-        tables = torch.nn.utils.rnn.pad_sequence([ids for _, ids, _, _ in views], batch_first=True)
+        tables = block_tables([ids for _, ids, _, _ in views])
         starts = torch.tensor([start for _, _, start, _ in views])
         lengths = torch.tensor([length for _, _, _, length in views])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]

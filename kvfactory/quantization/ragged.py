@@ -20,7 +20,7 @@ from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
 from kvfactory.quantization.store import PagedRuns, QuantizedStore
 from kvfactory.storage.paged import PagedStore
-from kvfactory.storage.ragged import paged_decode
+from kvfactory.storage.ragged import block_tables, paged_decode
 
 MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
 
@@ -50,7 +50,7 @@ def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: f
     windows = [store.inner.pages_in_place() for store in stores]
     window_pool = next(view[0] for view in windows if view is not None)
     empty = torch.zeros(0, dtype=torch.long)
-    tables = _padded([empty if v is None else v[1] for v in windows])
+    tables = block_tables([empty if v is None else v[1] for v in windows])
     starts = torch.tensor([0 if v is None else v[2] for v in windows])
     lengths = torch.tensor([0 if v is None else v[3] for v in windows])
     out, lse = paged_decode(query, window_pool.k, window_pool.v, tables, starts, lengths, scale,
@@ -73,7 +73,7 @@ def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], packed: li
     pool = first.table.pool.tensors
     keys, values = stores[0].key_codec, stores[0].value_codec
     empty = torch.zeros(0, dtype=torch.long)
-    tables = _padded([empty if runs is None else runs.table.ids[0] for runs in packed])
+    tables = block_tables([empty if runs is None else runs.table.ids[0] for runs in packed])
     tokens = torch.tensor([0 if runs is None else runs.tokens for runs in packed])
     s, hq, d = query.shape
     hkv, num_blocks, key_groups, group_tokens, code_bytes = pool["k.codes"].shape
@@ -86,11 +86,6 @@ def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], packed: li
         *_param(pool["v.scale"]), *_param(pool["v.zero"]), num_blocks, key_groups, group_tokens,
         code_bytes, tables.data_ptr(), tables.shape[1], tokens.data_ptr(), out.data_ptr(), lse.data_ptr())
     return out, lse
-
-
-def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Block tables ``[S, longest]`` (entries past a row's own blocks are never read)."""
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
 def _param(t: torch.Tensor) -> tuple[int, int, int | None]:

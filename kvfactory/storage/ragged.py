@@ -60,6 +60,12 @@ def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return (out, lse) if return_lse else out
 
 
+def block_tables(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Each sequence's block ids (``[blocks]`` int64 each) as the ``tables [S, longest]`` the kernels
+    take; the entries past a row's own blocks are never read."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
 def _kernel_fits(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     return (query.device.type == k_pool.device.type == "cpu" and k_pool.dtype in KERNEL_DTYPES
             and k_pool.is_contiguous() and v_pool.is_contiguous() and query.shape[2] <= MAX_DIM)
