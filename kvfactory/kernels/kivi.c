@@ -145,7 +145,10 @@ static inline __attribute__((always_inline)) void value_sums_body(int64_t B, int
             }
             float *o = out + (b * H + h) * R * D;
             for (int64_t r = 0; r < R; r++)
-                for (int64_t d = 0; d < D; d++) o[r * D + d] = acc[r * Dp + d] + zsum[r * groups + d / group];
+                for (int64_t k = 0; k < groups; k++) {
+                    const int64_t end = (k + 1) * group < D ? (k + 1) * group : D;
+                    for (int64_t d = k * group; d < end; d++) o[r * D + d] = acc[r * Dp + d] + zsum[r * groups + k];
+                }
         }
     }
 }
@@ -276,7 +279,10 @@ static inline __attribute__((always_inline)) void value_rows_avx(
         float full[MAX_DIM] __attribute__((aligned(64))), zsum[MAX_DIM / 16];
         for (int64_t i = 0; i < NC; i++) _mm512_store_ps(full + 16 * i, acc[r][i]);
         for (int64_t k = 0; k < groups; k++) zsum[k] = _mm512_reduce_add_ps(zacc[r][k]);
-        for (int64_t d = 0; d < D; d++) o[r * D + d] = full[d] + zsum[d / group];
+        for (int64_t k = 0; k < groups; k++) {  /* by channel group: no division per channel */
+            const int64_t end = (k + 1) * group < D ? (k + 1) * group : D;
+            for (int64_t d = k * group; d < end; d++) o[r * D + d] = full[d] + zsum[k];
+        }
     }
 }
 
@@ -444,8 +450,8 @@ static inline __attribute__((always_inline)) void paged_rows(
  * (tables [S, max_blocks]; tokens[s] quantized tokens, a multiple of G, from its first block's start): out [S, Hq, D] and lse [S, Hq] float32, query head
  * h reading KV head h / (Hq / Hkv). Pool tensors as BlockPool holds them, [Hkv, NB, ...] contiguous
  * (see paged_rows); scores are scale * q . k. Sizes are checked by the caller
- * (kvfactory/quantization/ragged.py). For the common bits and code widths the body is inlined with
- * them constant, as in kivi_key_scores. */
+ * (kvfactory/quantization/ragged.py). For int4 at 64 and 128 channels the body is inlined with the
+ * sizes constant, as in kivi_key_scores (each inlined copy adds to the build's time). */
 void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, int64_t group,
                        const float *query, float scale, const uint8_t *kcodes, const void *kscale, int kskind,
                        const float *kslut, const void *kzero, int kzkind, const float *kzlut,
@@ -466,8 +472,6 @@ void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, 
             const char *vz = (const char *)vzero + h * NB * BT * groups * param_size(vzkind);
             if (bits == 4 && P == 32) paged_rows(4, 32, PAGED_ARGS);
             else if (bits == 4 && P == 64) paged_rows(4, 64, PAGED_ARGS);
-            else if (bits == 2 && P == 16) paged_rows(2, 16, PAGED_ARGS);
-            else if (bits == 2 && P == 32) paged_rows(2, 32, PAGED_ARGS);
             else paged_rows(bits, P, PAGED_ARGS);
         }
     }
