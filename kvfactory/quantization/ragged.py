@@ -47,7 +47,10 @@ def in_place(store: object, query_heads: int) -> bool:
 def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float) -> torch.Tensor:
     """Each sequence's query ``[S, Hq, D]`` over store ``stores[s]`` (each ``in_place``, of one layer
     and pool, its new token written): ``[S, Hq, D]`` in ``query``'s dtype."""
+    packed = [store._packed if store.quantized_tokens else None for store in stores]
     windows = [store.inner.pages_in_place() for store in stores]
+    if all(view is None for view in windows):  # no residual window (``residual: 0``) held a token
+        return _packed_decode(query, stores, packed, scale)[0].to(query.dtype)
     window_pool = next(view[0] for view in windows if view is not None)
     empty = torch.zeros(0, dtype=torch.long)
     tables = block_tables([empty if v is None else v[1] for v in windows])
@@ -55,7 +58,6 @@ def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: f
     lengths = torch.tensor([0 if v is None else v[3] for v in windows])
     out, lse = paged_decode(query, window_pool.k, window_pool.v, tables, starts, lengths, scale,
                             check=False, return_lse=True)
-    packed = [store._packed if store.quantized_tokens else None for store in stores]
     if all(runs is None for runs in packed):
         return out
     quantized, quantized_lse = _packed_decode(query, stores, packed, scale)

@@ -65,6 +65,16 @@ def test_matches_attention_over_decoded_kv(config, query_heads, kv_heads, head_d
     torch.testing.assert_close(out, reference(query, stores, scale), atol=2e-5, rtol=1e-4)
 
 
+def test_batches_without_a_window_read_the_packed_pages_only() -> None:
+    """With ``residual: 0`` a layer of whole groups holds no full-precision token at all."""
+    config = {"type": "paged", "quantization": {"codec": "int4", "residual": 0}}
+    _, stores = stores_of(config, 9, 3, 64, [64, 320])
+    assert all(store.inner.size() == 0 for store in stores)
+    query = torch.randn(2, 9, 64)
+    torch.testing.assert_close(quantized_decode(query, stores, 0.125), reference(query, stores, 0.125),
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_window_only_batches_skip_the_packed_kernel() -> None:
     _, stores = stores_of({"type": "paged", "quantization": "int4"}, 9, 3, 64, [3, 100])
     query = torch.randn(2, 9, 64)
