@@ -67,6 +67,8 @@ class _StepRead(attention.BatchRead):
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         paged: list[tuple[int, KVLayer]] = []
         quantized: list[tuple[int, KVLayer]] = []
+        plain_math = not kwargs.get("dropout") and kwargs.get("softcap") is None \
+            and kwargs.get("s_aux") is None  # what causal_chunk computes: no dropout, soft-cap or sinks
         for segment in self.batch.segments:
             span = slice(segment.start, segment.end)
             k, v = self.key[:, :, span], self.value[:, :, span]
@@ -85,8 +87,6 @@ class _StepRead(attention.BatchRead):
             length = read.length if pending else keys.shape[-2]
             whole = read is None or (isinstance(read, attention.DeferredRead)  # K/V read whole for a chunk
                                      and q.shape[2] > attention.MAX_CHUNKED_QUERY)
-            plain_math = not kwargs.get("dropout") and kwargs.get("softcap") is None \
-                and kwargs.get("s_aux") is None
             if q.shape[2] > 1 and whole and observer is None and layer.sliding_window is None and plain_math:
                 if read is not None:  # quantized pages, decoded for the chunk as kvfactory_attention would
                     keys, values = read.materialize()
