@@ -9,7 +9,9 @@ ignored so every request generates its full ``max_tokens``):
 - ``b``: 8 prompts of 2,048 tokens, 64 new tokens;
 - ``c``: 8 prompts of 6,144 tokens, 64 new tokens (``--new-tokens 256`` for the long-decode run).
 
-Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``),
+Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``; mixed steps, the
+default) and ``engine-prefill-first:CONFIG`` (the engine's ``prefill_first`` scheduling: steps that prefill
+carry no decode tokens, so decodes run as one batch),
 ``sequential`` (``model.generate`` with ``DynamicCache``, one request after another) and
 ``generate_batch`` (transformers' continuous batching). Each reports wall time, throughput
 (generated tokens / wall), time to first token p50/p99 (all requests arrive at t=0), inter-token
@@ -82,10 +84,11 @@ def summary(wall: float, generated: int, ttft: list[float], itl: list[float], pr
             "peak_kv_bytes": peak}
 
 
-def run_engine(model: Any, tokenizer: Any, preset: str, prompts: list[list[int]], new: int) -> dict[str, Any]:
+def run_engine(model: Any, tokenizer: Any, preset: str, prompts: list[list[int]], new: int,
+               prefill_first: bool = False) -> dict[str, Any]:
     total = sum(len(p) for p in prompts) + len(prompts) * new
     engine = Engine(model, tokenizer, load_preset(preset), pool_tokens=total + 64 * len(prompts),
-                    max_num_batched_tokens=512, max_num_seqs=len(prompts))
+                    max_num_batched_tokens=512, max_num_seqs=len(prompts), prefill_first=prefill_first)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     start = time.perf_counter()
     for prompt in prompts:
@@ -216,8 +219,10 @@ def main() -> None:
             for system in args.systems.split(","):
                 if "rate" in WORKLOADS[name] and not (system.startswith("http:") or system == "vllm"):
                     continue  # arrivals over time: through a server only
-                if system.startswith("engine:"):
-                    result = run_engine(model, tokenizer, system.split(":", 1)[1], prompts, new)
+                if system.startswith(("engine:", "engine-prefill-first:")):
+                    kind, preset = system.split(":", 1)
+                    result = run_engine(model, tokenizer, preset, prompts, new,
+                                        prefill_first=kind == "engine-prefill-first")
                 elif system == "sequential":
                     result = run_sequential(model, prompts, new)
                 elif system == "generate_batch":

@@ -293,6 +293,10 @@ def serve(
     preemption: Annotated[Literal["swap", "recompute"], typer.Option(
         help="what makes room when the pool is full: swap K/V to host memory, or drop it and "
              "recompute")] = "swap",
+    prefill_first: Annotated[bool, typer.Option(
+        "--prefill-first/--mixed-steps",
+        help="steps that prefill a prompt carry no decode tokens (wider decode batches, decodes "
+             "paused while a prompt prefills), or every step decodes every running sequence")] = False,
     served_model_name: Annotated[str | None, typer.Option(
         help="the model name requests must give; default: --model as given")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens of a chat request that gives none")]
@@ -333,7 +337,7 @@ def serve(
     try:
         engine = Engine(loaded, tokenizer, spec.config, pool_tokens=pool_tokens, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                        preemption=preemption)
+                        preemption=preemption, prefill_first=prefill_first)
     except KVFactoryError as exc:
         _fail(exc)
     serve_app.run(create_app(engine, served_model_name or model, max_tokens=max_tokens), host, port,

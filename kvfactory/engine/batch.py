@@ -105,10 +105,7 @@ class _StepRead(attention.BatchRead):
                out: torch.Tensor) -> None:
         """Write every decode token of plain pages with one copy, then attend in one kernel call."""
         at = torch.tensor([start for start, _ in paged], device=query.device)
-        keys, values = self.key[0, :, at].transpose(0, 1), self.value[0, :, at].transpose(0, 1)
-        append_one_each([layer.store for _, layer in paged], keys[:, :, None], values[:, :, None])
-        for i, (_, layer) in enumerate(paged):
-            layer.written(keys[i:i + 1, :, None])
+        self._write_each([layer for _, layer in paged], [layer.store for _, layer in paged], at)
         views = [layer.store.pages_in_place() for _, layer in paged]
         pool = views[0][0]
         tables = block_tables([ids for _, ids, _, _ in views])
@@ -119,13 +116,28 @@ class _StepRead(attention.BatchRead):
 
     def _quantized(self, quantized: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                    out: torch.Tensor) -> None:
-        """Write each decode token of KIVI pages through its store, then attend with one kernel call for
-        the packed blocks and one for the windows."""
+        """Write the decode tokens of KIVI pages (with one copy into the windows they join; through
+        the store where one fills its window), then attend with one kernel call for the packed
+        blocks and one for the windows."""
         at = torch.tensor([start for start, _ in quantized], device=query.device)
-        for start, layer in quantized:
-            layer.append(self.key[:, :, start:start + 1], self.value[:, :, start:start + 1])
+        fits = [layer.store.fits_window(1) for _, layer in quantized]
+        windowed = [i for i, fit in enumerate(fits) if fit]  # most steps: the token joins the window
+        if windowed:
+            layers = [quantized[i][1] for i in windowed]
+            self._write_each(layers, [layer.store.inner for layer in layers], at[windowed])
+        for (start, layer), fit in zip(quantized, fits, strict=True):
+            if not fit:  # the window is full: the store encodes a group as it writes
+                layer.append(self.key[:, :, start:start + 1], self.value[:, :, start:start + 1])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
         out[0, at] = quantized_decode(q, [layer.store for _, layer in quantized], scaling)
+
+    def _write_each(self, layers: list[KVLayer], stores: list[PagedStore], at: torch.Tensor) -> None:
+        """Store the decode token at packed position ``at[i]`` in ``stores[i]`` (``layers[i]``'s pages)
+        with one copy per tensor, and count it in the layer."""
+        keys, values = self.key[0, :, at].transpose(0, 1), self.value[0, :, at].transpose(0, 1)
+        append_one_each(stores, keys[:, :, None], values[:, :, None])
+        for i, layer in enumerate(layers):
+            layer.written(keys[i:i + 1, :, None])
 
 
 def causal_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:

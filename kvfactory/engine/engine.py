@@ -123,12 +123,15 @@ class Engine:
     caps the tokens of one forward, ``max_num_seqs`` the sequences holding K/V, ``max_waiting`` the
     queue (``EngineFullError`` beyond it: a server answers 503). ``preemption``: ``swap`` (default)
     or ``recompute``; ``host_bytes`` bounds the host tier swapped sequences wait in.
+    ``prefill_first``: steps that prefill carry no decode tokens (``scheduler``: wider decode
+    batches, decodes paused while a prompt prefills); default: mixed steps.
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_config: dict[str, Any] | None = None, *,
                  pool_tokens: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 16,
                  max_waiting: int = 256, preemption: str = "swap", prefix_caching: bool | None = None,
-                 host_bytes: int | None = None, in_place_decode: bool = True) -> None:
+                 host_bytes: int | None = None, in_place_decode: bool = True,
+                 prefill_first: bool = False) -> None:
         if preemption not in PREEMPTION:
             raise ConfigError("preemption", preemption, f"one of {PREEMPTION}")
         limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
@@ -151,7 +154,8 @@ class Engine:
         self.memory = EngineMemory(self.manager, preemption, like, self.metrics)
         # eviction policies compress a prompt as a whole when it is written: prefill them in one step
         chunked = self.manager.factory.config.eviction is None
-        self.scheduler = Scheduler(self.memory, max_num_seqs, max_num_batched_tokens, chunked_prefill=chunked)
+        self.scheduler = Scheduler(self.memory, max_num_seqs, max_num_batched_tokens, chunked_prefill=chunked,
+                                   prefill_first=prefill_first)
         self.max_waiting = max_waiting
         self.in_place_decode = in_place_decode
         self.sampler = Sampler()

@@ -70,6 +70,11 @@ class Request:
         return self.length - self.computed
 
     @property
+    def decoding(self) -> bool:
+        """Its prompt is in the cache and it feeds one token: decode work, not prefill."""
+        return self.remaining == 1 and self.computed >= len(self.prompt_ids)
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -7,6 +7,12 @@ one, so nobody starves), then admits waiting requests with a prefill chunk that 
 When a step's writes do not fit in the pool, the most recently admitted running sequence is
 preempted (``Memory.preempt``: swapped to the host tier or dropped for recompute) until they do;
 nothing is resumed or admitted in a step that preempted.
+
+With ``prefill_first`` a step that has a prompt to prefill (a running chunked prefill, a swapped
+sequence, or a waiting request with a free slot) carries no decode tokens, as SGLang's default and
+vLLM's scheduler without chunked prefill do: decodes then run together, as wide as the batch gets,
+at the price of pausing them while a new prompt prefills. Mixed steps (the default, as vLLM's V1)
+keep every running sequence decoding one token per step.
 """
 
 from __future__ import annotations
@@ -45,9 +51,9 @@ class Memory(Protocol):
 
 class Scheduler:
     def __init__(self, memory: Memory, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True) -> None:
+                 chunked_prefill: bool = True, prefill_first: bool = False) -> None:
         self.memory = memory
-        self.chunked_prefill = chunked_prefill
+        self.chunked_prefill, self.prefill_first = chunked_prefill, prefill_first
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
@@ -61,11 +67,22 @@ class Scheduler:
         return len(self.waiting) + len(self.swapped) + len(self.running)
 
     def schedule(self) -> Plan:
+        if not (self.prefill_first and self._prefill_pending()):
+            return self._plan(decodes=True, prefills=True)
+        return self._plan(decodes=False, prefills=True) or self._plan(decodes=True, prefills=False)
+
+    def _prefill_pending(self) -> bool:
+        return (any(not r.decoding for r in [*self.running, *self.swapped])
+                or (bool(self.waiting) and len(self.running) < self.max_num_seqs))
+
+    def _plan(self, decodes: bool, prefills: bool) -> Plan:
+        """Decode tokens first (if ``decodes``), then prompt chunks, resumes and admissions (if
+        ``prefills``; swapped sequences come back in order, whichever kind of work they have)."""
         plan: Plan = []
         budget = self.max_num_batched_tokens
         preempted = False
-        for request in [r for r in self.running if r.remaining == 1] + [r for r in self.running
-                                                                         if r.remaining > 1]:
+        for request in [r for r in self.running if r.decoding and decodes] + [
+                r for r in self.running if not r.decoding and prefills]:
             tokens = self._chunk(request, budget, plan) if request in self.running and budget > 0 else 0
             if not tokens:
                 continue
@@ -85,6 +102,8 @@ class Scheduler:
             return plan
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
+            if not (decodes if request.decoding else prefills):
+                break
             tokens = self._chunk(request, budget, plan)
             if not tokens or not self.memory.fits_resume(request, [*plan, (request, tokens)]):
                 return plan
@@ -93,7 +112,7 @@ class Scheduler:
             self._run(request)
             plan.append((request, tokens))
             budget -= tokens
-        if self.swapped:
+        if self.swapped or not prefills:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]

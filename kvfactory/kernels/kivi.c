@@ -34,6 +34,7 @@ static inline void scale_query(const float *q, int64_t R, int64_t D, int64_t Dp,
     load_params(zero, zkind, zlut, D, ze);
     for (int64_t r = 0; r < R; r++) {
         float *qr = qs + r * Dp, acc = 0.f;
+#pragma omp simd reduction(+ : acc)
         for (int64_t d = 0; d < D; d++) {
             qr[d] = q[r * D + d] * sc[d];
             acc += q[r * D + d] * ze[d];

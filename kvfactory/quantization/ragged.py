@@ -31,13 +31,13 @@ def in_place(store: object, query_heads: int) -> bool:
     sizes the kernel takes, on the CPU with the C kernels built."""
     if type(store) is not QuantizedStore or type(store.inner) is not PagedStore:
         return False
-    keys, values, like = store.key_codec, store.value_codec, store._like
+    keys, values, like = store.key_codec, store.value_codec, store.like
     if type(keys) is not KiviKeyCodec or type(values) is not KiviValueCodec or keys.bits != values.bits:
         return False
     if like is None or like[0].shape[0] != 1 or like[0].device.type != "cpu" or not native.available():
         return False
     head_dim, kv_heads = like[0].shape[3], like[0].shape[1]
-    packed = store._packed
+    packed = store.runs
     return (like[1].shape[3] == head_dim <= MAX_DIM and query_heads % kv_heads == 0
             and query_heads // kv_heads <= MAX_ROWS
             and (packed is None or (isinstance(packed, PagedRuns) and packed.table.start == 0
@@ -47,7 +47,7 @@ def in_place(store: object, query_heads: int) -> bool:
 def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float) -> torch.Tensor:
     """Each sequence's query ``[S, Hq, D]`` over store ``stores[s]`` (each ``in_place``, of one layer
     and pool, its new token written): ``[S, Hq, D]`` in ``query``'s dtype."""
-    packed = [store._packed if store.quantized_tokens else None for store in stores]
+    packed = [store.runs if store.quantized_tokens else None for store in stores]
     windows = [store.inner.pages_in_place() for store in stores]
     if all(view is None for view in windows):  # no residual window (``residual: 0``) held a token
         return _packed_decode(query, stores, packed, scale)[0].to(query.dtype)

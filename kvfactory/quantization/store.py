@@ -192,6 +192,21 @@ class QuantizedStore(LayerStore):
         return self._packed
 
     @property
+    def like(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Empty K and V ``[B, H, 0, D]`` of the stored shapes and dtype; None before any write."""
+        return self._like
+
+    @property
+    def runs(self) -> PackedRuns | PagedRuns | None:
+        """The encoded runs, once any were made (``packed`` makes them)."""
+        return self._packed
+
+    def fits_window(self, tokens: int) -> bool:
+        """Whether ``tokens`` more stay in the full-precision window without a flush, so a batched
+        write may store them in ``inner`` directly (``kvfactory.storage.paged.append_one_each``)."""
+        return self._like is not None and self._flush_count(self.inner.size() + tokens) == 0
+
+    @property
     def quantized_tokens(self) -> int:
         return 0 if self._packed is None else self._packed.tokens
 

@@ -78,6 +78,38 @@ def test_preemption_keeps_outputs(smollm2, preemption: str) -> None:
     assert_idle(engine)
 
 
+def test_prefill_first_steps_never_mix_and_keep_outputs(smollm2) -> None:
+    """With ``prefill_first`` a step prefills or decodes, never both, through chunked prompts, new
+    arrivals and preemption; outputs still equal each request alone."""
+    model, tokenizer = smollm2
+    prompts = ids_of(tokenizer, [f"Story {i}: " + PROMPTS[i % 4] for i in range(8)])
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    need = max(len(p) for p in prompts) + params.max_tokens
+    engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=3 * need,
+                    max_num_batched_tokens=8, prefix_caching=False, prefill_first=True)
+    kinds: list[set[bool]] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        kinds.append({request.decoding for request, _ in plan})
+        return plan
+
+    engine.scheduler.schedule = spy
+    ids = [engine.add_request(prompt, params) for prompt in prompts[:4]]
+    for _ in range(10):
+        engine.step()
+    ids += [engine.add_request(prompt, params) for prompt in prompts[4:]]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert all(len(step) == 1 for step in kinds if step)
+    assert {True, False} <= set().union(*kinds) and engine.scheduler.preemptions > 0
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        assert done[request_id] == greedy_tokens(model, prompt, params.max_tokens)
+    assert_idle(engine)
+
+
 def test_shared_system_prompt_is_prefilled_once(smollm2) -> None:
     model, tokenizer = smollm2
     system = "You are a helpful assistant who answers briefly and precisely. " * 4
