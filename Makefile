@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvfactory-installed
 
-.PHONY: run test lint bench setup vllm-venv
+.PHONY: run test lint bench setup vllm-venv redis-server
 
 setup: $(STAMP)
 
@@ -19,9 +19,14 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/kvfactory run
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(BIN)/ruff check kvfactory tests benchmarks
 	$(BIN)/pytest -q
+
+# tests/tiers start their own Redis server: Debian's redis-server where none (nor Valkey) is installed
+redis-server:
+	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py

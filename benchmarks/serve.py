@@ -17,7 +17,9 @@ carry no decode tokens, so decodes run as one batch),
 (generated tokens / wall), time to first token p50/p99 (all requests arrive at t=0), inter-token
 latency p50/p99, prefill tokens/s (prompt tokens over the time of steps that prefilled), decode
 tokens/s (tokens generated in decode-only steps over their time: prefill excluded) and peak KV
-bytes. ``--scale`` shrinks every length for a quick look. Prints JSON (``--out FILE`` also writes it).
+bytes. ``--scale`` shrinks every length for a quick look. ``--generate-batch-limit S`` runs
+``generate_batch`` in a child process stopped after ``S`` seconds (then reported as ``wall_over_s``: a
+lower bound, for a workload it would take an hour to finish). Prints JSON (``--out FILE`` also writes it).
 
     python benchmarks/serve.py --workloads a,b --systems engine:paged16,engine:int4,sequential
 """
@@ -29,6 +31,7 @@ import json
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -175,6 +178,22 @@ def run_generate_batch(prompts: list[list[int]], new: int) -> dict[str, Any]:
     return summary(wall, generated, [], [], (0, 0.0), (0, 0.0), None)
 
 
+def run_generate_batch_limited(name: str, scale: float, new_tokens: int | None, limit: float
+                                ) -> dict[str, Any]:
+    """``generate_batch`` on workload ``name`` in a child run of this script, killed after ``limit``
+    seconds: its row, or ``wall_over_s`` when it had not finished."""
+    command = [sys.executable, __file__, "--workloads", name, "--systems", "generate_batch",
+               "--scale", str(scale)]
+    if new_tokens:
+        command += ["--new-tokens", str(new_tokens)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=limit, check=True)
+    except subprocess.TimeoutExpired:
+        return {"wall_s": None, "wall_over_s": limit}
+    row = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"workload"')))
+    return {key: value for key, value in row.items() if key not in ("workload", "system")}
+
+
 def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, Any]) -> dict[str, Any]:
     """``http:PRESET`` (``kvfactory serve``) or ``vllm`` (its CPU build), all requests at t=0 or at
     the workload's Poisson rate, streamed; the server's own log goes to a temporary file."""
@@ -203,6 +222,8 @@ def main() -> None:
                         default="engine:paged16,engine:int4,engine:quest@0.125,sequential,generate_batch")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length")
     parser.add_argument("--new-tokens", type=int, default=None, help="override each workload's new tokens")
+    parser.add_argument("--generate-batch-limit", type=float, default=None,
+                        help="seconds before a generate_batch run (in a child process) is stopped")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -225,6 +246,9 @@ def main() -> None:
                                         prefill_first=kind == "engine-prefill-first")
                 elif system == "sequential":
                     result = run_sequential(model, prompts, new)
+                elif system == "generate_batch" and args.generate_batch_limit:
+                    result = run_generate_batch_limited(name, args.scale, args.new_tokens,
+                                                        args.generate_batch_limit)
                 elif system == "generate_batch":
                     result = run_generate_batch(prompts, new)
                 elif system.startswith("http:") or system == "vllm":
@@ -236,6 +260,8 @@ def main() -> None:
         base = rows["systems"].get("sequential")
         if base:
             for result in rows["systems"].values():
+                if result["wall_s"] is None:
+                    continue
                 result["wall_vs_sequential"] = round(result["wall_s"] / base["wall_s"], 3)
                 if result["decode_tok_s"] and base["decode_tok_s"]:
                     result["decode_vs_sequential"] = round(result["decode_tok_s"] / base["decode_tok_s"], 2)

@@ -1,28 +1,41 @@
-"""kvfactory: composable KV-cache management for Hugging Face transformers."""
+"""kvfactory: composable KV-cache management for Hugging Face transformers.
 
-from kvfactory.cache import KVCache, watch_hidden_states
-from kvfactory.config import CacheConfig, register_cache_strategy, registered_strategies
-from kvfactory.errors import (
-    CacheFullError,
-    ConfigError,
-    KVFactoryError,
-    SequenceFileError,
-    SequenceStateError,
-    ShapeError,
-    UnknownSequenceError,
-    UnsupportedError,
-)
-from kvfactory.eviction import Observation, Policy, register_policy
-from kvfactory.factory import KVCacheFactory
-from kvfactory.manager import KVCacheManager
-from kvfactory.storage import DenseStore, LayerStore, MemoryReport, PagedPool, PagedStore
+The names below load on first use (PEP 562), so the parts that do not touch transformers (the
+codecs, ``kvfactory.tiers``) import in an environment that pins another transformers, such as
+vLLM's virtualenv.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CacheConfig", "CacheFullError", "ConfigError", "DenseStore", "KVCache", "KVCacheFactory",
-    "KVCacheManager", "KVFactoryError", "LayerStore", "MemoryReport", "Observation", "PagedPool",
-    "PagedStore", "Policy", "SequenceFileError", "SequenceStateError", "ShapeError", "UnknownSequenceError",
-    "UnsupportedError", "register_cache_strategy", "register_policy", "registered_strategies",
-    "watch_hidden_states",
-]
+_EXPORTS = {
+    "KVCache": "kvfactory.cache", "watch_hidden_states": "kvfactory.cache",
+    "CacheConfig": "kvfactory.config", "register_cache_strategy": "kvfactory.config",
+    "registered_strategies": "kvfactory.config",
+    **{name: "kvfactory.errors" for name in (
+        "CacheFullError", "ConfigError", "KVFactoryError", "SequenceFileError", "SequenceStateError",
+        "ShapeError", "UnknownSequenceError", "UnsupportedError")},
+    **{name: "kvfactory.eviction" for name in ("Observation", "Policy", "register_policy")},
+    "KVCacheFactory": "kvfactory.factory",
+    "KVCacheManager": "kvfactory.manager",
+    **{name: "kvfactory.storage" for name in ("DenseStore", "LayerStore", "MemoryReport", "PagedPool",
+                                              "PagedStore")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kvfactory' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

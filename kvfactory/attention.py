@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +136,12 @@ def take(key: torch.Tensor, layer_idx: int | None
     raise RuntimeError("attn_implementation='kvfactory': the keys reaching attention are not the ones "
                        "the cache returned (the model transforms K/V after the cache update); load the "
                        "model with attn_implementation='sdpa' for this architecture")
+
+
+def plain_softmax(dropout: float | None, options: dict[str, Any]) -> bool:
+    """Whether a layer's attention is a plain scaled softmax, what kvfactory's own reads compute: no
+    dropout, no soft-capping (Gemma 2) and no attention sinks (``s_aux``: GPT-OSS)."""
+    return not dropout and options.get("softcap") is None and options.get("s_aux") is None
 
 
 def attend(query: torch.Tensor, read: DeferredRead, attention_mask: torch.Tensor | None,

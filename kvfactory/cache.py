@@ -55,7 +55,7 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if observer is not None:  # an evicting layer: its stored slots decide the mask
         attention_mask = observer.attention_mask(attention_mask, query)
     chunked = isinstance(read, attention.DeferredRead) and query.shape[2] <= attention.MAX_CHUNKED_QUERY \
-        and not dropout and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+        and attention.plain_softmax(dropout, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if chunked:
         out = attention.attend(query, read, attention_mask, scale), None

@@ -67,8 +67,7 @@ class _StepRead(attention.BatchRead):
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         paged: list[tuple[int, KVLayer]] = []
         quantized: list[tuple[int, KVLayer]] = []
-        plain_math = not kwargs.get("dropout") and kwargs.get("softcap") is None \
-            and kwargs.get("s_aux") is None  # what causal_chunk computes: no dropout, soft-cap or sinks
+        plain_math = attention.plain_softmax(kwargs.get("dropout"), kwargs)  # what causal_chunk computes
         for segment in self.batch.segments:
             span = slice(segment.start, segment.end)
             k, v = self.key[:, :, span], self.value[:, :, span]

@@ -1,11 +1,11 @@
 """Prefix sharing: full blocks of prompts, found again by a hash chain over their tokens.
 
 As in vLLM's automatic prefix caching, block ``i`` of a prompt is named by a hash of block ``i - 1``'s
-name and its own ``page_size`` tokens, so a name stands for the whole prefix up to it and equal
-names mean equal K/V. Blocks are hashed in one place, when they fill (``PrefixIndex.add_filled``,
-called when a sequence's write completes). The index keeps, per name, the block holding those
-tokens in every layer's pool and one reference to each, so blocks stay cached after their
-sequences are freed.
+name and its own ``page_size`` tokens (``kvfactory.hashing.block_hashes``), so a name stands for the
+whole prefix up to it and equal names mean equal K/V. Blocks are hashed in one place, when they
+fill (``PrefixIndex.add_filled``, called when a sequence's write completes). The index keeps, per
+name, the block holding those tokens in every layer's pool and one reference to each, so blocks
+stay cached after their sequences are freed.
 
 Cached blocks that no sequence uses any more wait in one eviction-ordered queue, ``free_queue``,
 as in vLLM v1's free block queue: an entry joins its tail when its last sequence lets go of it (a
@@ -17,7 +17,6 @@ prompt) never join the queue.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,18 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvfactory.hashing import block_hashes
 from kvfactory.storage.blocks import BlockPool
-
-
-def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """The chained names of the full blocks of ``tokens``."""
-    names, parent = [], b""
-    array = np.asarray(tokens, dtype=np.int64)
-    for i in range(len(array) // page_size):
-        parent = hashlib.blake2b(parent + array[i * page_size:(i + 1) * page_size].tobytes(),
-                                 digest_size=16).digest()
-        names.append(parent)
-    return names
 
 
 @dataclass

@@ -18,7 +18,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from tiny_models import tiny_config
 
 from kvfactory import CacheFullError, KVCacheManager, SequenceStateError
-from kvfactory.manager.prefix import block_hashes
+from kvfactory.hashing import block_hashes
 
 PAGE = 4
 CONFIG = tiny_config("llama")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx2
 import openai
 import torch
+from helpers import free_port
 from transformers import DynamicCache
 
 from kvfactory.texts import shipped_text
@@ -27,12 +27,6 @@ from kvfactory.texts import shipped_text
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2"
 START_TIMEOUT = 180.0  # seconds: loading torch and the model on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

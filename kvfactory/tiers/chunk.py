@@ -1,0 +1,176 @@
+"""A chunk of K/V as bytes, what the tiers store, and the key that names it.
+
+A chunk is ``tokens`` consecutive tokens of a prompt in every layer: keys and values
+``[layers, kv_heads, tokens, head_dim]``, encoded by one of kvfactory's codecs (``identity``:
+exact; ``int8`` or ``fp8``: about a quarter of fp32's bytes, half of fp16's; ``int4``, KIVI: about
+a sixth of fp32's) and serialized as a safetensors file. Its header carries the format, the key
+the chunk was stored under and a SHA-256 of every tensor, so a value that comes back truncated,
+corrupted or under another key is refused (``ChunkError``) and its reader treats it as a miss.
+
+``ChunkKey`` names a chunk by the model (a fingerprint of the fields that decide what its K/V
+mean), the layout (layers, KV heads, head size, chunk tokens, element type), the codec and the
+chained hash of every token up to the chunk's end (``kvfactory.hashing.block_hashes``), so two
+models, two layouts or two codecs never read each other's chunks, and equal keys mean equal K/V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from kvfactory.codecs import Encoded, make_codec
+from kvfactory.errors import ConfigError, KVFactoryError, ShapeError
+from kvfactory.hashing import block_hashes
+
+FORMAT = "kvfactory.chunk/1"
+CHUNK_CODECS = ("identity", "int8", "fp8", "int4")
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
+
+
+class ChunkError(KVFactoryError, ValueError):
+    """Chunk bytes that are not a whole, matching chunk: a miss for the tier that returned them."""
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """What every chunk of one cache looks like: ``layers`` × ``kv_heads`` × ``tokens`` ×
+    ``head_dim`` keys and values of ``dtype``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int = 256
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim", "tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, value, "an integer >= 1")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", self.dtype, ", ".join(DTYPES))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.layers, self.kv_heads, self.tokens, self.head_dim
+
+    def __str__(self) -> str:
+        return f"L{self.layers}-H{self.kv_heads}-D{self.head_dim}-T{self.tokens}-{self.dtype}"
+
+
+def model_fingerprint(**fields: object) -> str:
+    """A short digest of the fields that decide what a model's K/V mean (architecture, sizes, the
+    weights' name or revision): chunks of two models never share a key."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    model: str  # model_fingerprint(...)
+    layout: str  # str(ChunkLayout)
+    codec: str
+    prefix: str  # hex of the chained hash of the prompt's tokens up to the chunk's end
+
+    def __str__(self) -> str:
+        return f"kvfactory:{self.model}:{self.layout}:{self.codec}:{self.prefix}"
+
+
+def chunk_keys(tokens: Sequence[int], model: str, layout: ChunkLayout, codec: str) -> list[ChunkKey]:
+    """The keys of the whole chunks of ``tokens``, in order (a partial last chunk has none)."""
+    if codec not in CHUNK_CODECS:
+        raise ConfigError("codec", codec, ", ".join(CHUNK_CODECS))
+    return [ChunkKey(model, str(layout), codec, name.hex()) for name in block_hashes(tokens, layout.tokens)]
+
+
+def encode_chunk(key: ChunkKey, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    """The bytes of one chunk: ``keys`` and ``values`` ``[layers, kv_heads, tokens, head_dim]``
+    (the layout ``key`` names) through ``key.codec``."""
+    if keys.shape != values.shape or keys.dim() != 4 or keys.dtype != values.dtype:
+        raise ShapeError(f"chunk {key.prefix[:12]}: keys {tuple(keys.shape)} ({keys.dtype}) and values "
+                         f"{tuple(values.shape)} ({values.dtype}) must be one [layers, kv_heads, tokens, "
+                         f"head_dim] shape and dtype")
+    layout = _layout(key)
+    if tuple(keys.shape) != layout.shape or DTYPES[layout.dtype] != keys.dtype:
+        raise ShapeError(f"chunk {key.prefix[:12]}: K/V {tuple(keys.shape)} ({keys.dtype}) do not match the "
+                         f"key's layout {layout}")
+    tensors = {}
+    for role, x in (("k", keys), ("v", values)):
+        encoded = _codec(key.codec, role, keys.dtype).encode(x.detach().cpu())
+        tensors |= {f"{role}.{name}": t.contiguous() for name, t in encoded.tensors.items()}
+    metadata = {"format": FORMAT, "key": str(key), "sha256": _digest(tensors)}
+    return save_tensors(tensors, metadata)
+
+
+def decode_chunk(data: bytes, key: ChunkKey) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a chunk read back under ``key``; ``ChunkError`` unless the bytes are a
+    whole chunk of that key with intact tensors."""
+    metadata = _metadata(data)
+    if metadata.get("format") != FORMAT:
+        raise ChunkError(f"not a kvfactory chunk (format {metadata.get('format')!r}, expected {FORMAT!r})")
+    if metadata.get("key") != str(key):
+        raise ChunkError(f"chunk stored as {metadata.get('key')!r} read back as {str(key)!r}")
+    try:
+        tensors = load_tensors(data)
+    except Exception as exc:  # safetensors raises its own error types for malformed payloads
+        raise ChunkError(f"chunk {key.prefix[:12]}: unreadable tensors ({exc})") from exc
+    if _digest(tensors) != metadata.get("sha256"):
+        raise ChunkError(f"chunk {key.prefix[:12]}: checksum mismatch (corrupted in its tier)")
+    layout = _layout(key)
+    dtype = DTYPES[layout.dtype]
+    out = []
+    for role in ("k", "v"):
+        streams = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith(f"{role}.")}
+        encoded = Encoded(streams, layout.tokens)
+        x = torch.empty(layout.shape, dtype=dtype)
+        try:
+            _codec(key.codec, role, dtype).decode(encoded, out=x)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise ChunkError(f"chunk {key.prefix[:12]}: tensors do not decode to {layout} ({exc})") from exc
+        out.append(x)
+    return out[0], out[1]
+
+
+def _codec(name: str, role: str, dtype: torch.dtype):
+    return make_codec(name, "key" if role == "k" else "value", dtype=dtype)
+
+
+def _layout(key: ChunkKey) -> ChunkLayout:
+    try:
+        sizes, dtype = key.layout.rsplit("-", 1)
+        layers, heads, dim, tokens = (int(part[1:]) for part in sizes.split("-"))
+    except ValueError as exc:
+        raise ConfigError("layout", key.layout, "str(ChunkLayout), e.g. L30-H3-D64-T256-float32") from exc
+    return ChunkLayout(layers, heads, dim, tokens, dtype)
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    sha = hashlib.sha256()
+    for name in sorted(tensors):
+        sha.update(name.encode())
+        sha.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors payload: an 8-byte little-endian header length, then a
+    JSON header."""
+    if len(data) < 8:
+        raise ChunkError(f"chunk of {len(data)} bytes: too short for a safetensors header")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > len(data) - 8:
+        raise ChunkError(f"chunk header of {length} bytes in a {len(data)}-byte value: truncated")
+    try:
+        header = json.loads(data[8:8 + length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ChunkError(f"chunk header is not JSON ({exc})") from exc
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict):
+        raise ChunkError("chunk header has no metadata")
+    return metadata
