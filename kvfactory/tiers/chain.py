@@ -20,6 +20,27 @@ class TierChain(Tier):
         super().__init__()
         self.tiers = list(tiers)
 
+    @classmethod
+    def from_spec(cls, specs: list[str], host_bytes: int = 4 << 30, disk_bytes: int = 64 << 30) -> TierChain:
+        """A chain from strings, nearest first: ``"host"`` (``host_bytes`` of memory),
+        ``"disk:PATH"`` (``disk_bytes`` in folder PATH), ``"redis://HOST:PORT/DB"`` (a Redis or Valkey
+        server), as a connector's or a server's configuration names them."""
+        from kvfactory.tiers.disk import DiskTier
+        from kvfactory.tiers.host import HostTier
+        from kvfactory.tiers.redis_tier import RedisTier
+
+        tiers: list[Tier] = []
+        for spec in specs:
+            if spec == "host":
+                tiers.append(HostTier(host_bytes))
+            elif spec.startswith("disk:"):
+                tiers.append(DiskTier(spec.removeprefix("disk:"), disk_bytes))
+            elif spec.startswith(("redis://", "rediss://", "unix://")):
+                tiers.append(RedisTier(spec))
+            else:
+                raise ConfigError("tiers", spec, '"host", "disk:PATH" or "redis://HOST:PORT/DB"')
+        return cls(tiers)
+
     def _get_many(self, keys: list[str]) -> list[bytes | None]:
         found: list[bytes | None] = [None] * len(keys)
         missing = list(range(len(keys)))
@@ -41,6 +62,10 @@ class TierChain(Tier):
         with self._lock:
             for _, value in items:
                 self._took(value)
+
+    def _discard_many(self, keys: list[str]) -> None:
+        for tier in self.tiers:
+            tier.discard_many(keys)
 
     def _contains_many(self, keys: list[str]) -> list[bool]:
         held = [False] * len(keys)

@@ -81,6 +81,14 @@ class ChunkKey:
     def __str__(self) -> str:
         return f"kvfactory:{self.model}:{self.layout}:{self.codec}:{self.prefix}"
 
+    @classmethod
+    def parse(cls, text: str) -> ChunkKey:
+        """The key ``str(key)`` printed."""
+        parts = text.split(":")
+        if len(parts) != 5 or parts[0] != "kvfactory":
+            raise ChunkError(f"{text!r} is not a kvfactory chunk key (kvfactory:MODEL:LAYOUT:CODEC:PREFIX)")
+        return cls(*parts[1:])
+
 
 def chunk_keys(tokens: Sequence[int], model: str, layout: ChunkLayout, codec: str) -> list[ChunkKey]:
     """The keys of the whole chunks of ``tokens``, in order (a partial last chunk has none)."""

@@ -102,3 +102,10 @@ class DiskTier(Tier):
 
     def _contains_many(self, keys: list[str]) -> list[bool]:
         return [self._file(key).exists() for key in keys]
+
+    def _discard_many(self, keys: list[str]) -> None:
+        for key in keys:
+            file = self._file(key)
+            file.unlink(missing_ok=True)
+            with self._lock:
+                self.used_bytes -= self._index.pop(file.name, 0)

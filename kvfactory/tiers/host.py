@@ -51,3 +51,9 @@ class HostTier(Tier):
     def _contains_many(self, keys: list[str]) -> list[bool]:
         with self._lock:
             return [key in self._items for key in keys]
+
+    def _discard_many(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                value = self._items.pop(key, None)
+                self.used_bytes -= 0 if value is None else len(value)

@@ -77,6 +77,14 @@ class RedisTier(Tier):
                 else:
                     self._took(value)
 
+    def _discard_many(self, keys: list[str]) -> None:
+        if not self.reachable:
+            return
+        try:
+            self.client.delete(*keys)
+        except redis.RedisError as exc:
+            self._failed("a delete", exc)
+
     def _contains_many(self, keys: list[str]) -> list[bool]:
         if not self.reachable:
             return [False] * len(keys)

@@ -108,3 +108,15 @@ def test_chain_promotes_hits_and_writes_every_tier(tmp_path, redis_url: str) -> 
     assert chain.stats.hits == 1 and chain.stats.misses == 1
     with pytest.raises(ConfigError, match="tiers"):
         TierChain([])
+
+
+def test_chain_from_spec_builds_tiers_nearest_first_and_discards_everywhere(tmp_path, redis_url: str) -> None:
+    chain = TierChain.from_spec(["host", f"disk:{tmp_path}", redis_url], host_bytes=1000, disk_bytes=1000)
+    assert [tier.name for tier in chain.tiers] == ["host", "disk", "redis"]
+    assert chain.tiers[0].capacity_bytes == 1000 and chain.tiers[1].path == tmp_path
+    chain.put_many([("bad", b"x" * 100), ("good", b"y" * 100)])
+    chain.discard_many(["bad", "never-stored"])
+    assert [tier.contains_many(["bad", "good"]) for tier in chain.tiers] == [[False, True]] * 3
+    assert chain.tiers[0].used_bytes == chain.tiers[1].used_bytes == 100
+    with pytest.raises(ConfigError, match="tiers"):
+        TierChain.from_spec(["memcached://x"])

