@@ -297,6 +297,12 @@ def serve(
         "--prefill-first/--mixed-steps",
         help="steps that prefill a prompt carry no decode tokens (wider decode batches, decodes "
              "paused while a prompt prefills), or every step decodes every running sequence")] = False,
+    tiers: Annotated[str | None, typer.Option(
+        help="keep prompt chunks in these tiers, nearest first, comma-separated: host, disk:PATH, "
+             "redis://HOST:PORT/DB (another server over the same Redis reuses them); plain pages only")]
+    = None,
+    tier_codec: Annotated[Literal["identity", "int8", "fp8", "int4"], typer.Option(
+        help="codec of the chunks in --tiers")] = "identity",
     served_model_name: Annotated[str | None, typer.Option(
         help="the model name requests must give; default: --model as given")] = None,
     max_tokens: Annotated[int, typer.Option(min=1, help="max_tokens of a chat request that gives none")]
@@ -319,6 +325,7 @@ def serve(
     from kvfactory.eval.runner import EvalError, resolve_cache
     from kvfactory.server import create_app
     from kvfactory.server import serve as serve_app
+    from kvfactory.tiers import TierChain
 
     if is_peer(cache):  # refused whether or not the peer's package is installed
         raise typer.BadParameter(f"{cache!r}: the engine serves kvfactory's paged configs, not "
@@ -335,9 +342,11 @@ def serve(
         torch.set_num_threads(threads)
     loaded, tokenizer = models.load_model(model)
     try:
+        chain = None if tiers is None else TierChain.from_spec([t.strip() for t in tiers.split(",")])
         engine = Engine(loaded, tokenizer, spec.config, pool_tokens=pool_tokens, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
-                        preemption=preemption, prefill_first=prefill_first)
+                        preemption=preemption, prefill_first=prefill_first, tiers=chain,
+                        tier_codec=tier_codec)
     except KVFactoryError as exc:
         _fail(exc)
     serve_app.run(create_app(engine, served_model_name or model, max_tokens=max_tokens), host, port,

@@ -33,7 +33,9 @@ from kvfactory.engine.sampler import Sampler
 from kvfactory.engine.scheduler import Plan, Scheduler
 from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError
 from kvfactory.manager import KVCacheManager
+from kvfactory.manager.tiered import PrefixTiers
 from kvfactory.sizing import KVShape
+from kvfactory.tiers import Tier
 
 logger = logging.getLogger("kvfactory.engine")
 PREEMPTION = ("swap", "recompute")
@@ -131,7 +133,8 @@ class Engine:
                  pool_tokens: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 16,
                  max_waiting: int = 256, preemption: str = "swap", prefix_caching: bool | None = None,
                  host_bytes: int | None = None, in_place_decode: bool = True,
-                 prefill_first: bool = False) -> None:
+                 prefill_first: bool = False, tiers: Tier | None = None, tier_codec: str = "identity",
+                 chunk_tokens: int = 256) -> None:
         if preemption not in PREEMPTION:
             raise ConfigError("preemption", preemption, f"one of {PREEMPTION}")
         limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
@@ -144,8 +147,11 @@ class Engine:
             config = _with_pool(config, pool_tokens)
         self.model, self.tokenizer = model, tokenizer
         use_engine_attention(model)
+        weight = next(model.parameters())
+        prefix_tiers = None if tiers is None else PrefixTiers(tiers, model.config, weight.dtype, tier_codec,
+                                                              chunk_tokens, weight.device)
         self.manager = KVCacheManager(model.config, config, prefix_caching=prefix_caching,
-                                      host_bytes=host_bytes)
+                                      host_bytes=host_bytes, tiers=prefix_tiers)
         text = model.config.get_text_config(decoder=True)
         self.max_model_len: int | None = getattr(text, "max_position_embeddings", None)
         self.device = next(model.parameters()).device

@@ -51,6 +51,10 @@ class EngineMetrics:
         self.step_seconds = histogram("kvfactory_step_seconds", "One engine step (forward and sampling)")
         self.routing = {name: gauge(f"kvfactory_routing_{name}", f"Page selector {name.replace('_', ' ')}, "
                                     "mean over finished requests") for name in ROUTING}
+        self.tier_chunks = gauge("kvfactory_tier_chunks", "Prompt chunks loaded from and stored to tiers, "
+                                 "and chunks that failed to load", ["what"])
+        self.tier_stats = gauge("kvfactory_tier_stat", "Each tier's hits, misses, bytes read and written, "
+                                "dropped writes, evictions and errors", ["tier", "stat"])
         self._routing_sums = {name: 0.0 for name in ROUTING}
         self._routing_count = 0
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, generated tokens)
@@ -108,6 +112,13 @@ class EngineMetrics:
         self.pool_used.set(stats["pool_blocks_used"])
         self.pool_total.set(stats["pool_blocks"])
         self.pool_usage.set(stats["pool_blocks_used"] / stats["pool_blocks"] if stats["pool_blocks"] else 0.0)
+        tiers = self.engine.manager.tiers
+        if tiers is not None:
+            for name, value in vars(tiers.counters).items():
+                self.tier_chunks.labels(name).set(value)
+            for tier in getattr(tiers.tiers, "tiers", [tiers.tiers]):
+                for name, value in tier.stats.as_dict().items():
+                    self.tier_stats.labels(tier.name, name).set(value)
 
 
 def _maker(kind: type, registry: CollectorRegistry, **defaults: object):

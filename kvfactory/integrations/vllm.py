@@ -80,7 +80,8 @@ class _Tracked:
 
 @dataclass
 class KVFactoryConnectorStats(KVConnectorStats):
-    """Chunks and bytes moved and the time they took since the last report, from each worker."""
+    """Chunks and bytes moved and the time they took since the last report, from each worker, and
+    each tier's own counters over the same time (``tier.NAME.STAT``: hits, misses, bytes, errors)."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -104,12 +105,13 @@ class KVFactoryConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in ("chunks_loaded", "chunks_saved", "load_errors"))
+        return not any(value for value in self.data.values() if not isinstance(value, list))
 
 
 class KVFactoryPromMetrics(KVConnectorPromMetrics):
     """The connector's stats on vLLM's ``/metrics``: chunks, bytes and errors as counters, load and
-    save latency as histograms, per engine."""
+    save latency as histograms, each tier's counters as ``vllm:kvfactory_tier_total{tier, stat}``, per
+    engine."""
 
     COUNTERS = {"chunks_loaded": "Prompt chunks loaded from kvfactory's tiers",
                 "chunks_saved": "Prompt chunks saved to kvfactory's tiers",
@@ -130,6 +132,10 @@ class KVFactoryPromMetrics(KVConnectorPromMetrics):
         self._metrics = {engine: {name: metric.labels(*values)
                                   for name, metric in (counters | histograms).items()}
                          for engine, values in per_engine_labelvalues.items()}
+        self._tier = self._counter_cls(
+            name="vllm:kvfactory_tier_total", labelnames=[*labelnames, "tier", "stat"],
+            documentation="Each tier's hits, misses, bytes read and written, writes, dropped writes, "
+                          "evictions and errors")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         metrics = self._metrics[engine_idx]
@@ -139,6 +145,9 @@ class KVFactoryPromMetrics(KVConnectorPromMetrics):
                     metrics[name].observe(seconds)
             elif name in self.COUNTERS and value:
                 metrics[name].inc(value)
+            elif name.startswith("tier.") and value:
+                _, tier, stat = name.split(".")
+                self._tier.labels(*self.per_engine_labelvalues[engine_idx], tier, stat).inc(value)
 
 
 class KVFactoryConnector(KVConnectorBase_V1):
@@ -188,6 +197,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
         self._saving: dict[str, list[torch.Tensor]] = {}  # layer -> [blocks, heads, 2, block, dim]
         self._load_errors: set[int] = set()
         self._stats = KVFactoryConnectorStats()
+        self._reported: dict[str, dict[str, int]] = {}  # each tier's counters at the last report
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -198,6 +208,8 @@ class KVFactoryConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond vLLM's own prefix hit that the tiers hold as leading whole chunks (at least
         one prompt token is always left to compute)."""
+        if not _plain(request):
+            return 0, False
         tokens = list(request.prompt_token_ids or [])
         keys = chunk_keys(tokens[:len(tokens) - 1], self.model, self.layout, self.codec)
         held = self.tiers.contains_many([str(k) for k in keys])
@@ -214,9 +226,11 @@ class KVFactoryConnector(KVConnectorBase_V1):
         meta = KVFactoryMetadata()
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id not in self._matched:  # not looked up: a request whose chunks are not kept
+                continue
             tokens = list(new.prompt_token_ids or [])
             keys = chunk_keys(tokens, self.model, self.layout, self.codec)
-            matched = self._matched.pop(new.req_id, 0)
+            matched = self._matched.pop(new.req_id)
             self._tracked[new.req_id] = _Tracked(keys, list(new.block_ids[0]), matched)
             self._loads(meta, new.req_id)
             self._saves(meta, new.req_id, new.num_computed_tokens + steps.get(new.req_id, 0))
@@ -351,6 +365,15 @@ class KVFactoryConnector(KVConnectorBase_V1):
         return errors
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's counts since the last call; the tiers' counts come from the worker side only
+        (a scheduler in the same process shares its tiers)."""
+        for tier in self.tiers.tiers if self.role == KVConnectorRole.WORKER else []:
+            now = tier.stats.as_dict()
+            before = self._reported.get(tier.name, {})
+            for stat, value in now.items():
+                if value != before.get(stat, 0):
+                    self._stats.data[f"tier.{tier.name}.{stat}"] = value - before.get(stat, 0)
+            self._reported[tier.name] = now
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVFactoryConnectorStats()
@@ -370,3 +393,10 @@ class KVFactoryConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank()
+
+
+def _plain(request: Any) -> bool:
+    """Whether a request's K/V follow from its token ids alone, so chunks keyed by them are its K/V:
+    not with images or audio (placeholder tokens), a LoRA adapter or a cache salt (isolation)."""
+    return (request.prompt_token_ids is not None and not request.mm_features
+            and request.lora_request is None and request.cache_salt is None)

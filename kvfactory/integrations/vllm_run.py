@@ -4,6 +4,8 @@ the second process reuses what the first stored. Runs in vLLM's virtualenv (``ma
 
     python -m kvfactory.integrations.vllm_run SPEC.json   # prints one JSON line
 
+``launch`` runs it from another interpreter (kvfactory's own virtualenv) and returns the result.
+
 SPEC: ``model`` (a folder), ``prompts`` (token id lists), ``max_tokens``, ``connector`` (the
 ``kv_connector_extra_config``, or null for none), ``ttft`` (prompts timed alone with one new token
 before the batch; default all), ``kill_pid_after`` (``[pid, n]``: SIGKILL ``pid``, a Redis server,
@@ -19,9 +21,27 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+RESULT = '{"ttft_s"'  # how the result line starts among vLLM's log lines
+
+
+def launch(python: Path, spec: dict[str, Any], log: Path, timeout: float = 900.0) -> dict[str, Any]:
+    """Run one vLLM process with interpreter ``python`` (vLLM's virtualenv) on ``spec``; its log,
+    and the spec beside it, stay at ``log``. Returns the process's result."""
+    path = log.with_suffix(".json")
+    path.write_text(json.dumps(spec))
+    with log.open("w") as out:
+        done = subprocess.run([str(python), "-m", "kvfactory.integrations.vllm_run", str(path)], stdout=out,
+                              stderr=subprocess.STDOUT, timeout=timeout)
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith(RESULT)]
+    if done.returncode or not lines:
+        raise RuntimeError(f"vLLM process on {path} failed (rc {done.returncode}); see {log}")
+    return json.loads(lines[-1])
 
 
 def main(spec: dict[str, Any]) -> dict[str, Any]:
@@ -75,14 +95,17 @@ def _connector_totals() -> dict[str, Any] | None:
 
 def _prometheus(prefix: str) -> dict[str, float]:
     """The samples named ``prefix...`` that vLLM's Prometheus logger exposes (on ``/metrics`` when
-    served), summed over labels."""
+    served), summed over engines: ``name`` or, for per-tier ones, ``name{stat="...",tier="..."}``."""
     from prometheus_client import REGISTRY
 
     samples: dict[str, float] = {}
     for metric in REGISTRY.collect():
         for sample in metric.samples:
             if sample.name.startswith(prefix):
-                samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+                labels = sorted(sample.labels.items())
+                kept = ",".join(f'{k}="{v}"' for k, v in labels if k in ("stat", "tier"))
+                name = f"{sample.name}{{{kept}}}" if kept else sample.name
+                samples[name] = samples.get(name, 0.0) + sample.value
     return samples
 
 

@@ -17,6 +17,9 @@ the factory's paged pool. The manager adds what serving needs around them:
   ``prefetch`` moves it back towards the pool's device on a background thread ahead of ``resume``,
   which writes it back bit-exactly; ``swap_out(blocks)`` makes room by swapping out the oldest pages
   of the least recently used sequences (by when the manager last handed them out);
+- tiers (``tiered.py``): with ``PrefixTiers``, prompt chunks are stored in kvfactory's tiers (host,
+  disk, Redis) when they fill, and a prompt's leading chunks the tiers hold are loaded at ``create``
+  instead of computed, so another process reuses them;
 - ``save`` / ``load`` (``persist.py``): safetensors + checked metadata, written atomically;
 - ``stats()``: sequences, pool blocks, prefix hits and misses, host bytes and bytes moved (it only
   reads).
@@ -48,7 +51,7 @@ from typing import Any
 
 import torch
 
-from kvfactory.cache import KVCache
+from kvfactory.cache import KVCache, attention_layout
 from kvfactory.config import CacheConfig
 from kvfactory.errors import (
     CacheFullError,
@@ -62,6 +65,7 @@ from kvfactory.manager.persist import load_state, save_state
 from kvfactory.manager.prefix import PrefixIndex, block_hashes
 from kvfactory.manager.sequence import Sequence, SequenceStatus
 from kvfactory.manager.state import SequenceState
+from kvfactory.manager.tiered import PrefixTiers
 from kvfactory.storage.blocks import BlockPool, PagedPool
 from kvfactory.storage.paged import PagedStore
 
@@ -99,7 +103,7 @@ class KVCacheManager:
 
     def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
                  pool: PagedPool | None = None, *, prefix_caching: bool | None = None,
-                 host_bytes: int | None = None) -> None:
+                 host_bytes: int | None = None, tiers: PrefixTiers | None = None) -> None:
         if host_bytes is not None and (isinstance(host_bytes, bool) or not isinstance(host_bytes, int)
                                        or host_bytes < 0):
             raise ConfigError("host_bytes", host_bytes, "an integer >= 0 (bytes the host tier may hold) "
@@ -116,6 +120,14 @@ class KVCacheManager:
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
         self.prefix_caching = plain if prefix_caching is None else prefix_caching
+        if tiers is not None:
+            sliding = any(window is not None for window in attention_layout(model_config))
+            if not self.prefix_caching or sliding:
+                raise ConfigError("tiers", "given", "prefix caching on plain pages of a model whose layers "
+                                  "all attend to every token (a sliding layer does not keep a prompt's K/V)")
+            if tiers.tokens % self.page_size:
+                raise ConfigError("chunk_tokens", tiers.tokens, f"a multiple of the page ({self.page_size})")
+        self.tiers = tiers
         self.host_bytes = host_bytes
         self.index = PrefixIndex()
         self.pool.reclaimers.append(self._reclaim)
@@ -137,12 +149,14 @@ class KVCacheManager:
             tokens = torch.as_tensor(prompt).flatten().tolist()
             names = block_hashes(tokens[:-1], self.page_size)  # at least one token is left to prefill
             found = self.index.match(names)
+            cached = len(found) * self.page_size
             if found:
                 ids = torch.tensor([entry.ids for entry in found]).T  # [layers, blocks]
-                cached = len(found) * self.page_size
                 cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached])
                 record.cached_tokens = record.hashed_tokens = cached
-            self._count_prompt(len(tokens), len(found) * self.page_size)
+            if self.tiers is not None:
+                record.cached_tokens = self._load_chunks(record, tokens, cached)
+            self._count_prompt(len(tokens), record.cached_tokens)
             record.prompt_tokens = len(tokens) - 1
             record.on_written = self._hash_filled
         return self._register(record)
@@ -413,7 +427,8 @@ class KVCacheManager:
             "bytes_to_host": c.bytes_to_host, "bytes_from_host": c.bytes_from_host,
             "pauses": c.pauses, "resumes": c.resumes, "forks": c.forks, "prefetches": c.prefetches,
             "prefetch_stalls": c.stalls, "prefetch_stall_seconds": c.stall_seconds,
-        }
+        } | ({} if self.tiers is None else {f"tier_{name}": value for name, value
+                                            in vars(self.tiers.counters).items()})
 
     # -- internals ------------------------------------------------------------------------------
     def _touch(self, record: Sequence) -> None:
@@ -474,6 +489,50 @@ class KVCacheManager:
         start = record.hashed_tokens // page
         full = self.index.add_filled(tokens[:limit], page, self._pools(), blocks, start)
         record.hashed_tokens = full * page
+        if self.tiers is not None:
+            self._store_chunks(record, tokens, blocks)
+
+    def _load_chunks(self, record: Sequence, tokens: list[int], cached: int) -> int:
+        """Write into ``record``'s cache the prompt chunks after its ``cached`` tokens that the tiers
+        hold (leaving at least one token to compute); the tokens it then holds. When the pool has no
+        room for them they are computed instead."""
+        tiers, cache, size = self.tiers, record.cache, self.tiers.tokens
+        keys = tiers.keys(tokens[:-1])
+        first = record.tier_chunks = cached // size  # earlier chunks were stored by whoever computed them
+        chunks = tiers.load(keys[first:]) if first < len(keys) else []
+        if not chunks:
+            return cached
+        end, skip = (first + len(chunks)) * size, cached - first * size
+        device = self._pools()[0].k.device if self._pools() else tiers.device
+        per_layer = [tuple(torch.cat([c[side][layer] for c in chunks], dim=1)[None, :, skip:].to(device)
+                           for side in (0, 1)) for layer in range(tiers.layout.layers)]
+        try:
+            self.pool.check(cache.block_requests(end - cached, *per_layer[0]))
+        except CacheFullError:
+            return cached
+        ids = torch.tensor([tokens[cached:end]])
+        for layer, (k, v) in enumerate(per_layer):
+            cache.append(layer, k, v, token_ids=ids if layer == 0 else None)
+        record.tier_chunks = first + len(chunks)
+        return end
+
+    def _store_chunks(self, record: Sequence, tokens: list[int], blocks: list[torch.Tensor]) -> None:
+        """Store the prompt chunks of ``record`` that its writes completed and the tiers do not hold,
+        read from its blocks (``blocks``: per layer pool, from token 0)."""
+        tiers, size = self.tiers, self.tiers.tokens
+        done = min(len(tokens), record.prompt_tokens) // size
+        if done <= record.tier_chunks:
+            return
+        keys, per, pools = tiers.keys(tokens[:done * size]), size // self.page_size, self._pools()
+        items = []
+        for c in range(record.tier_chunks, done):
+            ids = [layer_ids[c * per:(c + 1) * per] for layer_ids in blocks]
+            pairs = list(zip(pools, ids, strict=True))
+            k, v = (torch.stack([pool.tensors[name][:, i].flatten(1, 2) for pool, i in pairs])
+                    for name in ("k", "v"))  # [layers, kv_heads, chunk tokens, head_dim]
+            items.append((keys[c], k.cpu(), v.cpu()))
+        tiers.store(items)
+        record.tier_chunks = done
 
     def _reclaim(self) -> bool:
         """Evict the head of the prefix cache's free-block queue (the pool needs room)."""

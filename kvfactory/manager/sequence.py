@@ -62,7 +62,8 @@ class Sequence:
     (None: created without a prompt, or prefix caching is off); ``cached_tokens``: the tokens it
     started with from cached or shared blocks; ``host``: its K/V in the host tier while paused;
     ``prefetch``: the staged copy on its way back; ``hashed_tokens``: the tokens whose full blocks
-    were offered to the prefix cache; ``last_used``: when the manager last handed it out (LRU).
+    were offered to the prefix cache; ``tier_chunks``: the leading chunks of its prompt the tiers
+    hold (``PrefixTiers``); ``last_used``: when the manager last handed it out (LRU).
     """
 
     seq_id: str
@@ -73,6 +74,7 @@ class Sequence:
     host: SequenceState | None = None
     prefetch: Future[SequenceState] | None = None
     hashed_tokens: int = 0
+    tier_chunks: int = 0
     last_used: int = 0
     on_written: Callable[[Sequence], None] | None = field(default=None, repr=False)  # the fill point
 

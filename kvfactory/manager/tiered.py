@@ -1,0 +1,87 @@
+"""The prefix cache beyond one process: prompt chunks in kvfactory's tiers (``kvfactory.tiers``).
+
+A manager given ``PrefixTiers`` stores each whole chunk of a prompt (256 tokens by default, every
+layer) when its blocks fill, and a new sequence whose prompt misses the manager's own prefix cache
+loads the leading chunks the tiers hold instead of computing them. With a Redis tier, a second
+engine process reuses the prefixes the first one computed, as vLLM does through kvfactory's
+connector (``kvfactory.integrations.vllm``, the same chunks and keys). A chunk that is missing or
+fails its checksum ends the loaded run (and a corrupted one is discarded): the rest is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfactory.errors import ConfigError
+from kvfactory.tiers import (
+    CHUNK_CODECS,
+    ChunkError,
+    ChunkKey,
+    ChunkLayout,
+    Tier,
+    chunk_keys,
+    decode_chunk,
+    encode_chunk,
+    model_fingerprint,
+)
+
+
+@dataclass
+class TierCounters:
+    chunks_loaded: int = 0
+    chunks_stored: int = 0
+    load_errors: int = 0
+
+
+class PrefixTiers:
+    """Prompt chunks of the model ``model_config`` (``dtype`` K/V on ``device``) in ``tiers`` through
+    ``codec``, ``chunk_tokens`` tokens each (a multiple of the manager's page size)."""
+
+    def __init__(self, tiers: Tier, model_config: Any, dtype: torch.dtype, codec: str = "identity",
+                 chunk_tokens: int = 256, device: torch.device | str = "cpu") -> None:
+        if codec not in CHUNK_CODECS:
+            raise ConfigError("codec", codec, ", ".join(CHUNK_CODECS))
+        text = model_config.get_text_config(decoder=True)
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        self.tiers, self.codec, self.device = tiers, codec, torch.device(device)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        self.layout = ChunkLayout(layers=text.num_hidden_layers, kv_heads=kv_heads, head_dim=head_dim,
+                                  tokens=chunk_tokens, dtype=str(dtype).removeprefix("torch."))
+        self.model = model_fingerprint(model=getattr(model_config, "_name_or_path", ""),
+                                       architectures=getattr(model_config, "architectures", None),
+                                       hidden_size=text.hidden_size,
+                                       vocab_size=getattr(text, "vocab_size", None))
+        self.counters = TierCounters()
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per chunk."""
+        return self.layout.tokens
+
+    def keys(self, tokens: list[int]) -> list[ChunkKey]:
+        return chunk_keys(tokens, self.model, self.layout, self.codec)
+
+    def load(self, keys: list[ChunkKey]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V ``[layers, kv_heads, tokens, head_dim]`` of the leading run of ``keys`` the tiers hold."""
+        found = self.tiers.get_many([str(key) for key in keys])
+        chunks = []
+        for key, data in zip(keys, found, strict=True):
+            if data is None:
+                break
+            try:
+                chunks.append(decode_chunk(data, key))
+            except ChunkError:
+                self.counters.load_errors += 1
+                self.tiers.discard_many([str(key)])  # computed and stored anew by this request
+                break
+        self.counters.chunks_loaded += len(chunks)
+        return chunks
+
+    def store(self, items: list[tuple[ChunkKey, torch.Tensor, torch.Tensor]]) -> None:
+        """Encode and write chunks (key, keys, values) in one batch."""
+        self.tiers.put_many([(str(key), encode_chunk(key, k, v)) for key, k, v in items])
+        self.counters.chunks_stored += len(items)

@@ -1,0 +1,118 @@
+"""The engine's prefix cache over kvfactory's tiers, on the embedded SmolLM2 and a real Redis server:
+a second engine (its own pool and prefix cache) loads the first one's system-prompt chunks instead
+of computing them, with DynamicCache's greedy output; a corrupted chunk or a dead Redis costs
+recompute, never output."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from helpers import greedy_tokens
+from redis_server import RedisServer
+
+from kvfactory.engine import Engine, SamplingParams
+from kvfactory.errors import ConfigError
+from kvfactory.tiers import ChunkKey, DiskTier, RedisTier, TierChain, decode_chunk
+
+pytestmark = pytest.mark.slow
+SYSTEM, CHUNK, NEW = 512, 128, 8
+GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def url(redis_server: RedisServer) -> str:
+    if redis_server.process is None:
+        redis_server.start()
+    redis_server.flush()
+    return redis_server.url
+
+
+@pytest.fixture(scope="module")
+def prompts(wikitext_ids) -> list[list[int]]:
+    """One 512-token system prompt, then a 40-token question of each prompt's own."""
+    ids = wikitext_ids.tolist()
+    return [ids[:SYSTEM] + ids[SYSTEM + 40 * i:SYSTEM + 40 * (i + 1)] for i in range(3)]
+
+
+def engine_over(smollm2, url: str, codec: str = "identity") -> Engine:
+    model, tokenizer = smollm2
+    return Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=4096,
+                  tiers=TierChain([RedisTier(url, retry_s=60)]), tier_codec=codec, chunk_tokens=CHUNK)
+
+
+def computed(engine: Engine) -> int:
+    return int(engine.metrics.prompt_tokens._value.get())
+
+
+def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prompts, url) -> None:
+    model, _ = smollm2
+    first = engine_over(smollm2, url)
+    assert first.generate(prompts[:1], GREEDY)[0].token_ids == greedy_tokens(model, prompts[0], NEW)
+    assert first.stats()["tier_chunks_stored"] == len(prompts[0]) // CHUNK  # 4 chunks: 512 of 552 tokens
+    second = engine_over(smollm2, url)  # its own pool and prefix cache: only Redis is shared
+    outputs = second.generate(prompts[1:], GREEDY)
+    for output, prompt in zip(outputs, prompts[1:], strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, NEW)
+    stats = second.stats()
+    loaded = len(prompts[1:]) * SYSTEM // CHUNK  # both admitted at once, before either filled a block
+    assert stats["tier_chunks_loaded"] == loaded
+    assert computed(second) == sum(len(p) - SYSTEM for p in prompts[1:])
+    second.metrics.update_gauges()
+    assert second.metrics.tier_chunks.labels("chunks_loaded")._value.get() == loaded
+    assert second.metrics.tier_stats.labels("redis", "hits")._value.get() == loaded
+    assert stats["pool_blocks_held"] == 0
+
+
+def test_int8_chunks_load_and_their_agreement_is_measured(smollm2, prompts, url) -> None:
+    model, _ = smollm2
+    engine_over(smollm2, url, "int8").generate(prompts[:1], GREEDY)
+    second = engine_over(smollm2, url, "int8")
+    output = second.generate(prompts[1:2], GREEDY)[0].token_ids
+    reference = greedy_tokens(model, prompts[1], NEW)
+    assert second.stats()["tier_chunks_loaded"] == SYSTEM // CHUNK
+    agree = sum(a == b for a, b in zip(output, reference, strict=True))
+    assert output[0] == reference[0] and agree >= NEW // 2, f"int8 chunks: {agree} of {NEW} tokens agree"
+
+
+def test_a_corrupted_chunk_is_discarded_and_recomputed(smollm2, prompts, url) -> None:
+    model, _ = smollm2
+    engine_over(smollm2, url).generate(prompts[:1], GREEDY)
+    second = engine_over(smollm2, url)
+    key = str(second.manager.tiers.keys(prompts[1])[1])  # the system prompt's second chunk
+    client = redis.Redis.from_url(url)
+    client.setrange(key, 200, b"\x00" * 64)  # corrupted in place: same length, a wrong checksum
+    output = second.generate(prompts[1:2], GREEDY)[0].token_ids
+    assert output == greedy_tokens(model, prompts[1], NEW)
+    stats = second.stats()
+    assert (stats["tier_chunks_loaded"], stats["tier_load_errors"]) == (1, 1)  # the run stops at it
+    decode_chunk(client.get(key), ChunkKey.parse(key))  # discarded, computed and stored anew: whole
+
+
+def test_a_dead_redis_costs_recompute_not_output(smollm2, prompts, redis_server, url) -> None:
+    model, _ = smollm2
+    engine_over(smollm2, url).generate(prompts[:1], GREEDY)
+    redis_server.kill()
+    second = engine_over(smollm2, url)
+    outputs = second.generate(prompts[1:], GREEDY)
+    for output, prompt in zip(outputs, prompts[1:], strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, NEW)
+    assert second.stats()["tier_chunks_loaded"] == 0
+    assert second.manager.tiers.tiers.tiers[0].stats.errors >= 1
+
+
+def test_tiers_need_plain_pages_and_whole_pages_per_chunk(smollm2, tmp_path) -> None:
+    model, tokenizer = smollm2
+    tiers = TierChain([DiskTier(tmp_path, 1 << 30)])
+    with pytest.raises(ConfigError, match="tiers"):
+        Engine(model, tokenizer, {"type": "paged", "quantization": {"codec": "int4"}}, pool_tokens=4096,
+               tiers=tiers)
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=4096, tiers=tiers,
+               chunk_tokens=40)
