@@ -84,7 +84,7 @@ def start_lmcache() -> tuple[subprocess.Popen, int]:
     log = Path(tempfile.mkdtemp()) / "lmcache.log"
     command = [str(LMCACHE_BIN / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
                "--http-host", "127.0.0.1", "--http-port", str(http), "--prometheus-port", str(free_port()),
-               "--l1-size-gb", "2"]
+               "--l1-size-gb", "2", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"]
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     for _ in range(240):
         if process.poll() is not None:
