@@ -1,4 +1,6 @@
-"""Shared fixtures: the embedded model (loaded once per session) and the WikiText-2 test text."""
+"""Shared fixtures: the embedded model (loaded once per session), the WikiText-2 test text and a
+real Redis server per test module (``redis_server``; ``redis_url`` flushes it first, and starts it
+again after a test killed it)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 import pytest
 import torch
 from helpers import WIKITEXT
+from redis_server import RedisServer
 
 from kvfactory.texts import shipped_text
 
@@ -40,3 +43,18 @@ def wikitext_ids(smollm2) -> torch.Tensor:
     ids = tokenizer("\n".join(lines), return_tensors="pt", add_special_tokens=False).input_ids[0]
     assert ids.numel() > 4096
     return ids
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    if redis_server.process is None:
+        redis_server.start()
+    redis_server.flush()
+    return redis_server.url

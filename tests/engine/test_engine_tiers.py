@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import redis
 from helpers import greedy_tokens
-from redis_server import RedisServer
 
 from kvfactory.engine import Engine, SamplingParams
 from kvfactory.errors import ConfigError
@@ -20,43 +19,28 @@ GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.kill()
-
-
-@pytest.fixture
-def url(redis_server: RedisServer) -> str:
-    if redis_server.process is None:
-        redis_server.start()
-    redis_server.flush()
-    return redis_server.url
-
-
-@pytest.fixture(scope="module")
 def prompts(wikitext_ids) -> list[list[int]]:
     """One 512-token system prompt, then a 40-token question of each prompt's own."""
     ids = wikitext_ids.tolist()
     return [ids[:SYSTEM] + ids[SYSTEM + 40 * i:SYSTEM + 40 * (i + 1)] for i in range(3)]
 
 
-def engine_over(smollm2, url: str, codec: str = "identity") -> Engine:
+def engine_over(smollm2, redis_url: str, codec: str = "identity") -> Engine:
     model, tokenizer = smollm2
     return Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=4096,
-                  tiers=TierChain([RedisTier(url, retry_s=60)]), tier_codec=codec, chunk_tokens=CHUNK)
+                  tiers=TierChain([RedisTier(redis_url, retry_s=60)]), tier_codec=codec, chunk_tokens=CHUNK)
 
 
 def computed(engine: Engine) -> int:
     return int(engine.metrics.prompt_tokens._value.get())
 
 
-def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prompts, url) -> None:
+def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prompts, redis_url) -> None:
     model, _ = smollm2
-    first = engine_over(smollm2, url)
+    first = engine_over(smollm2, redis_url)
     assert first.generate(prompts[:1], GREEDY)[0].token_ids == greedy_tokens(model, prompts[0], NEW)
     assert first.stats()["tier_chunks_stored"] == len(prompts[0]) // CHUNK  # 4 chunks: 512 of 552 tokens
-    second = engine_over(smollm2, url)  # its own pool and prefix cache: only Redis is shared
+    second = engine_over(smollm2, redis_url)  # its own pool and prefix cache: only Redis is shared
     outputs = second.generate(prompts[1:], GREEDY)
     for output, prompt in zip(outputs, prompts[1:], strict=True):
         assert output.token_ids == greedy_tokens(model, prompt, NEW)
@@ -71,10 +55,10 @@ def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prom
     assert stats["pool_blocks_held"] == 0
 
 
-def test_int8_chunks_load_and_their_agreement_is_measured(smollm2, prompts, url) -> None:
+def test_int8_chunks_load_and_their_agreement_is_measured(smollm2, prompts, redis_url) -> None:
     model, _ = smollm2
-    engine_over(smollm2, url, "int8").generate(prompts[:1], GREEDY)
-    second = engine_over(smollm2, url, "int8")
+    engine_over(smollm2, redis_url, "int8").generate(prompts[:1], GREEDY)
+    second = engine_over(smollm2, redis_url, "int8")
     output = second.generate(prompts[1:2], GREEDY)[0].token_ids
     reference = greedy_tokens(model, prompts[1], NEW)
     assert second.stats()["tier_chunks_loaded"] == SYSTEM // CHUNK
@@ -82,12 +66,12 @@ def test_int8_chunks_load_and_their_agreement_is_measured(smollm2, prompts, url)
     assert output[0] == reference[0] and agree >= NEW // 2, f"int8 chunks: {agree} of {NEW} tokens agree"
 
 
-def test_a_corrupted_chunk_is_discarded_and_recomputed(smollm2, prompts, url) -> None:
+def test_a_corrupted_chunk_is_discarded_and_recomputed(smollm2, prompts, redis_url) -> None:
     model, _ = smollm2
-    engine_over(smollm2, url).generate(prompts[:1], GREEDY)
-    second = engine_over(smollm2, url)
+    engine_over(smollm2, redis_url).generate(prompts[:1], GREEDY)
+    second = engine_over(smollm2, redis_url)
     key = str(second.manager.tiers.keys(prompts[1])[1])  # the system prompt's second chunk
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(redis_url)
     client.setrange(key, 200, b"\x00" * 64)  # corrupted in place: same length, a wrong checksum
     output = second.generate(prompts[1:2], GREEDY)[0].token_ids
     assert output == greedy_tokens(model, prompts[1], NEW)
@@ -96,11 +80,11 @@ def test_a_corrupted_chunk_is_discarded_and_recomputed(smollm2, prompts, url) ->
     decode_chunk(client.get(key), ChunkKey.parse(key))  # discarded, computed and stored anew: whole
 
 
-def test_a_dead_redis_costs_recompute_not_output(smollm2, prompts, redis_server, url) -> None:
+def test_a_dead_redis_costs_recompute_not_output(smollm2, prompts, redis_server, redis_url) -> None:
     model, _ = smollm2
-    engine_over(smollm2, url).generate(prompts[:1], GREEDY)
+    engine_over(smollm2, redis_url).generate(prompts[:1], GREEDY)
     redis_server.kill()
-    second = engine_over(smollm2, url)
+    second = engine_over(smollm2, redis_url)
     outputs = second.generate(prompts[1:], GREEDY)
     for output, prompt in zip(outputs, prompts[1:], strict=True):
         assert output.token_ids == greedy_tokens(model, prompt, NEW)

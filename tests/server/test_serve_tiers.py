@@ -5,18 +5,10 @@ and answers as ``model.generate`` with ``DynamicCache`` does."""
 from __future__ import annotations
 
 import pytest
-from redis_server import RedisServer
 from servers import MODEL, greedy_reference
 
 pytestmark = pytest.mark.slow
 SYSTEM, OWN, MAX_TOKENS = 1024, 48, 8
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer(maxmemory="512mb")
-    yield server.url
-    server.kill()
 
 
 def test_a_second_server_reuses_the_first_ones_system_prompt(start_server, smollm2, wikitext_ids,
