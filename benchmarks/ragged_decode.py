@@ -77,7 +77,7 @@ def main() -> None:
         return torch.cat([attention.attend(query[None, s, :, None], store.deferred_read(), None, scale)
                           [:, 0] for s, store in enumerate(stores)])
 
-    torch.testing.assert_close(int4_in_place(), int4_each(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(int4_in_place(), int4_each(), atol=1e-4, rtol=1e-4)
     times = {name: timed(fn, args.runs) for name, fn in
              (("c_kernel", kernel), ("torch_path", gathered), ("gather_sdpa", baseline),
               ("int4_in_place", int4_in_place), ("int4_each_sequence", int4_each))}

@@ -314,6 +314,133 @@ static inline __attribute__((always_inline)) void value_sums_avx(
 }
 #endif
 
+#ifdef AVX2
+#define SUB 32  /* tokens whose value codes value_block_avx2 unpacks at once (32 KB at 256 channels) */
+
+/* unpack16 in AVX2: one token's codes (P bytes, P a multiple of 8) as P * 8 / bits / 8 vectors of 8
+ * channels, vector k * (P / 8) + m holding channels k * P + 8 m .. + 7. */
+static inline __attribute__((always_inline)) void unpack8(const uint8_t *codes, int64_t P, int bits, __m256 *c) {
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    for (int64_t m = 0; m < P / 8; m++) {
+        const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * m)));
+        for (int k = 0; k < 8 / bits; k++)
+            c[k * (P / 8) + m] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, k * bits), mask));
+    }
+}
+
+/* The key group step in AVX2: each token's codes are unpacked once into registers and dotted with
+ * every row's scaled query (two chains per dot); eight tokens' dots are then summed in one vector
+ * (sums8), so a row's scores are stored eight at a time. */
+static inline __attribute__((always_inline)) void key_group_avx2(const float *qs, int64_t Dp, const float *c0,
+                                                                 int64_t R, const uint8_t *group, int64_t G,
+                                                                 int64_t P, int bits, float *out, int64_t row) {
+    const int64_t NV = Dp / 8;
+    __m256 dots[MAX_ROWS][8];
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t n = G - g0 < 8 ? G - g0 : 8;
+        for (int64_t j = 0; j < 8; j++) {
+            __m256 c[MAX_DIM / 8];
+            if (j < n) unpack8(group + (g0 + j) * P, P, bits, c);
+            for (int64_t r = 0; r < R; r++) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                if (j < n)
+                    for (int64_t i = 0; i < NV; i += 2) {
+                        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + r * Dp + 8 * i), c[i], a0);
+                        if (i + 1 < NV) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + r * Dp + 8 * i + 8), c[i + 1], a1);
+                    }
+                dots[r][j] = _mm256_add_ps(a0, a1);
+            }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            const __m256 s = _mm256_add_ps(sums8(dots[r]), _mm256_set1_ps(c0[r]));
+            if (n == 8) _mm256_storeu_ps(out + r * row + g0, s);
+            else _mm256_maskstore_ps(out + r * row + g0, live8(n), s);
+        }
+    }
+}
+
+/* RB rows' value sums over n <= SUB unpacked tokens (cf [n, Dp]) for one tile of 32 channels:
+ * o[r, :] += sum_t w[r, t] * code[t, :] on those channels. */
+static inline __attribute__((always_inline)) void value_tile_avx2(const int RB, const float (*w)[SUB],
+                                                                  const float *cf, int64_t Dp, int64_t n,
+                                                                  float *o, int64_t D) {
+    __m256 a[3][4];
+    for (int r = 0; r < RB; r++)
+        for (int i = 0; i < 4; i++) a[r][i] = _mm256_loadu_ps(o + r * D + 8 * i);
+    for (int64_t t = 0; t < n; t++)
+        for (int i = 0; i < 4; i++) {
+            const __m256 c = _mm256_load_ps(cf + t * Dp + 8 * i);
+            for (int r = 0; r < RB; r++) a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(w[r][t]), c, a[r][i]);
+        }
+    for (int r = 0; r < RB; r++)
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + r * D + 8 * i, a[r][i]);
+}
+
+/* Value sums of R probability rows p (row stride `row`) over one block's T tokens (codes [T, P],
+ * scales and zero points [T, groups]) into o [R, D], for D = Dp channels in groups of a multiple of
+ * 32: SUB tokens at a time the codes are unpacked once into floats and the parameters transposed to
+ * [group, token]; then tiles of three rows by 32 channels (one channel group) add weight * code,
+ * the weights p * scale formed per tile, and the sums of p * zero are added per group at the end. */
+static inline __attribute__((always_inline)) void value_block_avx2(
+        int64_t R, const float *p, int64_t row, int64_t D, const int bits, int64_t group, const uint8_t *codes,
+        int64_t T, const int64_t P, const char *scale, int skind, const float *slut, const char *zero,
+        int zkind, const float *zlut, float *o) {
+    const int64_t Dp = P * (8 / bits), groups = D / group;
+    const int64_t ss = param_size(skind), zs = param_size(zkind);
+    float cf[SUB * MAX_DIM] __attribute__((aligned(32)));
+    float pf[SUB * MAX_DIM / 32], zf[SUB * MAX_DIM / 32], zsum[MAX_ROWS * MAX_DIM / 32];
+    float sT[MAX_DIM / 32][SUB] __attribute__((aligned(32))), zT[MAX_DIM / 32][SUB] __attribute__((aligned(32)));
+    float w[3][SUB] __attribute__((aligned(32)));
+    memset(o, 0, sizeof(float) * R * D);
+    memset(zsum, 0, sizeof(float) * R * groups);
+    for (int64_t t0 = 0; t0 < T; t0 += SUB) {
+        const int64_t n = T - t0 < SUB ? T - t0 : SUB;
+        for (int64_t t = 0; t < n; t++) {
+            __m256 c[MAX_DIM / 8];
+            unpack8(codes + (t0 + t) * P, P, bits, c);
+            for (int64_t i = 0; i < Dp / 8; i++) _mm256_store_ps(cf + t * Dp + 8 * i, c[i]);
+        }
+        load_params(scale + t0 * groups * ss, skind, slut, n * groups, pf);
+        load_params(zero + t0 * groups * zs, zkind, zlut, n * groups, zf);
+        for (int64_t k = 0; k < groups; k++)
+            for (int64_t t = 0; t < SUB; t++) {
+                sT[k][t] = t < n ? pf[t * groups + k] : 0.f;
+                zT[k][t] = t < n ? zf[t * groups + k] : 0.f;
+            }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t k = 0; k < groups; k++) {
+                __m256 z = _mm256_setzero_ps();
+                for (int64_t h = 0; h < SUB; h += 8)
+                    z = _mm256_fmadd_ps(_mm256_maskload_ps(p + r * row + t0 + h, live8(n - h)),
+                                        _mm256_load_ps(zT[k] + h), z);
+                zsum[r * groups + k] += reduce_add8(z);
+            }
+        for (int64_t r0 = 0; r0 < R; r0 += 3) {
+            const int64_t rows = R - r0 < 3 ? R - r0 : 3;
+            for (int64_t i0 = 0; i0 < Dp / 8; i0 += 4) {
+                const int64_t k = i0 * 8 / group;
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t h = 0; h < SUB; h += 8)
+                        _mm256_store_ps(w[r] + h, _mm256_mul_ps(_mm256_maskload_ps(p + (r0 + r) * row + t0 + h,
+                                                                                   live8(n - h)),
+                                                                _mm256_load_ps(sT[k] + h)));
+                float *ot = o + r0 * D + 8 * i0;
+                if (rows == 3) value_tile_avx2(3, w, cf + 8 * i0, Dp, n, ot, D);
+                else if (rows == 2) value_tile_avx2(2, w, cf + 8 * i0, Dp, n, ot, D);
+                else value_tile_avx2(1, w, cf + 8 * i0, Dp, n, ot, D);
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t k = 0; k < groups; k++) {
+            const float z = zsum[r * groups + k];
+            float *ok = o + r * D + k * group;
+#pragma omp simd
+            for (int64_t d = 0; d < group; d++) ok[d] += z;
+        }
+}
+#endif
+
 /* The public entry points: for the common head sizes (64 and 128 channels at 4 and 2 bits) the
  * bodies run with bits and P known at compile time, so the per-token loops unroll, in AVX-512
  * where the CPU has it (value groups a multiple of 16 channels); other sizes run the portable
@@ -324,7 +451,11 @@ static inline __attribute__((always_inline)) void value_sums_avx(
     value_sums_avx(B, H, R, D, BITS, group, probs, row, codes, cb, ch, ct, T, PP, scale, skind, slut, sb, sh, \
                    st, zero, zkind, zlut, zb, zh, zt, out); return; }
 #else
+#ifdef AVX2
+#define KEY_FAST key_group_avx2
+#else
 #define KEY_FAST key_group_portable
+#endif
 #define VALUE_FAST(BITS, PP) if (bits == BITS && P == PP) { \
     value_sums_body(B, H, R, D, BITS, group, probs, row, codes, cb, ch, ct, T, PP, scale, skind, slut, sb, sh, \
                     st, zero, zkind, zlut, zb, zh, zt, out); return; }
@@ -380,11 +511,25 @@ static inline __attribute__((always_inline)) void paged_rows(
     memset(acc, 0, sizeof(float) * R * D);
     for (int64_t i = 0; i * BT < tokens; i++) {
         const int64_t b = table[i], T = tokens - i * BT < BT ? tokens - i * BT : BT;
+        if ((i + 1) * BT < tokens) {  /* blocks are scattered, so no hardware prefetcher sees the next */
+            const int64_t next = table[i + 1];
+            for (int64_t off = 0; off < BT * P; off += 64) {
+                __builtin_prefetch(kc + next * BT * P + off);
+                __builtin_prefetch(vc + next * BT * P + off);
+            }
+            __builtin_prefetch(ks + next * KN * D * kss);
+            __builtin_prefetch(kz + next * KN * D * kzs);
+            __builtin_prefetch(vs + next * BT * groups * vss);
+            __builtin_prefetch(vz + next * BT * groups * vzs);
+        }
         for (int64_t n = 0; n < T / G; n++) {
             const int64_t at = b * KN + n;
             scale_query(q, R, D, Dp, ks + at * D * kss, kskind, kslut, kz + at * D * kzs, kzkind, kzlut, qs, c0);
-#ifdef AVX512
+#if defined(AVX512)
             key_group_avx(qs, Dp, c0, R, kc + at * G * P, G, P, bits, sc + n * G, BT);
+#elif defined(AVX2)
+            if (P % 8 == 0) key_group_avx2(qs, Dp, c0, R, kc + at * G * P, G, P, bits, sc + n * G, BT);
+            else key_group_portable(qs, Dp, c0, R, kc + at * G * P, G, P, bits, sc + n * G, BT);
 #else
             key_group_portable(qs, Dp, c0, R, kc + at * G * P, G, P, bits, sc + n * G, BT);
 #endif
@@ -403,6 +548,17 @@ static inline __attribute__((always_inline)) void paged_rows(
                 vsum = _mm512_add_ps(vsum, e);
             }
             sum = _mm512_reduce_add_ps(vsum);
+#elif defined(AVX2)
+            __m256 vtop = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
+            for (; j + 8 <= T; j += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(sr + j));
+            top = reduce_max8(vtop);
+            for (int64_t t = j; t < T; t++) top = sr[t] > top ? sr[t] : top;
+            for (j = 0; j + 8 <= T; j += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), _mm256_set1_ps(top)));
+                _mm256_storeu_ps(sr + j, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            sum = reduce_add8(vsum);
 #else
             for (int64_t t = 0; t < T; t++) top = sr[t] > top ? sr[t] : top;
 #endif
@@ -430,6 +586,10 @@ static inline __attribute__((always_inline)) void paged_rows(
                 }
             }
         } else
+#elif defined(AVX2)
+        if (group % 32 == 0 && D % group == 0 && D == Dp && P % 8 == 0)
+            value_block_avx2(R, sc, BT, D, bits, group, codes, T, P, scale, vskind, vslut, zero, vzkind, vzlut, part);
+        else
 #endif
             value_sums_body(1, 1, R, D, bits, group, sc, BT, codes, 0, 0, P, T, P, scale, vskind, vslut, 0, 0,
                             groups, zero, vzkind, vzlut, 0, 0, groups, part);

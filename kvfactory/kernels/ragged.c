@@ -116,6 +116,71 @@ static inline __attribute__((always_inline)) void chunk_avx(const float *q, int6
 }
 #endif
 
+#ifdef AVX2
+/* value_chunk_avx in AVX2: RB rows by up to four 8-channel vectors at a time (so their sums, the
+ * weights' broadcasts and one value vector fit in the 16 registers). */
+static inline __attribute__((always_inline)) void value_chunk_avx2(const int RB, const int64_t NV, const float *w,
+                                                                  const float *corr, const float *v, int64_t n,
+                                                                  float *acc) {
+    for (int64_t i0 = 0; i0 < NV; i0 += 4) {
+        const int64_t width = NV - i0 < 4 ? NV - i0 : 4;
+        __m256 a[3][4];
+        for (int r = 0; r < RB; r++)
+            for (int64_t i = 0; i < width; i++)
+                a[r][i] = _mm256_mul_ps(_mm256_loadu_ps(acc + (r * NV + i0 + i) * 8), _mm256_set1_ps(corr[r]));
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < width; i++) {
+                const __m256 vi = _mm256_loadu_ps(v + (j * NV + i0 + i) * 8);
+                for (int r = 0; r < RB; r++) a[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(w[r * CHUNK + j]), vi, a[r][i]);
+            }
+        for (int r = 0; r < RB; r++)
+            for (int64_t i = 0; i < width; i++) _mm256_storeu_ps(acc + (r * NV + i0 + i) * 8, a[r][i]);
+    }
+}
+
+/* chunk_avx in AVX2 for D = 8 NV channels: a row's scores eight tokens at a time (one chain per
+ * token, summed in one vector by sums8), exponentiated at once; then the value sums of up to three
+ * rows at a time (value_chunk_avx2). */
+static inline __attribute__((always_inline)) void chunk_avx2(const float *q, int64_t R, const int64_t NV,
+                                                             const float *k, const float *v, int64_t n,
+                                                             float *m, float *l, float *acc) {
+    float w[MAX_GROUP * CHUNK] __attribute__((aligned(32))), corr[MAX_GROUP];
+    for (int64_t r = 0; r < R; r++) {
+        __m256 s[CHUNK / 8];
+        for (int64_t h = 0; h < CHUNK / 8; h++) {
+            __m256 dots[8];
+            for (int64_t j = 0; j < 8; j++) {
+                dots[j] = _mm256_setzero_ps();
+                if (h * 8 + j < n)
+                    for (int64_t i = 0; i < NV; i++)
+                        dots[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (r * NV + i) * 8),
+                                                  _mm256_loadu_ps(k + ((h * 8 + j) * NV + i) * 8), dots[j]);
+            }
+            s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sums8(dots),
+                                    _mm256_castsi256_ps(live8(n - h * 8)));
+        }
+        const float top = fmaxf(m[r], reduce_max8(_mm256_max_ps(s[0], s[1])));
+        corr[r] = expf(m[r] - top);  /* 0 on the first chunk, where m[r] is -inf */
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t h = 0; h < CHUNK / 8; h++) {
+            const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(s[h], _mm256_set1_ps(top))),
+                                           _mm256_castsi256_ps(live8(n - h * 8)));
+            _mm256_store_ps(w + r * CHUNK + h * 8, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        l[r] = l[r] * corr[r] + reduce_add8(sum);
+        m[r] = top;
+    }
+    for (int64_t r = 0; r < R; r += 3) {
+        const int64_t rows = R - r < 3 ? R - r : 3;
+        float *ar = acc + r * NV * 8;
+        if (rows == 3) value_chunk_avx2(3, NV, w + r * CHUNK, corr + r, v, n, ar);
+        else if (rows == 2) value_chunk_avx2(2, NV, w + r * CHUNK, corr + r, v, n, ar);
+        else value_chunk_avx2(1, NV, w + r * CHUNK, corr + r, v, n, ar);
+    }
+}
+#endif
+
 /* One sequence's R query rows q [R, D] (R <= MAX_GROUP) against the KV head whose blocks start at
  * k / v (that head's [num_blocks, P, D]); out [R, D]. D is a constant where inlined for the common
  * head sizes, so the AVX-512 loops unroll into registers. */
@@ -156,6 +221,12 @@ static inline __attribute__((always_inline)) void attend_rows(
 #ifdef AVX512
             if (D % 16 == 0) {
                 chunk_avx(qs, R, D / 16, kc, vc, n, m, l, acc);
+                continue;
+            }
+#endif
+#ifdef AVX2
+            if (D % 8 == 0) {
+                chunk_avx2(qs, R, D / 8, kc, vc, n, m, l, acc);
                 continue;
             }
 #endif
