@@ -9,10 +9,14 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
   tensor; vLLM's PagedAttention, Kwon et al. 2023);
 - decode tokens of KIVI pages likewise, over their packed blocks and full-precision windows in place
   (``kvfactory.quantization.ragged.quantized_decode``);
+- decode tokens of sparse layers over plain pages (Quest, OVAL) likewise, each KV head over the
+  blocks its selector picked (``SparseStore.decode_blocks``), except on the steps that measure the
+  selection against full attention;
 - a prefill chunk over plain or quantized pages is written through its cache and attends causally
   over its stored tokens (decoded, for quantized ones) and itself
   (``kvfactory.attention.causal_chunk``);
-- everything else (int8 and FP8 pages, eviction policies, page selectors, sliding layers) goes
+- everything else (int8 and FP8 pages, eviction policies, sparse reads over quantized pages and
+  their shadow steps, sliding layers) goes
   through the sequence's own cache and kvfactory's attention, exactly as ``model.generate`` would
   run it, with a causal mask aligned to the chunk's end.
 """
@@ -26,6 +30,7 @@ import torch
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
 from kvfactory.quantization.ragged import in_place, quantized_decode
+from kvfactory.selectors.sparse import SparseStore
 from kvfactory.storage.paged import PagedStore, append_one_each
 from kvfactory.storage.ragged import block_tables, paged_decode
 
@@ -67,6 +72,7 @@ class _StepRead(attention.BatchRead):
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         paged: list[tuple[int, KVLayer]] = []
         quantized: list[tuple[int, KVLayer]] = []
+        sparse: list[tuple[int, KVLayer]] = []
         plain_math = attention.plain_softmax(kwargs.get("dropout"), kwargs)  # what causal_chunk computes
         for segment in self.batch.segments:
             span = slice(segment.start, segment.end)
@@ -78,6 +84,9 @@ class _StepRead(attention.BatchRead):
                     continue
                 if in_place(layer.store, query.shape[1]):
                     quantized.append((segment.start, layer))
+                    continue
+                if type(layer.store) is SparseStore and layer.store.reads_blocks():
+                    sparse.append((segment.start, layer))
                     continue
             keys, values = segment.cache.update(k, v, self.layer_idx)
             read, observer = attention.take(keys, self.layer_idx)
@@ -98,6 +107,8 @@ class _StepRead(attention.BatchRead):
             self._paged(paged, query, scaling, out)
         if quantized:
             self._quantized(quantized, query, scaling, out)
+        if sparse:
+            self._sparse(sparse, query, scaling, out)
         return out
 
     def _paged(self, paged: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
@@ -129,6 +140,32 @@ class _StepRead(attention.BatchRead):
                 layer.append(self.key[:, :, start:start + 1], self.value[:, :, start:start + 1])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
         out[0, at] = quantized_decode(q, [layer.store for _, layer in quantized], scaling)
+
+    def _sparse(self, sparse: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
+                out: torch.Tensor) -> None:
+        """Decode tokens of sparse layers over plain pages: written into the pages with one copy per
+        tensor (each store then updates its page summaries), each store picks the blocks each KV head
+        reads, and each KV head's rows of every sequence attend over their own picks in one kernel
+        call."""
+        at = torch.tensor([start for start, _ in sparse], device=query.device)
+        keys, values = (x[0, :, at].transpose(0, 1)[:, :, None] for x in (self.key, self.value))
+        append_one_each([layer.store.inner for _, layer in sparse], keys, values)
+        picks = []
+        for i, (start, layer) in enumerate(sparse):
+            layer.store.track(keys[i:i + 1], values[i:i + 1])
+            layer.written(keys[i:i + 1])
+            picks.append(layer.store.decode_blocks(query[0, :, start]))
+        pool = sparse[0][1].store.inner.pages_in_place()[0]
+        lengths = torch.tensor([tokens for _, tokens in picks])
+        starts = torch.zeros_like(lengths)
+        hkv = pool.k.shape[0]
+        rows = query.shape[1] // hkv
+        q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
+        for head in range(hkv):
+            heads = slice(head * rows, (head + 1) * rows)
+            tables = block_tables([blocks[head] for blocks, _ in picks])
+            out[0, at, heads] = paged_decode(q[:, heads], pool.k[head:head + 1], pool.v[head:head + 1],
+                                             tables, starts, lengths, scaling, check=False)
 
     def _write_each(self, layers: list[KVLayer], stores: list[PagedStore], at: torch.Tensor) -> None:
         """Store the decode token at packed position ``at[i]`` in ``stores[i]`` (``layers[i]``'s pages)

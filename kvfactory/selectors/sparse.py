@@ -71,6 +71,11 @@ class SparseStore(WrappedStore):
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self.inner.append(key, value)
+        self.track(key, value)
+
+    def track(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """What ``append`` does beside writing ``inner``, for a caller that wrote ``key`` / ``value`` into
+        ``inner`` itself (the engine's batched decode write): the page summaries and the step's tail."""
         self._heads = key.shape[1]
         if self.routed:
             self.summaries.append(key)
@@ -134,6 +139,28 @@ class SparseStore(WrappedStore):
             return self.inner.deferred_read()
         self._read = SparseRead(self, wanted)
         return self._read
+
+    def reads_blocks(self) -> bool:
+        """Whether the next decode step may read through ``decode_blocks`` (plain pages held from the
+        first token, and no shadow measurement due: that needs the step's attention call)."""
+        every = self.spec.shadow_every
+        shadow = self.routed and every and (self.steps + 1) % every == 0
+        return type(self.inner) is PagedStore and not shadow and self.inner.pageable() == self.size() > 0
+
+    def decode_blocks(self, query: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """For a one-row decode step whose token is stored (``reads_blocks`` held before the write),
+        with ``query [Hq, D]``: the pool blocks each KV head reads, ``[Hkv, n]`` (the selected pages,
+        then the tail's), and the tokens they hold from the first block's start, the same for every
+        head; the step counted and accounted as ``SparseRead.narrow`` does. A step that is not
+        sparse reads every block."""
+        read = self.deferred_read()
+        self._read = None  # no attention call observes this step
+        _, ids, _, length = self.inner.pages_in_place()
+        hkv = self._heads
+        if not isinstance(read, SparseRead):
+            return ids.expand(hkv, -1), length
+        chosen, tail = read.choose(query.view(1, hkv, -1, query.shape[-1]))
+        return ids[read.pages[0]], chosen.shape[-1] * self.page_size + length - tail * self.page_size
 
     def always_read(self, lo: int, device: torch.device) -> torch.Tensor:
         """The sink pages ``[0, lo)``, kept from the last step while they are the same."""
@@ -275,19 +302,27 @@ class SparseRead(NarrowRead):
         store, length, ps = self.store, self.length, self.store.page_size
         b, hq, q, d = query.shape
         hkv = store._new[0].shape[1]
-        started = time.perf_counter()
-        chosen, tail = self.select(query.reshape(b, hkv, -1, d))
-        seconds = time.perf_counter() - started
+        chosen, tail = self.choose(query.reshape(b, hkv, -1, d))
         keys, values = store.inner.read_pages(chosen, tail)  # [B, Hkv, n, D]
-        at, k = chosen.device, chosen.shape[-1]
+        at = chosen.device
         columns = torch.cat([(chosen[..., None] * ps + torch.arange(ps, device=at)).flatten(2),
                              torch.arange(tail * ps, length, device=at).expand(b, hkv, -1)], -1)
-        mask = column_mask(columns, None, attention_mask, query, length)
-        pages = store.summaries.pages
+        return keys, values, column_mask(columns, None, attention_mask, query, length)
+
+    def choose(self, queries: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``select`` for ``queries [B, Hkv, R, D]``, with the step's read accounted: which pages it
+        read (``pages``, ``read``, the layer's last-read steps) and its bytes and selection time in the
+        routing metrics."""
+        store = self.store
+        started = time.perf_counter()
+        chosen, tail = self.select(queries)
+        seconds = time.perf_counter() - started
+        b, hkv, k = chosen.shape
+        at, pages, ps = chosen.device, store.summaries.pages, store.page_size
         self.pages = torch.cat([chosen, torch.arange(tail, pages, device=at).expand(b, hkv, -1)], -1)
         self.read = torch.zeros((b, hkv, pages), dtype=torch.bool, device=at).scatter_(2, self.pages, True)
         summary_bytes = store.summaries.scored.nbytes if store.selector.reads_summaries else 0
-        read = b * store.inner.read_bytes(k * ps, length - tail * ps) + summary_bytes
+        read = b * store.inner.read_bytes(k * ps, self.length - tail * ps) + summary_bytes
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, summary_bytes)
         store._mark_read(self.read)
-        return keys, values, mask
+        return chosen, tail

@@ -72,6 +72,43 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
         assert calls and max(calls) > 0  # the packed part was read in place
 
 
+@pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)
+@pytest.mark.parametrize("selector", ["quest", "oval"])
+def test_sparse_decode_in_place_equals_each_cache(name: str, selector: str, monkeypatch) -> None:
+    """Sparse layers over plain pages decoded by the batched kernel, each KV head over the blocks its
+    selector picked (``SparseStore.decode_blocks``), give the tokens and the read accounting of each
+    sequence's own cache (``in_place_decode=False``); shadow steps keep their attention call."""
+    from helpers import tiny_router
+
+    from kvfactory.selectors.sparse import SparseStore
+
+    picked = []
+    real = SparseStore.decode_blocks
+    monkeypatch.setattr(SparseStore, "decode_blocks",
+                        lambda store, query: picked.append((store.routed, store.steps)) or real(store, query))
+    model = tiny_model(name)
+    entry = {"name": selector, "read_budget": 0.4, "dense_layers": 1, "shadow_every": 5}
+    if selector == "oval":
+        config_ = model.config
+        head_dim = getattr(config_, "head_dim", None) or config_.hidden_size // config_.num_attention_heads
+        entry["router"] = tiny_router(config_.hidden_size, config_.num_key_value_heads, head_dim,
+                                      tuple(range(1, config_.num_hidden_layers)))
+    config = {"type": "composite", "strategies": [{"name": "paged", "page_size": 4}, entry]}
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (33, 50, 41)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = {}
+    for mode in (True, False):
+        engine = Engine(model, None, config, pool_tokens=1024, in_place_decode=mode,
+                        max_num_batched_tokens=64)
+        outputs = [o.token_ids for o in engine.generate(prompts, params)]
+        runs[mode] = outputs, {name: gauge._value.get() for name, gauge in engine.metrics.routing.items()}
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == pytest.approx(runs[False][1], abs=1e-6)
+    if getattr(model.config, "sliding_window", None) is None:  # sliding layers read through their caches
+        assert 0 < runs[True][1]["read_fraction"] < 1
+        assert any(routed for routed, _ in picked)
+        assert all((step + 1) % 5 for routed, step in picked if routed)  # shadow steps: attention's
+
 def test_eos_ends_a_request() -> None:
     model = tiny_model("llama")
     engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512)
