@@ -7,7 +7,10 @@ ignored so every request generates its full ``max_tokens``):
 - ``a``: 16 chats sharing a 1,024-token system prompt, each with its own 64-token question, 64 new
   tokens (prefix caching: the system prompt is prefilled once);
 - ``b``: 8 prompts of 2,048 tokens, 64 new tokens;
-- ``c``: 8 prompts of 6,144 tokens, 64 new tokens (``--new-tokens 256`` for the long-decode run).
+- ``c``: 8 prompts of 6,144 tokens, 64 new tokens (``--new-tokens 256`` for the long-decode run);
+- ``d``: 24 prompts of 128 to 4,096 tokens arriving at Poisson times (0.5/s), 8 in flight, 64 new
+  tokens: through a server (``http:CONFIG`` for ``kvfactory serve``, ``vllm``) or ``sequential``
+  (each request starts at its arrival or when the one before it ends; TTFT from its arrival).
 
 Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``; mixed steps, the
 default) and ``engine-prefill-first:CONFIG`` (the engine's ``prefill_first`` scheduling: steps that prefill
@@ -147,16 +150,22 @@ class _Clock:
         pass
 
 
-def run_sequential(model: Any, prompts: list[list[int]], new: int) -> dict[str, Any]:
+def run_sequential(model: Any, prompts: list[list[int]], new: int, rate: float | None = None
+                   ) -> dict[str, Any]:
+    """One request after another; with ``rate``, each starts at its Poisson arrival or when the one
+    before it ends, and its time to first token counts from its arrival."""
+    from serve_http import arrival_times
+
     start = time.perf_counter()
     ttft, itl, prefill, decode, peak, generated = [], [], [0, 0.0], [0, 0.0], 0, 0
-    for prompt in prompts:
+    for prompt, arrival in zip(prompts, arrival_times(len(prompts), rate), strict=True):
+        time.sleep(max(0.0, start + arrival - time.perf_counter()))
         ids = torch.tensor([prompt])
         cache, clock = DynamicCache(config=model.config), _Clock()
         began = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                        min_new_tokens=new, do_sample=False, cache=cache, streamer=clock)
-        ttft.append(clock.times[0] - start)
+        ttft.append(clock.times[0] - start - arrival)
         itl += [b - a for a, b in zip(clock.times, clock.times[1:], strict=False)]
         prefill[0] += len(prompt)
         prefill[1] += clock.times[0] - began
@@ -238,14 +247,15 @@ def main() -> None:
                                             "new_tokens": new, "systems": {}}
         with torch.inference_mode():
             for system in args.systems.split(","):
-                if "rate" in WORKLOADS[name] and not (system.startswith("http:") or system == "vllm"):
-                    continue  # arrivals over time: through a server only
+                timed = system.startswith("http:") or system in ("vllm", "sequential")
+                if "rate" in WORKLOADS[name] and not timed:
+                    continue  # arrivals over time: through a server, or one by one as they arrive
                 if system.startswith(("engine:", "engine-prefill-first:")):
                     kind, preset = system.split(":", 1)
                     result = run_engine(model, tokenizer, preset, prompts, new,
                                         prefill_first=kind == "engine-prefill-first")
                 elif system == "sequential":
-                    result = run_sequential(model, prompts, new)
+                    result = run_sequential(model, prompts, new, WORKLOADS[name].get("rate"))
                 elif system == "generate_batch" and args.generate_batch_limit:
                     result = run_generate_batch_limited(name, args.scale, args.new_tokens,
                                                         args.generate_batch_limit)

@@ -97,19 +97,25 @@ def stream_one(client: openai.OpenAI, prompt: list[int], new: int, sent: float) 
     return {"sent": sent, "times": times, "tokens": tokens}
 
 
+def arrival_times(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each of ``n`` requests arrives: all at 0 (``rate`` None) or
+    Poisson arrivals of ``rate`` per second, the first at 0."""
+    rng, arrivals, at = random.Random(seed), [], 0.0
+    for _ in range(n):
+        arrivals.append(at)
+        if rate:
+            at += rng.expovariate(rate)
+    return arrivals
+
+
 def run_clients(url: str, prompts: list[list[int]], new: int, concurrency: int,
                 rate: float | None = None, seed: int = 0) -> dict[str, Any]:
     """Send ``prompts`` with at most ``concurrency`` in flight: all at t=0 (``rate`` None) or at
     Poisson arrivals of ``rate`` per second. Returns wall time, TTFT, ITL and decode tokens/s
     (tokens after the last first token over the time after it: every request decoding)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", timeout=3600, max_retries=0)
-    rng = random.Random(seed)
     start = time.perf_counter()
-    arrivals, at = [], 0.0
-    for _ in prompts:
-        arrivals.append(at)
-        if rate:
-            at += rng.expovariate(rate)
+    arrivals = arrival_times(len(prompts), rate, seed)
     slots = threading.Semaphore(concurrency)
 
     def send(i: int) -> dict[str, Any]:
