@@ -109,6 +109,39 @@ def test_sparse_decode_in_place_equals_each_cache(name: str, selector: str, monk
         assert any(routed for routed, _ in picked)
         assert all((step + 1) % 5 for routed, step in picked if routed)  # shadow steps: attention's
 
+@pytest.mark.parametrize("budget", [0.125, 0.25, 0.5])
+def test_sparse_decode_reads_its_budget(budget: float, monkeypatch) -> None:
+    """Each decode step of a sparse layer reads ``read_budget`` of its stored tokens within one page
+    per KV head, the sink, local and new-token pages included, each page at most once."""
+    import math
+
+    from kvfactory.selectors.sparse import SparseStore
+
+    page = 4
+    reads = []
+    real = SparseStore.decode_blocks
+
+    def recorded(store, query):
+        blocks, tokens = real(store, query)
+        reads.append((store.size(), blocks, tokens))
+        return blocks, tokens
+
+    monkeypatch.setattr(SparseStore, "decode_blocks", recorded)
+    entry = {"name": "quest", "read_budget": budget, "dense_layers": 0, "shadow_every": 0}
+    config = {"type": "composite", "strategies": [{"name": "paged", "page_size": page}, entry]}
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (90, 130)]
+    Engine(tiny_model("llama"), None, config, pool_tokens=1024).generate(
+        prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    checked = 0
+    for stored, blocks, tokens in reads:
+        pages = math.ceil(stored / page)
+        assert all(len(set(row.tolist())) == len(row) for row in blocks)  # no page read twice
+        if math.ceil(budget * pages) < 2 or math.ceil(budget * pages) >= pages:
+            continue  # the always-read pages exceed the budget, or it covers every page
+        assert abs(tokens - budget * stored) <= page
+        checked += 1
+    assert checked > 0
+
 def test_eos_ends_a_request() -> None:
     model = tiny_model("llama")
     engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512)
