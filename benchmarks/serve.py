@@ -248,8 +248,9 @@ def main() -> None:
         with torch.inference_mode():
             for system in args.systems.split(","):
                 timed = system.startswith("http:") or system in ("vllm", "sequential")
-                if "rate" in WORKLOADS[name] and not timed:
+                if "rate" in WORKLOADS[name] and not timed and system != "generate_batch":
                     continue  # arrivals over time: through a server, or one by one as they arrive
+                    # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
                 if system.startswith(("engine:", "engine-prefill-first:")):
                     kind, preset = system.split(":", 1)
                     result = run_engine(model, tokenizer, preset, prompts, new,
