@@ -118,7 +118,10 @@ def held_bytes(cache) -> dict[str, float]:
                  "tokens_stored": report["tokens_stored"], "workspace_bytes": report["workspace"]}
     if getattr(cache, "routing", None) is not None:  # page selectors: what decode read, router cost
         routing = cache.routing_metrics()
+        split = ("token", "always", "selected", "whole")  # tokens read, and its parts
+        held |= {f"{part}_read_fraction": routing[f"{part}_read_fraction"] for part in split}
         held |= {"read_fraction": routing["read_fraction"], "recall": routing["recall"],
+                 "index_bytes_per_step": routing["index_bytes_read_per_step"],
                  "router_p50_ms": routing["router_latency_p50_ms"],
                  "router_p99_ms": routing["router_latency_p99_ms"]}
     return held

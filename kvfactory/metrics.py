@@ -30,6 +30,10 @@ GAUGES = {  # metric name: (RoutingMetrics.as_dict key, help)
     "kv_bytes_full_per_step": ("kv_bytes_full_per_step", "KV bytes a decode step reading every page reads"),
     "index_bytes_read_per_step": ("index_bytes_read_per_step", "Of the bytes read: page summaries scored"),
     "kv_read_fraction": ("read_fraction", "KV bytes read over reading every page"),
+    "token_read_fraction": ("token_read_fraction", "Tokens a decode step read over the tokens stored"),
+    "always_read_fraction": ("always_read_fraction", "Of them: sink, local and new-token pages"),
+    "selected_read_fraction": ("selected_read_fraction", "Of them: pages the selector chose"),
+    "whole_read_fraction": ("whole_read_fraction", "Of them: layers read whole (dense layers)"),
 }
 
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RATE_WINDOW = 10.0  # seconds the token rates average over
-ROUTING = ("hit_rate", "recall", "read_fraction")
+ROUTING = ("hit_rate", "recall", "read_fraction", "token_read_fraction")
 
 
 class EngineMetrics:

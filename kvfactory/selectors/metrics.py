@@ -7,7 +7,10 @@
   selector reading that many pages can reach;
 - page utilisation: stored pages read at least once in the last ``UTILISATION_STEPS`` steps;
 - router latency: seconds spent choosing pages per decode step (all layers), p50 and p99;
-- KV bytes read per decode step against reading every page (page summaries included, and apart).
+- KV bytes read per decode step against reading every page (page summaries included, and apart);
+- tokens read per decode step against the tokens stored, over every layer the cache routes or reads
+  whole, split into what is always read (the sink, local and new-token pages), what the selector
+  chose, and what layers read whole (the ``dense_layers``, or a budget that covers every page).
 Means are over sparse layers, batch rows and KV heads.
 """
 
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
     from kvfactory.selectors.sparse import SparseStore
 
 UTILISATION_STEPS = 128
+TOKEN_PARTS = ("always", "selected", "whole")  # what a decode step's tokens read are
 LATENCY_STEPS = 4096  # per-step latencies kept for the percentiles
 
 
@@ -35,6 +39,7 @@ class RoutingMetrics:
         self.bytes_read = 0
         self.bytes_full = 0
         self.bytes_index = 0  # of bytes_read: page summaries the selector scored
+        self.tokens = dict.fromkeys(TOKEN_PARTS + ("stored",), 0)  # summed over layers, rows and KV heads
         self.shadow_samples = 0
         self._hit_sum = self._recall_sum = self._oracle_sum = 0.0  # sums over shadow samples
         self._latency: dict[int, float] = {}
@@ -56,6 +61,13 @@ class RoutingMetrics:
         self.bytes_read += read_bytes
         self.bytes_full += full_bytes
         self.bytes_index += index_bytes
+
+    def record_tokens(self, stored: int, always: int = 0, selected: int = 0, whole: int = 0) -> None:
+        """One layer's decode step, summed over its rows and KV heads: ``stored`` tokens held, of which
+        it read ``always`` (sink, local and new-token pages), ``selected`` (the selector's pages) and
+        ``whole`` (a layer read in full)."""
+        for key, count in (("stored", stored), ("always", always), ("selected", selected), ("whole", whole)):
+            self.tokens[key] += count
 
     def _close_steps(self) -> None:
         self._latencies.extend(self._latency.values())
@@ -105,4 +117,11 @@ class RoutingMetrics:
             "kv_bytes_full_per_step": self.bytes_full / steps,
             "index_bytes_read_per_step": self.bytes_index / steps,
             "read_fraction": self.bytes_read / self.bytes_full if self.bytes_full else float("nan"),
+            "token_read_fraction": self._token_share(*TOKEN_PARTS),
+            **{f"{part}_read_fraction": self._token_share(part) for part in TOKEN_PARTS},
         }
+
+    def _token_share(self, *parts: str) -> float:
+        """The tokens of ``parts`` over the tokens stored, over every recorded decode step."""
+        stored = self.tokens["stored"]
+        return sum(self.tokens[p] for p in parts) / stored if stored else float("nan")

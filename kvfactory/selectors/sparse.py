@@ -136,6 +136,8 @@ class SparseStore(WrappedStore):
         if not sparse:
             full = self.full_bytes()
             self.metrics.record_read(self.steps, full, full, 0.0)
+            tokens = self.batch_size * self._heads * self.size()
+            self.metrics.record_tokens(tokens, whole=tokens)
             return self.inner.deferred_read()
         self._read = SparseRead(self, wanted)
         return self._read
@@ -324,5 +326,8 @@ class SparseRead(NarrowRead):
         summary_bytes = store.summaries.scored.nbytes if store.selector.reads_summaries else 0
         read = b * store.inner.read_bytes(k * ps, self.length - tail * ps) + summary_bytes
         store.metrics.record_read(store.steps, read, store.full_bytes(), seconds, summary_bytes)
+        sink, rows = min(store.spec.sink_pages, pages) * ps, b * hkv
+        store.metrics.record_tokens(rows * self.length, always=rows * (sink + self.length - tail * ps),
+                                    selected=rows * (k * ps - sink))
         store._mark_read(self.read)
         return chosen, tail

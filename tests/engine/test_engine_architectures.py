@@ -105,7 +105,7 @@ def test_sparse_decode_in_place_equals_each_cache(name: str, selector: str, monk
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == pytest.approx(runs[False][1], abs=1e-6)
     if getattr(model.config, "sliding_window", None) is None:  # sliding layers read through their caches
-        assert 0 < runs[True][1]["read_fraction"] < 1
+        assert 0 < runs[True][1]["read_fraction"] < 1 and 0 < runs[True][1]["token_read_fraction"] < 1
         assert any(routed for routed, _ in picked)
         assert all((step + 1) % 5 for routed, step in picked if routed)  # shadow steps: attention's
 

@@ -441,6 +441,27 @@ def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantiz
     assert metrics["router_latency_p99_ms"] >= metrics["router_latency_p50_ms"] >= 0
 
 
+@pytest.mark.parametrize("selector", SPARSE)
+def test_tokens_read_split_into_always_selected_and_whole(selector: str) -> None:
+    """With 1 dense layer of 2, half the tokens are read whole; the routed layer reads its budget
+    of the stored tokens within one page, the sink, local and new-token pages among them."""
+    model = tiny_model("llama")
+    budget = 0.25
+    with attn_implementation(model, "kvfactory"):
+        config = sparse(selector, read_budget=budget, dense_layers=1)
+        cache = KVCacheFactory(model.config, config).create_cache()
+        inputs = {"input_ids": random_prompt(121, seed=3)}
+        generate(model, inputs, cache, max_new_tokens=12, min_new_tokens=12)
+    m = cache.routing_metrics()
+    parts = m["always_read_fraction"] + m["selected_read_fraction"]
+    assert m["token_read_fraction"] == pytest.approx(parts + m["whole_read_fraction"])
+    assert m["whole_read_fraction"] == pytest.approx(0.5)  # both layers store the same tokens
+    stored = 121  # the fewest tokens a decode step saw: one page of slack is at most PAGE / stored
+    assert abs(parts - budget / 2) <= PAGE / stored / 2
+    assert (PAGE + 1) / 133 / 2 <= m["always_read_fraction"] < parts  # the sink page and the new token
+    assert m["selected_read_fraction"] > 0
+
+
 def test_shadow_metrics_follow_their_definitions() -> None:
     metrics = RoutingMetrics()
     mass = torch.tensor([[[0.5, 0.1, 0.3, 0.1], [0.4, 0.3, 0.2, 0.1]]])  # [B=1, Hkv=2, 4 pages]
