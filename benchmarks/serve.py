@@ -14,7 +14,8 @@ ignored so every request generates its full ``max_tokens``):
 
 Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``; mixed steps, the
 default) and ``engine-prefill-first:CONFIG`` (the engine's ``prefill_first`` scheduling: steps that prefill
-carry no decode tokens, so decodes run as one batch),
+carry no decode tokens, so decodes run as one batch), either with ``-no-prefix-cache`` after the kind
+(``engine-prefill-first-no-prefix-cache:paged16``: every prompt token computed, as sequential computes them),
 ``sequential`` (``model.generate`` with ``DynamicCache``, one request after another) and
 ``generate_batch`` (transformers' continuous batching). Each reports wall time, throughput
 (generated tokens / wall), time to first token p50/p99 (all requests arrive at t=0), inter-token
@@ -91,10 +92,11 @@ def summary(wall: float, generated: int, ttft: list[float], itl: list[float], pr
 
 
 def run_engine(model: Any, tokenizer: Any, preset: str, prompts: list[list[int]], new: int,
-               prefill_first: bool = False) -> dict[str, Any]:
+               prefill_first: bool = False, prefix_caching: bool | None = None) -> dict[str, Any]:
     total = sum(len(p) for p in prompts) + len(prompts) * new
     engine = Engine(model, tokenizer, load_preset(preset), pool_tokens=total + 64 * len(prompts),
-                    max_num_batched_tokens=512, max_num_seqs=len(prompts), prefill_first=prefill_first)
+                    max_num_batched_tokens=512, max_num_seqs=len(prompts), prefill_first=prefill_first,
+                    prefix_caching=prefix_caching)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     start = time.perf_counter()
     for prompt in prompts:
@@ -251,10 +253,13 @@ def main() -> None:
                 if "rate" in WORKLOADS[name] and not timed and system != "generate_batch":
                     continue  # arrivals over time: through a server, or one by one as they arrive
                     # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
-                if system.startswith(("engine:", "engine-prefill-first:")):
+                if system.startswith("engine"):
                     kind, preset = system.split(":", 1)
+                    if kind.removesuffix("-no-prefix-cache") not in ("engine", "engine-prefill-first"):
+                        raise SystemExit(f"unknown system {system!r}")
                     result = run_engine(model, tokenizer, preset, prompts, new,
-                                        prefill_first=kind == "engine-prefill-first")
+                                        prefill_first=kind.startswith("engine-prefill-first"),
+                                        prefix_caching=False if kind.endswith("-no-prefix-cache") else None)
                 elif system == "sequential":
                     result = run_sequential(model, prompts, new, WORKLOADS[name].get("rate"))
                 elif system == "generate_batch" and args.generate_batch_limit:
