@@ -1,18 +1,21 @@
-"""Which pages each method would read, on held-out text: OVAL's router against Quest, recent pages,
+"""Which pages each method would read, on held-out text: OVAL's routers against Quest, recent pages,
 random pages and the oracle, at several read budgets, from one teacher pass (no decoding).
 
 The teacher (``kvfactory.selectors.teacher``) runs the frozen SmolLM2 with full attention over
-``--chunks`` chunks of ``--chunk`` tokens of a book the shipped router was not trained on
-(Frankenstein; it was trained on Pride and Prejudice) and records, at ``--positions`` query
-positions per chunk, the attention mass per 16-token page. Each method then picks pages at each
-read budget as sparse decode does (the sink and current page always read); the hit rate and the
-attention-mass recall are means over positions, the 28 routed layers and the KV heads.
-``router_no_decay`` is the ablation without the positional term; ``oracle_pooled`` the oracle free to
-move the budget between the layers and KV heads of a position. Prints JSON; ``--plot FILE``
-also draws recall and hit rate against the read budget (``--replot JSON`` redraws a saved run).
+``--chunks`` chunks of ``--chunk`` tokens of a text the shipped routers were not trained on
+(``--text``: Frankenstein by default; they were trained on Pride and Prejudice; ``wikitext`` and
+``alice`` name the evaluation texts) and records, at ``--positions`` query positions per chunk, the
+attention mass per 16-token page. Each method then picks pages at each read budget as sparse decode
+does (the sink and current page always read, counted in the budget: the read budget is the true
+fraction of each layer's tokens); the hit rate and the attention-mass recall are means over
+positions, the layers every router covers (``--layers``) and the KV heads. ``--router`` is
+reported as ``router``, ``--others`` by their names. ``router_no_decay`` is the prefetch router's
+ablation without the positional term; ``oracle_pooled`` the oracle free to move the budget between
+the layers and KV heads of a position. Prints JSON; ``--plot FILE`` also draws recall and hit rate
+against the read budget (``--replot JSON`` redraws a saved run).
 
     python benchmarks/oval_routing.py [--budgets 0.25,0.125,0.0625] [--chunks 12] [--router embedded]
-        [--plot docs/oval_routing.png] [--replot results.json]
+        [--others embedded-prefetch] [--text wikitext] [--plot docs/oval_routing.png] [--replot results.json]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kvfactory.eval.data import load_text
 from kvfactory.models import load_model
 from kvfactory.selectors import teacher
 from kvfactory.selectors.oval import load_router, router_path
@@ -40,7 +44,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--positions", type=int, default=32)
     parser.add_argument("--router", default="embedded")
-    parser.add_argument("--text", type=Path, default=BOOK)
+    parser.add_argument("--others", default="", help="more routers to compare, comma-separated")
+    parser.add_argument("--layers", default="2-29", help="FIRST-LAST model layers to measure")
+    parser.add_argument("--text", default=str(BOOK), help="a file, or 'wikitext' / 'alice'")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--replot", type=Path, help="a saved JSON output to draw instead of measuring")
     args = parser.parse_args()
@@ -51,13 +57,16 @@ def main() -> None:
     started = time.perf_counter()
     model, tokenizer = load_model()
     router = load_router(str(router_path(args.router)))
-    ids = teacher.cap(teacher.tokens_of(tokenizer, [args.text.read_text()]), args.chunks, args.chunk)
-    chunks = teacher.collect(model, ids, router.shape.layers, args.positions, args.chunk, seed=1,
-                             advance=lambda: print(".", end="", file=sys.stderr, flush=True))
-    results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True)
+    others = {name: load_router(str(router_path(name))) for name in filter(None, args.others.split(","))}
+    first, last = map(int, args.layers.split("-"))
+    ids = teacher.cap(teacher.tokens_of(tokenizer, [load_text(args.text).text]), args.chunks, args.chunk)
+    chunks = teacher.collect(model, ids, range(first, last + 1), args.positions, args.chunk, seed=1,
+                             advance=lambda: print(".", end="", file=sys.stderr, flush=True), keys=True)
+    results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True, others=others)
                for budget in map(float, args.budgets.split(","))}
-    report = {"benchmark": "oval_routing", "text": args.text.name, "tokens": ids.numel(),
-              "positions": args.positions * len(chunks), "router": args.router,
+    report = {"benchmark": "oval_routing", "text": Path(args.text).name, "tokens": ids.numel(),
+              "positions": args.positions * len(chunks), "router": args.router, "others": list(others),
+              "layers": args.layers,
               "seconds": round(time.perf_counter() - started, 1), "results": results}
     print(json.dumps(report, indent=2))
     if args.plot:

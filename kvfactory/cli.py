@@ -193,6 +193,8 @@ def eval_(
     question: Annotated[str, typer.Option(
         help="passkey/needle: the question 'inside' the prompt a cache compresses, or fed 'after' the "
              "compressed context (kvpress's pipeline; compare kvpress rows in this setting)")] = "inside",
+    seed: Annotated[int, typer.Option(
+        min=0, help="draws the passkeys and the conversations' facts: another seed, other prompts")] = 0,
 ) -> None:
     """Evaluate caches on perplexity, passkey, needle and multi-turn recall against DynamicCache."""
     import shlex
@@ -204,7 +206,7 @@ def eval_(
         settings = command.settings_from_options(
             None if context is None else _csv(context, int, "--context"),
             None if depths is None else _csv(depths, float, "--depths"), samples, ppl_tokens, question,
-            ppl_windows, None if ppl_context is None else _csv(ppl_context, int, "--ppl-context"))
+            ppl_windows, None if ppl_context is None else _csv(ppl_context, int, "--ppl-context"), seed)
         task_list = runner.parse_tasks(tasks)
         specs = runner.resolve_caches(cache or [])
     except ValueError as exc:
@@ -353,7 +355,7 @@ def serve(
                   shutdown_timeout, log_level)
 
 
-oval_app = typer.Typer(help="OVAL page routing: train a router.",
+oval_app = typer.Typer(help="OVAL page routing: train a router (a query scorer or a prefetch router).",
                        no_args_is_help=True)
 app.add_typer(oval_app, name="oval")
 
@@ -364,19 +366,24 @@ def oval_train(
     val_text: Annotated[list[Path], typer.Option(help="held-out UTF-8 text for the hit-rate curves")],
     out: Annotated[Path, typer.Option(help="the router file to write (safetensors)")]
     = Path("router.safetensors"),
+    kind: Annotated[Literal["query", "prefetch"], typer.Option(
+        help="query: the step's query against learned key codes; prefetch: pages predicted from the "
+             "previous step's hidden state")] = "query",
     model: ModelOption = models.EMBEDDED,
     dense_layers: DenseLayersOption = 2,
     chunks: Annotated[int, typer.Option(min=1, help="training chunks of --chunk tokens")] = 48,
     val_chunks: Annotated[int, typer.Option(min=1, help="held-out chunks")] = 12,
     chunk: Annotated[int, typer.Option(min=256, help="tokens per chunk")] = 2048,
     positions: Annotated[int, typer.Option(min=1, help="query positions sampled per chunk")] = 32,
-    epochs: Annotated[int, typer.Option(min=1)] = 40,
+    epochs: Annotated[int | None, typer.Option(min=1, help="training epochs [default: 8 for a query "
+                                                           "scorer, 40 for a prefetch router]",
+                                               show_default=False)] = None,
     budget: Annotated[float, typer.Option(min=0.01, max=1.0, help="read budget of the top-k target")] = 0.125,
     threads: ThreadsOption = 2,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report here")] = None,
 ) -> None:
-    """Distil full attention into an OVAL router (the LM stays frozen) and print hit-rate curves of
-    the router, Quest, recent pages and the oracle on held-out text."""
+    """Distil full attention into an OVAL router of either kind (the LM stays frozen) and print
+    hit-rate curves of the router, Quest, recent pages and the oracle on held-out text."""
     import json
 
     import torch
@@ -389,8 +396,10 @@ def oval_train(
     with console.status(f"loading {model}"):
         loaded, tokenizer = models.load_model(model)
     report = oval_training.run(loaded, tokenizer, texts[:len(text)], texts[len(text):], str(out), model,
-                               dense_layers, chunk, positions, chunks, val_chunks, epochs, budget, console)
-    console.print(f"wrote {out}: router for layers {report['layers'][0]}..{report['layers'][-1]} of {model}")
+                               dense_layers, chunk, positions, chunks, val_chunks, epochs, budget, console,
+                               kind)
+    layers = report["layers"]
+    console.print(f"wrote {out}: {kind} router for layers {layers[0]}..{layers[-1]} of {model}")
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n")
 

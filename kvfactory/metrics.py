@@ -37,7 +37,8 @@ GAUGES = {  # metric name: (RoutingMetrics.as_dict key, help)
 }
 
 
-def _metrics_of(source: Any) -> RoutingMetrics:
+def metrics_of(source: Any) -> RoutingMetrics:
+    """The ``RoutingMetrics`` of ``source``: a cache with a page selector, or the metrics themselves."""
     metrics = source if isinstance(source, RoutingMetrics) else getattr(source, "routing", None)
     if not isinstance(metrics, RoutingMetrics):
         raise ValueError(f"{type(source).__name__} has no routing metrics: pass a cache with a page "
@@ -55,7 +56,7 @@ class RoutingExporter(Collector):
 
     def track(self, name: str, source: Any) -> None:
         """Export ``source`` (a cache with a selector, or its ``RoutingMetrics``) as ``cache=name``."""
-        self._tracked[name] = _metrics_of(source)
+        self._tracked[name] = metrics_of(source)
 
     def untrack(self, name: str) -> None:
         self._tracked.pop(name, None)
@@ -100,7 +101,7 @@ class HitRateAlert:
 
     def attach(self, source: Any) -> HitRateAlert:
         """Watch ``source``'s shadow samples (a cache with a selector, or its ``RoutingMetrics``)."""
-        _metrics_of(source).listeners.append(self.update)
+        metrics_of(source).listeners.append(self.update)
         return self
 
     def update(self, hit_rate: float) -> None:

@@ -58,7 +58,8 @@ register_cache_strategy("first_and_last", FirstAndLast)
 OPERATIONS = FORK, PAUSE, SAVE, BEAMS, PADDED, MANAGER = (
     "fork", "pause/resume", "save/load", "beams", "left-padded", "manager")
 SUMMARIES, MIXED = "+summaries", "mixed"
-ROUTER = "<tiny OVAL router>"  # replaced by a router file for the tiny models' shapes
+ROUTER = "<tiny OVAL router>"  # replaced by a router file for the tiny models' shapes (a query scorer)
+PREFETCH_ROUTER = "<tiny OVAL prefetch router>"  # the same, a prefetch router
 
 # What a cache the manager does not take raises, and what a cache that cannot fork raises.
 NOT_MANAGED = (ConfigError, "paged storage")
@@ -103,8 +104,9 @@ class Row:
         """The cache config at ``level`` ("small" or "demanding"), a fresh copy."""
         config = copy.deepcopy(getattr(self, level))
         for entry in config.get("strategies", []):
-            if entry.get("router") == ROUTER:
-                entry["router"] = tiny_router(TINY_HIDDEN, 2, 16, (0, 1))
+            if entry.get("router") in (ROUTER, PREFETCH_ROUTER):
+                kind = "query" if entry["router"] == ROUTER else "prefetch"
+                entry["router"] = tiny_router(TINY_HIDDEN, 2, 16, (0, 1), kind)
         return config
 
 
@@ -146,13 +148,13 @@ def eviction(policy: str, budget: str, bound: float, page_size: int | None = 4,
 
 
 def selector(name: str, bound: float, quantization: dict[str, Any] | None = None, summaries: bool = True,
-             **own: Any) -> Row:
+             variant: str = "", **own: Any) -> Row:
     """A selector row: reads half the pages per decode step (pages of 4), then a quarter (pages of 2);
-    ``summaries``: it keeps per-page key summaries besides the K/V."""
+    ``summaries``: it keeps per-page key summaries besides the K/V; ``variant`` names the row apart."""
     quantize = [] if quantization is None else [{"name": "quantized", **quantization}]
     window_off = [] if quantization is None else [{"name": "quantized", **quantization, "residual": 0}]
     entry = {"name": name, "dense_layers": 0, **own}  # the tiny models have 2 layers: route both
-    return Row(name + ("" if quantization is None else f"+{quantization['codec']}"),
+    return Row(name + variant + ("" if quantization is None else f"+{quantization['codec']}"),
                composite(*quantize, entry | {"read_budget": 0.5}),
                composite(*window_off, entry | {"read_budget": 0.25}, page_size=2), bound, raises=SPARSE,
                bytes_per_token=("fp32" if quantization is None else quantization["codec"])
@@ -202,6 +204,7 @@ ROWS: list[Row] = [
     selector("full", 0.0, summaries=False),
     selector("quest", 0.6),
     selector("oval", 0.6, router=ROUTER),
+    selector("oval", 0.6, router=PREFETCH_ROUTER, variant="-prefetch"),
     selector("random", 0.6),
     selector("recent", 0.6),
     selector("full", 0.04, quantization={"codec": "int4", **KIVI_SMALL}, summaries=False),

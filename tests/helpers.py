@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
 
 # The repository sits next to ``shared/`` (``/work/main`` and ``/work/shared``; CI has the same layout).
@@ -146,11 +147,22 @@ def attn_implementation(model: torch.nn.Module, name: str):
 
 
 @functools.cache
-def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ...]) -> str:
-    """An untrained OVAL router file for these shapes (the matrix checks mechanics, not routing)."""
+def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ...], kind: str = "query",
+                query_heads: int = 4) -> str:
+    """An untrained OVAL router file of ``kind`` for these shapes (the matrix checks mechanics, not
+    routing): a query scorer with random projections and code scales fitted to random keys, or a
+    prefetch router."""
     path = Path(tempfile.mkdtemp()) / "router.safetensors"
     torch.manual_seed(0)
-    Router(RouterShape(hidden, kv_heads, head_dim, layers, group_size=1)).save(path)
+    if kind == "prefetch":
+        Router(RouterShape(hidden, kv_heads, head_dim, layers, group_size=1)).save(path)
+        return str(path)
+    scorer = LowRankScorer(LowRankShape(query_heads, kv_heads, head_dim, layers))
+    with torch.no_grad():
+        scorer.query.normal_(std=head_dim ** -0.5)
+        scorer.key.normal_(std=head_dim ** -0.5)
+    scorer.fit_code_scales(torch.randn(len(layers), kv_heads, 256, head_dim))
+    scorer.save(path)
     return str(path)
 
 

@@ -36,13 +36,13 @@ from kvfactory.eval.settings import DEFAULT, EvalSettings
 def settings_from_options(contexts: tuple[int, ...] | None, depths: tuple[float, ...] | None,
                           samples: int | None, ppl_tokens: int | None, question: str = "inside",
                           ppl_windows: int | None = None,
-                          ppl_contexts: tuple[int, ...] | None = None) -> EvalSettings:
+                          ppl_contexts: tuple[int, ...] | None = None, seed: int = 0) -> EvalSettings:
     """The default settings with the command line's overrides; ``ValueError`` names a bad one.
 
     Perplexity runs at ``ppl_contexts`` when given, else at ``contexts`` when given, else at the
     default ``ppl_contexts`` (2048): ``--context 6144 --tasks ppl`` scores windows after 6144 tokens.
     """
-    overrides: dict[str, Any] = {"question": question}
+    overrides: dict[str, Any] = {"question": question, "seed": seed}
     if contexts is not None:
         overrides |= {"contexts": contexts, "ppl_contexts": None}
     if ppl_contexts is not None:

@@ -64,6 +64,8 @@ SIGNATURES = {
         "const void *features, int kind, int64_t fb, int64_t fh, int64_t fp, int bound, float *scores)",
         "int top_pages(int64_t rows, int64_t P, const float *scores, int64_t lo, int64_t hi, int64_t k, "
         "int64_t *out)",
+        "int token_shares(int64_t B, int64_t H, int64_t R, int64_t C, int64_t T, int64_t page, "
+        "const float *rows, const int8_t *codes, int64_t cb, int64_t ch, int64_t cc, float *out)",
     ),
     "ragged": (
         "void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *query, "

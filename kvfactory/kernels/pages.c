@@ -7,6 +7,7 @@
  * reads), where torch's batched product packs the whole feature matrix first.
  * Built by kvfactory/kernels/__init__.py, called by kvfactory/selectors/pages.py.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "common.h"
@@ -200,5 +201,90 @@ int top_pages(int64_t rows, int64_t P, const float *scores, int64_t lo, int64_t 
     }
     free(idx);
     free(values);
+    return 0;
+}
+
+/* x[i] = exp(x[i] - m) for i < n (every x[i] <= m); returns their sum. */
+static float exp_shifted(float *x, int64_t n, float m) {
+    int64_t i = 0;
+    float total = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+        _mm512_storeu_ps(x + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = reduce_add8(acc);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        total += x[i];
+    }
+    return total;
+}
+
+/* The log of each page's estimated attention share from per-token int8 codes (OVAL's query scorer,
+ * kvfactory/selectors/oval/lowrank.py): for each (b, h), each of the R rows (a query head's
+ * projected query, code scales folded in, C floats) scores the T stored tokens, the rows' softmaxes
+ * over the tokens are averaged, and the shares are summed per page of `page` tokens:
+ * out[b, h, p] = log(share of page p), P = ceil(T / page), floored at the smallest normal float.
+ * rows: float32 [B, H, R, C] contiguous; codes: int8, channel-major [B, H, C, T] with element
+ * strides (cb, ch, cc), the tokens contiguous; out: float32 [B, H, P] contiguous. Returns -1 if the
+ * scratch rows cannot be allocated, else 0. Each row's logits are summed one channel at a time over
+ * all tokens (a contiguous pass each, which vectorises), then exponentiated in place. */
+int token_shares(int64_t B, int64_t H, int64_t R, int64_t C, int64_t T, int64_t page, const float *rows,
+                 const int8_t *codes, int64_t cb, int64_t ch, int64_t cc, float *out) {
+    float *logits = malloc(sizeof(float) * (size_t)(R * T + R));
+    if (!logits) return -1;
+    float *weight = logits + R * T;  /* 1 / (R * sum of each row's exps) */
+    const int64_t P = (T + page - 1) / page;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int8_t *code = codes + b * cb + h * ch;
+            const float *q = rows + (b * H + h) * R * C;
+            for (int64_t r = 0; r < R; r++) {
+                float *l = logits + r * T;
+                const float *qr = q + r * C;
+                const float q0 = qr[0];
+#pragma omp simd
+                for (int64_t t = 0; t < T; t++) l[t] = q0 * (float)code[t];
+                for (int64_t c = 1; c < C; c++) {
+                    const float qc = qr[c];
+                    const int8_t *k = code + c * cc;
+#pragma omp simd
+                    for (int64_t t = 0; t < T; t++) l[t] += qc * (float)k[t];
+                }
+                float m = -__builtin_inff();
+#pragma omp simd reduction(max : m)
+                for (int64_t t = 0; t < T; t++) m = l[t] > m ? l[t] : m;
+                weight[r] = 1.f / ((float)R * exp_shifted(l, T, m));
+            }
+            float *o = out + (b * H + h) * P;
+            for (int64_t p = 0; p < P; p++) {
+                const int64_t end = (p + 1) * page < T ? (p + 1) * page : T;
+                float share = 0.f;
+                for (int64_t r = 0; r < R; r++) {
+                    const float *e = logits + r * T;
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t t = p * page; t < end; t++) s += e[t];
+                    share += s * weight[r];
+                }
+                o[p] = logf(share > 1.17549435e-38f ? share : 1.17549435e-38f);
+            }
+        }
+    }
+    free(logits);
     return 0;
 }

@@ -54,6 +54,11 @@ class Selector(ABC):
         the summaries to keep up to date (``PageSummaries.set_embedding``); None: it reads the features."""
         return None
 
+    def token_codes(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A map of keys ``[B, Hkv, n, D]`` to per-token codes ``[B, Hkv, n, C]`` this selector scores,
+        for the summaries to keep (``PageSummaries.set_token_codes``); None: it keeps none."""
+        return None
+
     def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
         """``scores [..., P]`` from ``page_scores`` (queries of ``head_dim`` channels) ranked with
         ``prompt [..., P]``, the prompt's weighted shares of those pages (``SelectorSpec.prompt_weight``):

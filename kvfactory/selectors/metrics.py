@@ -46,6 +46,8 @@ class RoutingMetrics:
         self._latencies: deque[float] = deque(maxlen=LATENCY_STEPS)
         self._stores: weakref.WeakSet[SparseStore] = weakref.WeakSet()
         self.listeners: list[Callable[[float], None]] = []  # called with each shadow sample's hit rate
+        # called with each shadow sample's store, queries [B, Hq, q, D] and full-attention page mass
+        self.sample_hooks: list[Callable[[SparseStore, torch.Tensor, torch.Tensor], None]] = []
 
     def register(self, store: SparseStore) -> None:
         self._stores.add(store)

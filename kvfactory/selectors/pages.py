@@ -3,9 +3,10 @@
 A page is ``page_size`` consecutive stored tokens (the paged store's blocks); per page, batch row
 and KV head the summaries keep the per-channel maximum and minimum of its keys, Quest's bound
 (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"),
-and, for selectors that embed pages (OVAL), the mean key; side by side in one
+and, for selectors that embed pages (OVAL's prefetch router), the mean key; side by side in one
 ``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one pass over them. They are updated as
-tokens are appended, one vectorised reduction per append.
+tokens are appended, one vectorised reduction per append. A selector that scores every token from
+a small code of its key (OVAL's query scorer) has the codes kept here too (``set_token_codes``).
 
 Every decode step reads each sparse layer's summaries whole, so they are stored in float16 by default
 (half the bytes of float32 keys): maxima rounded up and minima rounded down, so Quest's bound stays
@@ -83,6 +84,8 @@ class PageSummaries:
         self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # see ``set_embedding``
         self._embedded: torch.Tensor | None = None  # [B, Hkv, capacity, E]
         self._summaries: torch.Tensor | None = None  # [B, Hkv, capacity, (2 or 3) * D]
+        self.encode: Callable[[torch.Tensor], torch.Tensor] | None = None  # see ``set_token_codes``
+        self._codes: torch.Tensor | None = None  # [B, Hkv, C, capacity in tokens]: channel-major
 
     @property
     def pages(self) -> int:
@@ -120,13 +123,40 @@ class PageSummaries:
         return self._embedded[:, :, :self.pages]
 
     @property
+    def codes(self) -> torch.Tensor:
+        """``[B, Hkv, C, length]``: each stored token's code (``set_token_codes``), channel by channel, so
+        a step scores every token with one contiguous pass per channel."""
+        return self._codes[..., :self.length]
+
+    @property
     def scored(self) -> torch.Tensor:
-        """What scoring a step reads: the embeddings where there are some, else the features."""
+        """What scoring a step reads: the token codes or page embeddings where kept, else the features."""
+        if self.encode is not None:
+            return self.codes
         return self.features if self.embed is None else self.embedded
 
     @property
     def nbytes(self) -> int:
-        return sum(0 if t is None else t.nbytes for t in (self._summaries, self._embedded))
+        return sum(0 if t is None else t.nbytes for t in (self._summaries, self._embedded, self._codes))
+
+    def set_token_codes(self, encode: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Keep ``encode(keys)`` (``[B, Hkv, n, D]`` -> ``[B, Hkv, n, C]``) of every token appended from
+        now on (set before the first append)."""
+        if self.length:
+            raise ValueError(f"token codes are set before any token is appended ({self.length} held)")
+        self.encode, self._codes = encode, None
+
+    @torch.no_grad()
+    def _append_codes(self, keys: torch.Tensor) -> None:
+        codes = self.encode(keys).transpose(2, 3)  # [B, Hkv, C, n]
+        end = self.length + codes.shape[3]
+        if self._codes is None or self._codes.shape[3] < end:
+            held = 0 if self._codes is None else self._codes.shape[3]
+            grown = codes.new_empty((*codes.shape[:3], max(end, math.ceil(held * GROWTH))))
+            if self._codes is not None:
+                grown[..., :self.length] = self.codes
+            self._codes = grown
+        self._codes[..., self.length:end] = codes
 
     def set_embedding(self, embed: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Keep ``embed(features)`` of every page up to date as well (OVAL's page embeddings), in the
@@ -158,6 +188,8 @@ class PageSummaries:
         b, h, n, d = keys.shape
         if n == 0:
             return
+        if self.encode is not None:
+            self._append_codes(keys)
         ps, first = self.page_size, self.length // self.page_size
         last = (self.length + n - 1) // ps + 1
         self._reserve(last, keys)
@@ -227,6 +259,8 @@ class PageSummaries:
             self._summaries = self._summaries[rows.to(self._summaries.device)]
         if self._embedded is not None:
             self._embedded = self._embedded[rows.to(self._embedded.device)]
+        if self._codes is not None:
+            self._codes = self._codes[rows.to(self._codes.device)]
 
     def rebuild(self, keys: torch.Tensor | None) -> None:
         """Recompute from all stored ``keys`` (after a crop, a row selection or a compaction)."""
@@ -235,5 +269,5 @@ class PageSummaries:
             self.append(keys)
 
     def clear(self) -> None:
-        self._summaries = self._embedded = None
+        self._summaries = self._embedded = self._codes = None
         self.length = 0

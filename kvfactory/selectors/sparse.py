@@ -62,6 +62,7 @@ class SparseStore(WrappedStore):
         self.selector.bind(layer_idx, self.num_layers)
         if self.routed:
             self.summaries.set_embedding(self.selector.page_embedding())
+            self.summaries.set_token_codes(self.selector.token_codes())
 
     # -- storage, delegated; summaries follow ---------------------------------------------------
     @property
@@ -201,7 +202,10 @@ class SparseStore(WrappedStore):
         every = self.spec.shadow_every
         if read is None or read.read is None or not every or self.steps % every:
             return
-        self.metrics.record_shadow(read.read, self._page_mass(query, self._mask, scaling))
+        mass = self._page_mass(query, self._mask, scaling)
+        for hook in self.metrics.sample_hooks:  # before the hit rate's listeners, which may act on them
+            hook(self, query, mass)
+        self.metrics.record_shadow(read.read, mass)
 
     @torch.no_grad()
     def _page_mass(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

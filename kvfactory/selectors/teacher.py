@@ -4,7 +4,8 @@ Text is cut into windows and run through the frozen model once each with full at
 (``collect``). At sampled query positions ``t`` every routed layer records the attention mass each
 page of ``PAGE`` tokens gets from the query at ``t`` (the group's query heads averaged per KV head,
 causal), Quest's score for comparison (``kvfactory.selectors.quest``), the pages' summaries (key
-maximum, minimum and mean per channel) and the decoder's last hidden state at ``t - 1``. Read-budget
+maximum, minimum and mean per channel) and the decoder's last hidden state at ``t - 1``; with
+``keys`` also the keys themselves and the sampled queries (what OVAL's query scorer learns from). Read-budget
 calibration (``calibrate.py``) and OVAL's router training (``oval/train.py``) both learn from it;
 both count the sink page and the current page as always read (``candidates``, ``chosen_count``).
 """
@@ -35,12 +36,17 @@ class Chunk:
     current: torch.Tensor  # [S]: the page holding each query position
     mass: torch.Tensor  # [S, L, Hkv, P]: full-attention mass per page (0 after the current page)
     quest: torch.Tensor  # [S, L, Hkv, P]: Quest's score per page
+    keys: torch.Tensor | None = None  # [L, Hkv, P * PAGE, D]: the keys (``collect(keys=True)``)
+    queries: torch.Tensor | None = None  # [S, L, Hq, D]: the queries at the sampled positions
+    positions: torch.Tensor | None = None  # [S]: the sampled query positions (with the keys)
+    layers: tuple[int, ...] = ()  # the model layers recorded, in order
 
 
 class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int]) -> None:
-        self.positions, self.layers = positions, set(layers)
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int], keys: bool) -> None:
+        self.positions, self.layers, self.keys = positions, set(layers), keys
         self.out: dict[int, PageRecord] = {}
+        self.raw: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 _recording: _Recorder | None = None
@@ -53,6 +59,10 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
         _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"))
+        if _recording.keys:
+            pages = key.shape[2] // PAGE
+            _recording.raw[layer] = (query[0, :, _recording.positions].transpose(0, 1).half(),
+                                     key[0, :, :pages * PAGE].half())
     return out
 
 
@@ -85,9 +95,9 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
 @torch.no_grad()
 def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None) -> list[Chunk]:
+            advance: Callable[[], None] = lambda: None, keys: bool = False) -> list[Chunk]:
     """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
-    positions each (uniform over the chunk's second half and beyond the first eighth)."""
+    positions each (uniform beyond the first eighth); with ``keys`` the keys and sampled queries too."""
     global _recording
     gen = random.Random(seed)
     previous = model.config._attn_implementation
@@ -97,13 +107,18 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
         for start in range(0, ids.numel() - chunk + 1, chunk):
             window = ids[start:start + chunk][None]
             at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-            _recording = _Recorder(at, layers)
+            _recording = _Recorder(at, layers, keys)
             hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
             out = [_recording.out[layer] for layer in layers]
-            records.append(Chunk(
+            record = Chunk(
                 features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
                 current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
-                quest=torch.stack([o[2] for o in out], 1).half()))
+                quest=torch.stack([o[2] for o in out], 1).half(), layers=tuple(layers))
+            if keys:
+                record.queries = torch.stack([_recording.raw[layer][0] for layer in layers], 1)
+                record.keys = torch.stack([_recording.raw[layer][1] for layer in layers])
+                record.positions = at
+            records.append(record)
             advance()
     finally:
         _recording = None

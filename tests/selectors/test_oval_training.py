@@ -12,7 +12,10 @@ from typer.testing import CliRunner
 from kvfactory.cli import app
 from kvfactory.selectors import teacher
 from kvfactory.selectors.oval import train as oval_train
+from kvfactory.selectors.oval.files import load_module
+from kvfactory.selectors.oval.lowrank import LowRankScorer
 from kvfactory.selectors.oval.router import Router
+from kvfactory.selectors.pages import PageSummaries
 
 
 def test_the_teacher_records_full_attention_mass_per_page() -> None:
@@ -60,6 +63,46 @@ def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
     assert model.config._attn_implementation == "sdpa"  # the teacher's attention is switched back
 
 
+def test_the_query_scorer_learns_the_teachers_page_mass_and_ranks_as_decode_does() -> None:
+    """Trained end to end on a tiny model: the loss falls; the ranking the evaluation scores (int8
+    codes) is the one a decode step computes from the codes its page summaries keep."""
+    model = tiny_model("llama", max_position_embeddings=1024)
+    ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
+    scorer = oval_train.new_router(model, 0, "tiny", "query")
+    chunks = teacher.collect(model, ids, scorer.shape.layers, 8, 256, seed=0, keys=True)
+    chunk = chunks[0]
+    assert chunk.keys.shape == (2, 2, 256, 16) and chunk.queries.shape == (8, 2, 4, 16)
+    scorer.init_from_keys(oval_train._sample_keys(chunks))
+    with torch.no_grad():
+        before = sum(float(oval_train.query_loss(scorer, c)) for c in chunks)
+    oval_train.train(scorer, chunks, epochs=10, budget=0.25)
+    with torch.no_grad():
+        after = sum(float(oval_train.query_loss(scorer, c)) for c in chunks)
+    assert after < before
+    report = oval_train.evaluate(scorer, chunks, 0.25)
+    assert set(report) == {"router", "quest", "recent", "oracle"}
+    assert all(report["oracle"]["recall"] >= v["recall"] - 1e-6 for v in report.values())
+    # decode's path: codes kept as the keys arrive, the step's queries scored against them
+    shares = oval_train.query_shares(scorer, chunk, quantized=True)
+    for s in (0, 5):
+        position, layer = int(chunk.positions[s]), 1
+        summaries = PageSummaries(teacher.PAGE, dtype=None)
+        summaries.set_token_codes(lambda keys: scorer.encode(keys, layer))
+        summaries.append(chunk.keys[layer, :, :position + 1][None].float())
+        queries = chunk.queries[s, layer].float().view(1, 2, 2, 16)  # [B, Hkv, query heads, D]
+        logged = scorer.page_log_mass(queries, summaries.codes, layer, teacher.PAGE)
+        expected = shares[s, layer, :, :logged.shape[-1]]
+        torch.testing.assert_close(logged.exp()[0], expected, atol=1e-5, rtol=1e-4)
+    # the codes hold each projected key within half a code step of its scale (beyond the fitted range:
+    # clipped)
+    projected = chunk.keys[1].float() @ scorer.key[1].detach()
+    decoded = scorer.encode(chunk.keys[1][None].float(), 1)[0].float() * scorer.code_scale[1, :, None]
+    inside = projected.abs() <= scorer.code_scale[1, :, None] * 127
+    step = scorer.code_scale[1, :, None].expand_as(projected)
+    assert inside.float().mean() > 0.99
+    assert ((decoded - projected).abs() <= step / 2 + 1e-6)[inside].all()
+
+
 @pytest.mark.slow
 def test_the_train_command_writes_a_router_and_its_curves(tmp_path) -> None:
     from helpers import DATA_DIR
@@ -73,6 +116,13 @@ def test_the_train_command_writes_a_router_and_its_curves(tmp_path) -> None:
         "--chunks", "1", "--val-chunks", "1", "--chunk", "512", "--positions", "4", "--epochs", "2",
         "--json", str(report)])
     assert result.exit_code == 0, result.output
-    assert Router.load(out).shape.layers == tuple(range(2, 30))
+    scorer = load_module(out)
+    assert isinstance(scorer, LowRankScorer) and scorer.shape.layers == tuple(range(2, 30))
     curve = json.loads(report.read_text())["curve"]
     assert [c["epoch"] for c in curve] == [1, 2] and set(curve[-1]) >= {"router", "quest", "oracle"}
+    result = CliRunner().invoke(app, [
+        "oval", "train", "--kind", "prefetch", "--text", str(books[0]), "--val-text", str(books[1]),
+        "--out", str(out), "--chunks", "1", "--val-chunks", "1", "--chunk", "512", "--positions", "4",
+        "--epochs", "1"])
+    assert result.exit_code == 0, result.output
+    assert Router.load(out).shape.layers == tuple(range(2, 30))

@@ -18,6 +18,9 @@ from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors import SELECTORS, PageSummaries, register_selector
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
+from kvfactory.selectors.oval import router_path
+from kvfactory.selectors.oval.files import load_module
+from kvfactory.selectors.oval.lowrank import LowRankScorer
 from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.quest import QuestSelector
 from kvfactory.selectors.recent import RecentSelector
@@ -33,9 +36,11 @@ INT4 = {"name": "quantized", "codec": "int4", "group_size": 8, "residual": 8}
 
 
 def own_options(selector: str, hidden: int = TINY_HIDDEN, kv_heads: int = 2, head_dim: int = 16,
-                layers: tuple[int, ...] = (0, 1)) -> dict:
+                layers: tuple[int, ...] = (0, 1), query_heads: int = 4) -> dict:
     """What a selector needs besides the shared options: OVAL a router of the model's shape."""
-    return {"router": tiny_router(hidden, kv_heads, head_dim, layers)} if selector == "oval" else {}
+    if selector != "oval":
+        return {}
+    return {"router": tiny_router(hidden, kv_heads, head_dim, layers, query_heads=query_heads)}
 
 
 def sparse(selector: str, quantized: bool = False, **options) -> dict:
@@ -45,9 +50,11 @@ def sparse(selector: str, quantized: bool = False, **options) -> dict:
 
 
 def store_with(selector: str, keys: torch.Tensor, values: torch.Tensor, codec: str | None = None,
-               **options) -> SparseStore:
+               query_heads: int | None = None, **options) -> SparseStore:
+    """A one-layer sparse store holding ``keys`` / ``values``, for queries of ``query_heads`` heads (the
+    KV heads' by default)."""
     b, h, _, d = keys.shape
-    own = own_options(selector, hidden=5, kv_heads=h, head_dim=d, layers=(0,))
+    own = own_options(selector, hidden=5, kv_heads=h, head_dim=d, layers=(0,), query_heads=query_heads or h)
     spec = SelectorSpec.parse(selector, {"read_budget": 0.25, "dense_layers": 0} | own | options)
     inner = PagedStore(page_size=PAGE)
     if codec is not None:  # quantized pages: a 6-token full-precision window, KIVI groups of 8
@@ -242,7 +249,7 @@ def test_a_sparse_step_is_exact_attention_over_its_pages(selector: str, new: int
     gen = torch.Generator().manual_seed(2)
     b, hkv, groups, d, t = 2, 2, 3, 8, 37
     keys, values = (torch.randn(b, hkv, t + new, d, generator=gen) for _ in range(2))
-    store = store_with(selector, keys[:, :, :t], values[:, :, :t])
+    store = store_with(selector, keys[:, :, :t], values[:, :, :t], query_heads=hkv * groups)
     store.append(keys[:, :, t:], values[:, :, t:])
     read = store.deferred_read()
     assert read is not None and read.tail()[0] is store._new[0]
@@ -430,10 +437,11 @@ def test_sparse_decode_reads_its_budget_in_a_padded_batch(selector: str, quantiz
         / metrics["kv_bytes_full_per_step"]
     if quantized:  # 4 or 5 of 16 to 17 pages, the full-precision window among them
         assert 0.2 < data < 0.6
-    else:  # 16 to 17 pages stored, 4 or 5 read, plus what scoring read per page in float16 against the
-        # 2 * PAGE float32 key and value vectors: Quest 2 key vectors (maxima, minima), OVAL its router's
-        # 32-number page embedding, here as large as 2 key vectors of head_dim 16
-        summaries = 2 / (2 * PAGE) / 2 if SELECTORS[selector].reads_summaries else 0.0
+    else:  # 16 to 17 pages stored, 4 or 5 read, plus what scoring read against a token's float32 key
+        # and value (2 x 16 channels): Quest 2 float16 key vectors per page (maxima, minima), OVAL's
+        # query scorer 4 int8 codes per token
+        per_token = {"oval": 4}.get(selector, 2 * 16 * 2 / PAGE) if SELECTORS[selector].reads_summaries else 0
+        summaries = per_token / (2 * 16 * 4)
         assert 4 / 17 + summaries - 0.01 < metrics["read_fraction"] < 5 / 16 + summaries + 0.01
     assert 0 <= metrics["hit_rate"] <= 1
     assert 0 < metrics["recall"] <= metrics["oracle_recall"] + 1e-6 <= 1 + 2e-6  # none beats the oracle
@@ -496,19 +504,27 @@ def test_memory_report_counts_the_page_summaries() -> None:
 def test_oval_receives_the_decoders_hidden_state_from_a_plain_model() -> None:
     """No watch_hidden_states, no attention switch: the cache's first forward hooks the model."""
     model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
-    cache = KVCacheFactory(model.config, sparse("oval", read_budget=0.25)).create_cache()
+    prefetch = tiny_router(TINY_HIDDEN, 2, 16, (0, 1), "prefetch")
+    cache = KVCacheFactory(model.config, sparse("oval", router=prefetch, read_budget=0.25)).create_cache()
     generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
     assert cache.routing_context.hidden.shape == (1, TINY_HIDDEN)
     assert cache.routing_metrics()["steps"] == 2
 
 
 def test_a_router_for_another_model_is_refused(tmp_path) -> None:
-    other = tiny_router(32, 2, 16, (0, 1))
     model = tiny_model("llama")
     with attn_implementation(model, "kvfactory"):
+        other = tiny_router(32, 2, 16, (0, 1), "prefetch")
         cache = KVCacheFactory(model.config, sparse("oval", router=other, read_budget=0.5)).create_cache()
         with pytest.raises(ConfigError, match="hidden size 64"):
             generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
+        other = tiny_router(64, 2, 8, (0, 1))  # a query scorer for 8-channel heads
+        cache = KVCacheFactory(model.config, sparse("oval", router=other, read_budget=0.5)).create_cache()
+        with pytest.raises(ConfigError, match="2 KV heads of 16 channels"):
+            generate(model, {"input_ids": random_prompt(40)}, cache, max_new_tokens=3, min_new_tokens=3)
+        other = tiny_router(64, 2, 16, (1,))  # a query scorer for layer 1 alone
+        with pytest.raises(ConfigError, match="router trained for layer 0"):
+            KVCacheFactory(model.config, sparse("oval", router=other, read_budget=0.5)).create_cache()
     with pytest.raises(ConfigError, match="router"):
         KVCacheFactory(model.config, sparse("oval", router=str(tmp_path / "missing.safetensors")))
     broken = tmp_path / "broken.safetensors"
@@ -521,7 +537,7 @@ def test_a_router_for_another_model_is_refused(tmp_path) -> None:
 def test_page_embeddings_follow_the_summaries_and_score_as_the_raw_features(dtype: torch.dtype) -> None:
     """OVAL reads each page's router embedding (projection applied to the page) instead of its raw
     features (projection applied to the query): the same logits, kept up to date by every append."""
-    router = Router.load(tiny_router(64, 2, 16, (0, 1)))
+    router = Router.load(tiny_router(64, 2, 16, (0, 1), "prefetch"))
     gen = torch.Generator().manual_seed(3)
     summaries = PageSummaries(PAGE, with_mean=True, dtype=dtype)
     summaries.append(torch.randn(2, 2, 6, 16, generator=gen))
@@ -539,13 +555,23 @@ def test_page_embeddings_follow_the_summaries_and_score_as_the_raw_features(dtyp
     torch.testing.assert_close(summaries.embedded, expected)
 
 
-def test_a_router_file_round_trips() -> None:
-    path = tiny_router(64, 2, 16, (0, 1))
+def test_a_router_file_round_trips_and_names_its_kind(tmp_path) -> None:
+    path = tiny_router(64, 2, 16, (0, 1), "prefetch")
     router = Router.load(path)
     again = Router.load(path)
     hidden = torch.randn(3, 64)
     assert router.shape == again.shape and router.shape.layers == (0, 1)
     torch.testing.assert_close(router.key_vectors(hidden), again.key_vectors(hidden), rtol=0, atol=0)
+    scorer = load_module(tiny_router(64, 2, 16, (0, 1)))
+    assert isinstance(scorer, LowRankScorer) and scorer.shape.layers == (0, 1)
+    again = load_module(tiny_router(64, 2, 16, (0, 1)))
+    for name, tensor in scorer.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[name]), name
+    with pytest.raises(ConfigError, match="a prefetch router"):
+        Router.load(tiny_router(64, 2, 16, (0, 1)))
+    # the prefetch router shipped before files named their kind still loads
+    assert isinstance(load_module(router_path("embedded-prefetch")), Router)
+    assert isinstance(load_module(router_path("embedded")), LowRankScorer)
 
 
 @pytest.mark.parametrize("selector", SPARSE)
@@ -568,7 +594,8 @@ def test_beams_and_returned_sequences_carry_the_routed_rows(selector: str) -> No
 def test_row_rearrangements_move_the_routed_hidden_state() -> None:
     model = tiny_model("llama")
     with attn_implementation(model, "kvfactory"):
-        cache = KVCacheFactory(model.config, sparse("oval")).create_cache()
+        prefetch = tiny_router(TINY_HIDDEN, 2, 16, (0, 1), "prefetch")
+        cache = KVCacheFactory(model.config, sparse("oval", router=prefetch)).create_cache()
         model(random_prompt(12).repeat(3, 1), past_key_values=cache)
     hidden = torch.arange(3.0)[:, None].expand(3, TINY_HIDDEN).clone()
     cache.routing_context.hidden = hidden

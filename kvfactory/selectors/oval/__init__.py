@@ -1,10 +1,16 @@
-"""OVAL: pages chosen by a trained router from the decoder's state, scored against page summaries.
+"""OVAL: learned page selection, scored against what each page keeps.
 
-``OvalSelector`` scores each layer's pages with ``router.Router`` from the decoder's last hidden
-state of the previous step (``RoutingContext.hidden``, handed over by
-``kvfactory.cache.watch_hidden_states``, which kvfactory installs on the cache's first forward). The
-router for the embedded model ships in this package (``router = "embedded"``); ``kvfactory oval
-train`` (``train.py``) trains one for any model.
+A router file holds one of two trained scorers (``files.py``, ``docs/sparse-reads.md``):
+
+- ``"query"`` (``lowrank.LowRankScorer``, shipped as ``router = "embedded"``): the step's own query
+  at each layer, projected to a few learned channels, against int8 codes of every stored key in
+  the same channels: an estimate of each page's attention mass from a quarter of Quest's bytes.
+- ``"prefetch"`` (``router.Router``, shipped as ``router = "embedded-prefetch"``): pages predicted
+  from the decoder's last hidden state of the previous step (``RoutingContext.hidden``, handed over
+  by ``kvfactory.cache.watch_hidden_states``, which kvfactory installs on the cache's first
+  forward), known before the layer runs, so a slower tier could prefetch them.
+
+``kvfactory oval train`` (``train.py``) trains either for any model.
 """
 
 from __future__ import annotations
@@ -14,67 +20,97 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
+from kvfactory.selectors.oval.files import load_module
+from kvfactory.selectors.oval.lowrank import LowRankScorer
 from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.pages import PageSummaries
 
-EMBEDDED_ROUTER = "smollm2_router.safetensors"
+EMBEDDED = {"embedded": "smollm2_lowrank.safetensors", "embedded-prefetch": "smollm2_router.safetensors"}
 
 
 def router_path(name: str) -> Path:
-    """``"embedded"``: the shipped router of the embedded model; else a file path."""
-    if name == "embedded":
-        return Path(str(resources.files("kvfactory.selectors.oval").joinpath(EMBEDDED_ROUTER)))
+    """``"embedded"`` / ``"embedded-prefetch"``: a router shipped for the embedded model; else a path."""
+    if name in EMBEDDED:
+        return Path(str(resources.files("kvfactory.selectors.oval").joinpath(EMBEDDED[name])))
     return Path(name)
 
 
-def load_router(path: str) -> Router:
-    """One router per file (and version of it), shared by every layer and cache that uses it."""
-    return _load_router(path, Path(path).stat().st_mtime_ns)
+@dataclass
+class RouterSlot:
+    """The scorer every selector of one router file reads, held in one place so that a retrained
+    scorer (``drift.DriftRetrainer``) replaces it for all of them with one assignment."""
+
+    module: Router | LowRankScorer
+
+
+def router_slot(path: str) -> RouterSlot:
+    """One slot per file (and version of it), shared by every layer and cache that uses it."""
+    return _router_slot(path, Path(path).stat().st_mtime_ns)
+
+
+def load_router(path: str) -> Router | LowRankScorer:
+    """The scorer in ``path`` as the selectors read it now (``router_slot``)."""
+    return router_slot(path).module
 
 
 @functools.lru_cache(maxsize=8)
-def _load_router(path: str, version: int) -> Router:
-    router = Router.load(path)
+def _router_slot(path: str, version: int) -> RouterSlot:
+    router = load_module(path)
     router.requires_grad_(False)  # inference only
-    return router
+    return RouterSlot(router)
 
 
 @dataclass
 class OvalSelector(Selector):
-    """``router``: a router file or ``"embedded"``. The router's positional decay is part of the
-    router (its weight is trained), always applied."""
+    """``router``: a router file, ``"embedded"`` (the query scorer shipped for the embedded model) or
+    ``"embedded-prefetch"`` (the prefetch router shipped for it). A prefetch router's positional
+    decay is part of it (its weight is trained), always applied."""
 
     router: str = "embedded"
-    uses_mean: ClassVar[bool] = True
     _layer: int = field(default=0, init=False, repr=False)
-    _router: Router | None = field(default=None, init=False, repr=False, compare=False)  # on first use
+    _slot: RouterSlot | None = field(default=None, init=False, repr=False, compare=False)  # on first use
 
     def __post_init__(self) -> None:
         path = router_path(self.router)
         if not path.is_file():
-            raise ConfigError("router", self.router, "'embedded' or the path of a router file written by "
-                              "`kvfactory oval train`")
+            raise ConfigError("router", self.router, f"one of {sorted(EMBEDDED)} or the path of a router "
+                              f"file written by `kvfactory oval train`")
+
+    @property
+    def uses_mean(self) -> bool:  # the prefetch router embeds the page's mean key too
+        return isinstance(self.loaded_router, Router)
 
     def bind(self, layer_idx: int, num_layers: int) -> None:
         self._layer = layer_idx
 
     @property
-    def loaded_router(self) -> Router:
-        """The router, read from its file once per selector (files are shared through ``load_router``)."""
-        if self._router is None:
-            self._router = load_router(str(router_path(self.router)))
-        return self._router
+    def slot(self) -> RouterSlot:
+        """The slot of this selector's router file (read from the file once, shared by ``router_slot``)."""
+        if self._slot is None:
+            self._slot = router_slot(str(router_path(self.router)))
+        return self._slot
+
+    @property
+    def loaded_router(self) -> Router | LowRankScorer:
+        """The scorer as it is now: each layer's scoring reads it once (a retrained one may replace it)."""
+        return self.slot.module
 
     @torch.no_grad()
     def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
                     ) -> torch.Tensor:
         router = self.loaded_router
+        if isinstance(router, LowRankScorer):
+            self._check_shape(queries.shape[1], queries.shape[-1])
+            if queries.shape[2] % router.group:
+                raise ConfigError("router", self.router, f"a router for {queries.shape[2]} query rows per KV "
+                                  f"head (this one was trained for {router.group} query heads per KV head, "
+                                  f"{router.shape.model}): train one with `kvfactory oval train`")
+            return router.page_log_mass(queries, summaries.codes, self._layer, summaries.page_size)
         if context.hidden is None:
             raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
                                "received: its model ran outside transformers' decoder forward; call "
@@ -89,8 +125,32 @@ class OvalSelector(Selector):
         positional = context.remember("oval.decay", lambda: router.positional(pages, queries.device))
         return router.logits(queries[:, group], summaries.embedded, positional)
 
-    def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """The query scorer's log page shares, or the prefetch router's logits, as shares."""
+        return scores.float().softmax(-1).add_(prompt)
+
+    def _check_shape(self, kv_heads: int, head_dim: int) -> None:
+        shape = self.loaded_router.shape
+        if kv_heads != shape.kv_heads or head_dim != shape.head_dim:
+            raise ConfigError("router", self.router, f"a router for {kv_heads} KV heads of {head_dim} "
+                              f"channels (this one was trained for {shape.kv_heads} of {shape.head_dim}, "
+                              f"{shape.model}): train one with `kvfactory oval train`")
+
+    def token_codes(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         router = self.loaded_router
+        if not isinstance(router, LowRankScorer):
+            return None
+        router.shape.index_of(self._layer)
+
+        def encode(keys: torch.Tensor) -> torch.Tensor:
+            self._check_shape(keys.shape[1], keys.shape[-1])
+            return self.loaded_router.encode(keys, self._layer)  # a retrained scorer keeps the key side
+        return encode
+
+    def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        router = self.loaded_router
+        if not isinstance(router, Router):
+            return None
 
         def embed(features: torch.Tensor) -> torch.Tensor:
             shape = router.shape

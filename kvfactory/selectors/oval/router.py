@@ -17,15 +17,12 @@ safetensors file.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.pages import best_dot
@@ -109,23 +106,20 @@ class Router(torch.nn.Module):
         scores = best_dot(vectors[..., None, :], features)
         return scores if positional is None else scores + positional.to(scores.dtype)
 
+    kind = "prefetch"
+
     def save(self, path: str | Path) -> None:
         """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tensors = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
-        save_file(tensors, str(tmp), metadata={"router_shape": json.dumps(asdict(self.shape))})
-        tmp.replace(path)
+        from kvfactory.selectors.oval.files import save_module
+
+        save_module(self, path, self.kind, asdict(self.shape))
+
+    @classmethod
+    def from_metadata(cls, shape: dict) -> Router:
+        return cls(RouterShape(**(shape | {"layers": tuple(shape["layers"])})))
 
     @classmethod
     def load(cls, path: str | Path) -> Router:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-            shape = json.loads(meta["router_shape"])
-            router = cls(RouterShape(**(shape | {"layers": tuple(shape["layers"])})))
-            router.load_state_dict(load_file(str(path)))
-        except (OSError, KeyError, ValueError, RuntimeError, TypeError, SafetensorError) as exc:
-            raise ConfigError("router", str(path), f"an OVAL router file written by `kvfactory oval train` "
-                              f"({type(exc).__name__}: {exc})") from exc
-        return router.eval()
+        from kvfactory.selectors.oval.files import load_module
+
+        return load_module(path, cls)

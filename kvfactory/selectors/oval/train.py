@@ -1,14 +1,19 @@
-"""``kvfactory oval train``: distil a model's full attention into an OVAL router.
+"""``kvfactory oval train``: distil a model's full attention into an OVAL scorer of either kind.
 
 1. **Teacher.** ``kvfactory.selectors.teacher`` runs chunks of ``chunk`` tokens through the frozen
    model with full attention and records, at ``positions`` sampled query positions per chunk, each
    16-token page's attention mass, Quest's score, the page summaries and the decoder's last hidden
-   state before the position (what the router sees when decoding the token there).
-2. **Training.** The router's logits over the candidate pages (after the sink page, before the
-   current one, which are always read) are fitted to the teacher's mass with KL divergence plus a
-   focal loss on membership of the teacher's top-k at the read budget; the LM stays frozen.
+   state before the position (what the prefetch router sees when decoding the token there); for the
+   query scorer also the keys and the sampled queries.
+2. **Training.** Over the candidate pages (after the sink page, before the current one, which are
+   always read), fitted to the teacher's mass, the LM frozen. The query scorer
+   (``lowrank.LowRankScorer``) starts from each layer's principal key directions and fits its
+   projections so its estimated page shares match the teacher's (KL divergence); its int8 code
+   scales are then set from the training keys. The prefetch router (``router.Router``) fits its
+   logits with KL divergence plus a focal loss on membership of the teacher's top-k at the read
+   budget.
 3. **Report.** On held-out text: hit rate and attention-mass recall at the read budget of the
-   router, Quest, recent pages and the oracle (the teacher's own top-k), per epoch.
+   scorer, Quest, recent pages and the oracle (the teacher's own top-k), per epoch.
 
 Train on the Gutenberg books in ``shared/data``, never on the evaluation text (WikiText).
 """
@@ -22,19 +27,54 @@ from typing import Any
 
 import torch
 
+from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
-from kvfactory.selectors.teacher import Chunk, candidates, cap, chosen_count, collect, tokens_of
+from kvfactory.selectors.teacher import PAGE, Chunk, candidates, cap, chosen_count, collect, tokens_of
+
+Scorer = Router | LowRankScorer
 
 
 def router_logits(router: Router, chunk: Chunk, decay: bool = True) -> torch.Tensor:
     """``[S, L, Hkv, P]``: the router's page logits for every sampled position and layer."""
     vectors = router.key_vectors(chunk.hidden)  # [S, G, Hkv, F]
-    groups = torch.tensor([router.shape.group_of(layer) for layer in router.shape.layers])
+    groups = torch.tensor([router.shape.group_of(layer) for layer in chunk.layers])
     content = torch.einsum("slhf,lhpf->slhp", vectors[:, groups], chunk.features.float())
     if not decay:
         return content
     distance = (chunk.current[:, None] - torch.arange(chunk.features.shape[2])).float()
     return content + router.decay_bonus(distance)[:, None, None, :]
+
+
+def query_shares(scorer: LowRankScorer, chunk: Chunk, quantized: bool = False) -> torch.Tensor:
+    """``[S, L, Hkv, P]``: the query scorer's estimated page shares at every sampled position and layer
+    of ``chunk`` (layers the scorer covers), from float projections of the keys (training) or from
+    their int8 codes (as decode reads them)."""
+    shape = scorer.shape
+    s, hkv, pages = chunk.queries.shape[0], shape.kv_heads, chunk.keys.shape[2] // PAGE
+    causal = torch.arange(pages * PAGE) > chunk.positions[:, None]  # [S, T]
+    shares = []
+    for at, layer in enumerate(chunk.layers):
+        keys = chunk.keys[at][None].float()  # [1, Hkv, T, D]
+        own = shape.index_of(layer)
+        if quantized:
+            projected = scorer.encode(keys, layer).float() * scorer.code_scale[own, :, None]
+        else:
+            projected = keys @ scorer.key[own]
+        queries = chunk.queries[:, at].float().view(s, hkv, scorer.group, 1, -1)
+        logits = scorer.token_logits(queries, projected, layer)[:, :, :, 0]  # [S, Hkv, G, T]
+        probs = logits.masked_fill(causal[:, None, None], float("-inf")).softmax(-1).mean(2)
+        shares.append(probs.view(s, hkv, pages, PAGE).sum(-1))
+    return torch.stack(shares, 1)
+
+
+def query_loss(scorer: LowRankScorer, chunk: Chunk) -> torch.Tensor:
+    """KL(teacher mass || estimated shares), both over the candidate pages."""
+    allowed = candidates(chunk.current, chunk.mass.shape[-1])[:, None, None, :]
+    target = chunk.mass.float().masked_fill(~allowed, 0)
+    target = target / target.sum(-1, keepdim=True).clamp(min=1e-9)
+    estimate = query_shares(scorer, chunk).masked_fill(~allowed, 0)
+    estimate = estimate / estimate.sum(-1, keepdim=True).clamp(min=1e-12)
+    return (target * (target.clamp(min=1e-9).log() - estimate.clamp(min=1e-12).log())).sum(-1).mean()
 
 
 def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0, gamma: float = 2.0
@@ -55,11 +95,19 @@ def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0,
     return kl.mean() + focal_weight * focal.sum(-1).mean() / allowed.sum(-1).clamp(min=1).float().mean()
 
 
+def ranking(scorer: Scorer, chunk: Chunk) -> torch.Tensor:
+    """``[S, L, Hkv, P]``: how ``scorer`` ranks the pages, as decode would (query scorer: int8 codes)."""
+    if isinstance(scorer, LowRankScorer):
+        return query_shares(scorer, chunk, quantized=True)
+    return router_logits(scorer, chunk)
+
+
 @torch.no_grad()
-def evaluate(router: Router, chunks: Sequence[Chunk], budget: float, ablations: bool = False,
-             ) -> dict[str, dict[str, float]]:
+def evaluate(router: Scorer, chunks: Sequence[Chunk], budget: float, ablations: bool = False,
+             others: dict[str, Scorer] | None = None) -> dict[str, dict[str, float]]:
     """Hit rate and mass recall at ``budget`` per method, as the cache measures them (the sink and
-    current page always read), mean over positions, layers and KV heads. ``ablations`` adds the
+    current page always read), mean over positions, layers and KV heads: ``router`` (either kind),
+    ``others`` by their names, Quest, recent pages and the oracle. ``ablations`` adds a prefetch
     router without its positional decay, the random baseline and ``oracle_pooled``: the oracle
     free to move the budget between the layers and KV heads of a position (the best any per-step
     allocation could read)."""
@@ -70,11 +118,13 @@ def evaluate(router: Router, chunks: Sequence[Chunk], budget: float, ablations: 
         allowed = candidates(chunk.current, pages)[:, None, None, :].expand(chunk.mass.shape)
         mass = chunk.mass.float()
         k = chosen_count(chunk.current, budget)
-        ranked = {"router": router_logits(router, chunk), "quest": chunk.quest.float(),
+        ranked = {"router": ranking(router, chunk), "quest": chunk.quest.float(),
                   "recent": torch.arange(pages, dtype=torch.float32).expand_as(mass), "oracle": mass}
+        ranked |= {name: ranking(other, chunk) for name, other in (others or {}).items()}
         if ablations:
-            ranked |= {"router_no_decay": router_logits(router, chunk, decay=False),
-                       "random": torch.rand(mass.shape, generator=gen)}
+            if isinstance(router, Router):
+                ranked["router_no_decay"] = router_logits(router, chunk, decay=False)
+            ranked["random"] = torch.rand(mass.shape, generator=gen)
         forced = torch.zeros(mass.shape, dtype=torch.bool)
         forced[..., 0] = True
         forced.scatter_(-1, chunk.current[:, None, None, None].expand(*mass.shape[:3], 1), True)
@@ -101,11 +151,19 @@ def _top(scores: torch.Tensor, allowed: torch.Tensor, count: torch.Tensor) -> to
     return (rank < count) & allowed
 
 
-def train(router: Router, chunks: Sequence[Chunk], epochs: int, budget: float, lr: float = 3e-3,
+LEARNING_RATES = {"query": 1e-2, "prefetch": 3e-3}
+EPOCHS = {"query": 8, "prefetch": 40}  # the query scorer has 2 x rank x head_dim weights per head
+
+
+def train(router: Scorer, chunks: Sequence[Chunk], epochs: int, budget: float, lr: float | None = None,
           seed: int = 0, on_epoch: Callable[[int, float], None] = lambda epoch, loss: None) -> None:
-    """Adam over the chunks, one chunk (all its positions) per step, shuffled each epoch."""
+    """Adam over the chunks, one chunk (all its positions) per step, shuffled each epoch; a query
+    scorer starts from the chunks' principal key directions and gets its code scales at the end."""
     gen = random.Random(seed)
-    optimizer = torch.optim.Adam(router.parameters(), lr=lr)
+    query = isinstance(router, LowRankScorer)
+    if query:
+        router.init_from_keys(_sample_keys(chunks))
+    optimizer = torch.optim.Adam(router.parameters(), lr=lr or LEARNING_RATES[router.kind])
     order = list(range(len(chunks)))
     router.train()
     for epoch in range(epochs):
@@ -113,21 +171,32 @@ def train(router: Router, chunks: Sequence[Chunk], epochs: int, budget: float, l
         total = 0.0
         for i in order:
             optimizer.zero_grad()
-            value = loss(router, chunks[i], budget)
+            value = query_loss(router, chunks[i]) if query else loss(router, chunks[i], budget)
             value.backward()
             optimizer.step()
             total += value.item()
+        if query:
+            router.fit_code_scales(_sample_keys(chunks))
         on_epoch(epoch, total / max(len(order), 1))
     router.eval()
 
 
-def new_router(model: Any, dense_layers: int, name: str) -> Router:
-    """An untrained router for ``model``'s full-attention layers after the first ``dense_layers``."""
+def _sample_keys(chunks: Sequence[Chunk], count: int = 4) -> torch.Tensor:
+    """The keys of up to ``count`` chunks spread over the training set, ``[L, Hkv, T, D]``."""
+    step = max(1, len(chunks) // count)
+    return torch.cat([chunk.keys for chunk in chunks[::step][:count]], 2)
+
+
+def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch") -> Scorer:
+    """An untrained scorer of ``kind`` (``"query"`` or ``"prefetch"``) for ``model``'s layers after the
+    first ``dense_layers``."""
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layers = tuple(range(dense_layers, config.num_hidden_layers))
     torch.manual_seed(0)
+    if kind == "query":
+        return LowRankScorer(LowRankShape(heads, config.num_key_value_heads, head_dim, layers, model=name))
     return Router(RouterShape(config.hidden_size, config.num_key_value_heads, head_dim, layers, model=name))
 
 
@@ -140,15 +209,15 @@ def learning_curve_points(epochs: int) -> set[int]:
     return {e for e in range(epochs) if e % max(1, math.ceil(epochs / 8)) == 0} | {epochs - 1}
 
 
-
 def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Sequence[str], out: str,
         name: str, dense_layers: int = 2, chunk: int = 2048, positions: int = 32, train_chunks: int = 48,
-        val_chunks: int = 12, epochs: int = 40, budget: float = 0.125,
-        console: Any = None) -> dict[str, Any]:
+        val_chunks: int = 12, epochs: int | None = None, budget: float = 0.125,
+        console: Any = None, kind: str = "query") -> dict[str, Any]:
     """Collect, train, evaluate per epoch on held-out text, save to ``out``; returns the report."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    router = new_router(model, dense_layers, name)
+    router = new_router(model, dense_layers, name, kind)
+    keys, epochs = kind == "query", epochs or EPOCHS[kind]
     layers = router.shape.layers
     train_ids = cap(tokens_of(tokenizer, train_texts), train_chunks, chunk)
     val_ids = cap(tokens_of(tokenizer, val_texts), val_chunks, chunk)
@@ -157,9 +226,10 @@ def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Seque
                   console=console) as progress:
         task = progress.add_task("teacher: full attention on the training text",
                                  total=train_ids.numel() // chunk)
-        train_set = collect(model, train_ids, layers, positions, chunk, 0, lambda: progress.advance(task))
+        train_set = collect(model, train_ids, layers, positions, chunk, 0, lambda: progress.advance(task),
+                            keys)
         task = progress.add_task("teacher: held-out text", total=val_ids.numel() // chunk)
-        val_set = collect(model, val_ids, layers, positions, chunk, 1, lambda: progress.advance(task))
+        val_set = collect(model, val_ids, layers, positions, chunk, 1, lambda: progress.advance(task), keys)
         task = progress.add_task("training the router", total=epochs)
         points = learning_curve_points(epochs)
 
@@ -173,6 +243,7 @@ def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Seque
 
         train(router, train_set, epochs, budget, on_epoch=on_epoch)
     router.save(out)
-    return {"router": str(out), "model": name, "layers": list(layers), "budget": budget, "chunk": chunk,
+    return {"router": str(out), "kind": kind, "model": name, "layers": list(layers), "budget": budget,
+            "chunk": chunk,
             "positions": positions, "train_tokens": train_ids.numel(), "val_tokens": val_ids.numel(),
             "epochs": epochs, "curve": curve}

@@ -1,0 +1,54 @@
+"""Router files: a trained OVAL scorer's weights, kind and architecture in one safetensors file.
+
+Two kinds (``docs/sparse-reads.md``): ``"query"`` (``lowrank.LowRankScorer``, the step's own query
+against learned low-rank key codes) and ``"prefetch"`` (``router.Router``, pages predicted from the
+previous step's hidden state). Files written before the kinds existed hold a prefetch router.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from kvfactory.errors import ConfigError
+
+Module = TypeVar("Module", bound=torch.nn.Module)
+
+
+def save_module(module: torch.nn.Module, path: str | Path, kind: str, shape: dict[str, Any]) -> None:
+    """``module``'s state with its ``kind`` and ``shape`` as metadata, written to a temporary name and
+    renamed, so a failed write leaves any earlier file whole."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
+    save_file(tensors, str(tmp), metadata={"kind": kind, "shape": json.dumps(shape)})
+    tmp.replace(path)
+
+
+def load_module(path: str | Path, expected: type[Module] | None = None) -> Any:
+    """The scorer in ``path`` (of class ``expected`` when given), in eval mode; a ``ConfigError`` naming
+    the file for anything else."""
+    from kvfactory.selectors.oval.lowrank import LowRankScorer
+    from kvfactory.selectors.oval.router import Router
+
+    kinds = {cls.kind: cls for cls in (LowRankScorer, Router)}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "router_shape" in meta:  # a prefetch router written before files named their kind
+            meta = {"kind": Router.kind, "shape": meta["router_shape"]}
+        cls = kinds[meta["kind"]]
+        module = cls.from_metadata(json.loads(meta["shape"]))
+        module.load_state_dict(load_file(str(path)))
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError, SafetensorError) as exc:
+        raise ConfigError("router", str(path), f"an OVAL router file written by `kvfactory oval train` "
+                          f"({type(exc).__name__}: {exc})") from exc
+    if expected is not None and not isinstance(module, expected):
+        raise ConfigError("router", str(path), f"a {expected.kind} router (this file holds a {module.kind} "
+                          f"one)")
+    return module.eval()
