@@ -37,3 +37,4 @@ def test_command_line_contexts() -> None:
     assert given.task_contexts("ppl") == (6144,) and given.task_contexts("passkey") == (6144,)
     both = settings_from_options((6144,), None, None, 256, ppl_windows=6, ppl_contexts=(1024,))
     assert both.task_contexts("ppl") == (1024,) and (both.ppl_windows, both.ppl_continuation) == (6, 256)
+    assert default.seed == 0 and settings_from_options(None, None, None, None, seed=1).seed == 1  # --seed

@@ -20,6 +20,15 @@ from kvfactory.errors import ConfigError
 Module = TypeVar("Module", bound=torch.nn.Module)
 
 
+def layer_index(layers: tuple[int, ...], layer_idx: int) -> int:
+    """Where model layer ``layer_idx`` is among the ``layers`` a router was trained for; a
+    ``ConfigError`` when it is not one of them."""
+    if layer_idx not in layers:
+        raise ConfigError("router layers", list(layers), f"a router trained for layer {layer_idx}: train one "
+                          f"with `kvfactory oval train` for this model and dense_layers")
+    return layers.index(layer_idx)
+
+
 def save_module(module: torch.nn.Module, path: str | Path, kind: str, shape: dict[str, Any]) -> None:
     """``module``'s state with its ``kind`` and ``shape`` as metadata, written to a temporary name and
     renamed, so a failed write leaves any earlier file whole."""

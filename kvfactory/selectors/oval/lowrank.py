@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfactory import kernels
-from kvfactory.errors import ConfigError
+from kvfactory.selectors.oval.files import layer_index, save_module
 
 CODE_LIMIT = 127  # int8 codes in [-127, 127]
 SCALE_QUANTILE = 0.999  # a channel's code scale covers this quantile of its training values
@@ -41,10 +41,7 @@ class LowRankShape:
     model: str = ""  # what it was trained on (informational)
 
     def index_of(self, layer_idx: int) -> int:
-        if layer_idx not in self.layers:
-            raise ConfigError("router layers", list(self.layers), f"a router trained for layer {layer_idx}: "
-                              f"train one with `kvfactory oval train` for this model and dense_layers")
-        return self.layers.index(layer_idx)
+        return layer_index(self.layers, layer_idx)
 
 
 class LowRankScorer(torch.nn.Module):
@@ -137,8 +134,6 @@ class LowRankScorer(torch.nn.Module):
 
     def save(self, path: str | Path) -> None:
         """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
-        from kvfactory.selectors.oval.files import save_module
-
         save_module(self, path, self.kind, asdict(self.shape))
 
     @classmethod

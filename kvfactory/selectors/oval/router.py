@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvfactory.errors import ConfigError
+from kvfactory.selectors.oval.files import layer_index, load_module, save_module
 from kvfactory.selectors.pages import best_dot
 
 DECAY_PAGES = 32.0
@@ -49,10 +49,7 @@ class RouterShape:
         return math.ceil(len(self.layers) / self.group_size)
 
     def group_of(self, layer_idx: int) -> int:
-        if layer_idx not in self.layers:
-            raise ConfigError("router layers", list(self.layers), f"a router trained for layer {layer_idx}: "
-                              f"train one with `kvfactory oval train` for this model and dense_layers")
-        return self.layers.index(layer_idx) // self.group_size
+        return layer_index(self.layers, layer_idx) // self.group_size
 
 
 class Router(torch.nn.Module):
@@ -110,8 +107,6 @@ class Router(torch.nn.Module):
 
     def save(self, path: str | Path) -> None:
         """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
-        from kvfactory.selectors.oval.files import save_module
-
         save_module(self, path, self.kind, asdict(self.shape))
 
     @classmethod
@@ -120,6 +115,4 @@ class Router(torch.nn.Module):
 
     @classmethod
     def load(cls, path: str | Path) -> Router:
-        from kvfactory.selectors.oval.files import load_module
-
         return load_module(path, cls)
