@@ -8,8 +8,11 @@ step with shadow full attention in every layer (``shadow_every`` 1). A
 ``kvfactory.selectors.oval.drift.DriftRetrainer`` watches the cache with the alert at
 ``--threshold`` held for ``--duration`` seconds (the seed's rule is 0.82 for 180 s; shortened here
 so the run stays short) and fine-tunes the scorer's query projections on the last ``--samples``
-shadow samples on a background thread while decoding goes on. The same decode on a novel the
-scorer was not trained on (*Frankenstein*) is the in-domain reference. Prints JSON: the hit rate per
+shadow samples (``--train-steps`` Adam steps of ``--batch`` samples) on a background thread while
+decoding goes on. The same decode on a novel the
+scorer was not trained on (*Frankenstein*) is the in-domain reference, and the same decode of the
+code without a retrainer the control (the text changes as it goes, and so does the hit rate).
+Prints JSON: the hit rate per
 ``--every`` steps, the step the alert fired and the step the retrained scorer was swapped in, and
 the mean hit rate before the alert, while training and after the swap; ``--plot FILE`` draws it.
 
@@ -83,8 +86,9 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.125)
     parser.add_argument("--threshold", type=float, default=0.82)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds under the threshold")
-    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=2048, help="shadow samples kept (layers x steps)")
     parser.add_argument("--train-steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=64, help="samples per fine-tuning step")
     parser.add_argument("--every", type=int, default=16, help="steps per point of the printed curve")
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
@@ -94,18 +98,21 @@ def main() -> None:
     report: dict[str, Any] = {"benchmark": "oval_drift", "date": time.strftime("%Y-%m-%d"),
                               "budget": args.budget, "context": args.context, "steps": args.steps,
                               "threshold": args.threshold, "duration_s": args.duration, "texts": {}}
-    for name, text in (("code (argparse.py)", code_text()), ("novel (Frankenstein)", BOOK.read_text())):
+    runs = (("code (argparse.py)", code_text(), True), ("code, no retraining", code_text(), False),
+            ("novel (Frankenstein)", BOOK.read_text(), True))
+    for name, text, retraining in runs:
         ids = tokenizer(text, return_tensors="pt").input_ids[:, 1000:1000 + args.context + args.steps]
         router_slot(str(router_path("embedded"))).module = shipped  # every text starts from the shipped one
         retrainer = DriftRetrainer(threshold=args.threshold, duration_s=args.duration, samples=args.samples,
-                                   steps=args.train_steps)
+                                   steps=args.train_steps, batch=args.batch) if retraining else None
         result = run(model, ids, args.context, args.steps, args.budget, retrainer)
-        retrainer.wait()
+        if retrainer is not None:
+            retrainer.wait()
         curve = result.pop("hit_rate_per_step")
         report["texts"][name] = result | phases(curve, result["alert_step"], result["swap_step"]) | {
             "curve": [round(sum(curve[i:i + args.every]) / len(curve[i:i + args.every]), 4)
                       for i in range(0, len(curve), args.every)],
-            "retraining": retrainer.history}
+            "retraining": [] if retrainer is None else retrainer.history}
         summary = {k: v for k, v in report["texts"][name].items() if k != "curve"}
         print(json.dumps({name: summary}), flush=True)
     router_slot(str(router_path("embedded"))).module = shipped

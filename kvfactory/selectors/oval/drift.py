@@ -5,8 +5,9 @@
 a layer's queries, the int8 key codes its scorer read and full attention's mass per page. When
 ``kvfactory.metrics.HitRateAlert`` fires (the mean hit rate under ``threshold`` for ``duration_s``;
 0.82 for three minutes by default), a background thread fine-tunes a copy of the scorer's query
-projections on them for ``steps`` Adam steps (the KL divergence of its estimated page shares from
-full attention's, as training does), then puts the copy in the router's slot
+projections on them for ``steps`` Adam steps of ``batch`` samples each (the KL divergence of its
+estimated page shares from full attention's, as training does), then puts the copy in the router's
+slot
 (``kvfactory.selectors.oval.RouterSlot``): every selector of that router file, in every cache,
 scores with it from its next layer on. The key projections and code scales stay frozen, so the codes
 already stored stay valid and nothing is re-encoded; each layer's scoring reads the slot once, so
@@ -58,18 +59,18 @@ class DriftRetrainer:
     the caches to watch. ``history`` has one record per retraining."""
 
     def __init__(self, router: str = "embedded", threshold: float = 0.82, duration_s: float = 180.0,
-                 window: int = 64, samples: int = 256, steps: int = 40, lr: float = 3e-3,
+                 window: int = 64, samples: int = 2048, steps: int = 40, batch: int = 64, lr: float = 1e-3,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if samples < 1 or steps < 1 or not lr > 0:
-            raise ValueError(f"samples={samples}, steps={steps}, lr={lr}: expected samples >= 1, steps >= 1 "
-                             f"and lr > 0")
+        if samples < 1 or steps < 1 or batch < 1 or not lr > 0:
+            raise ValueError(f"samples={samples}, steps={steps}, batch={batch}, lr={lr}: expected samples, "
+                             f"steps and batch >= 1 and lr > 0")
         self.slot = router_slot(str(router_path(router)))
         if not isinstance(self.slot.module, LowRankScorer):
             raise ValueError(f"router {router!r} is a {self.slot.module.kind} router: only the query scorer "
                              f"is retrained on drift")
         self.alert = HitRateAlert(self._on_alert, threshold, duration_s, window, clock)
         self.samples: deque[ShadowSample] = deque(maxlen=samples)
-        self.steps, self.lr, self.clock = steps, lr, clock
+        self.steps, self.batch, self.lr, self.clock = steps, batch, lr, clock
         self.history: list[dict[str, Any]] = []
         self._thread: threading.Thread | None = None
 
@@ -114,13 +115,15 @@ class DriftRetrainer:
         gen = torch.Generator().manual_seed(len(self.history))
         for _ in range(self.steps):
             optimizer.zero_grad()
-            sample_loss(tuned, samples[int(torch.randint(len(samples), (), generator=gen))]).backward()
+            chosen = torch.randperm(len(samples), generator=gen)[:self.batch].tolist()
+            (sum(sample_loss(tuned, samples[i]) for i in chosen) / len(chosen)).backward()
             optimizer.step()
         tuned.requires_grad_(False)
         with torch.no_grad():
             after = sum(float(sample_loss(tuned, s)) for s in samples) / len(samples)
         self.slot.module = tuned.eval()  # the swap: one assignment, read once per layer's scoring
         record = {"at": started, "hit_rate": hit_rate, "samples": len(samples), "steps": self.steps,
+                  "batch": self.batch,
                   "loss_before": before, "loss_after": after, "seconds": self.clock() - started}
         self.history.append(record)
         return record
