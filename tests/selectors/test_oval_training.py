@@ -84,8 +84,9 @@ def test_the_query_scorer_learns_the_teachers_page_mass_and_ranks_as_decode_does
     assert all(report["oracle"]["recall"] >= v["recall"] - 1e-6 for v in report.values())
     # decode's path: codes kept as the keys arrive, the step's queries scored against them
     shares = oval_train.query_shares(scorer, chunk, quantized=True)
+    layer = 1
     for s in (0, 5):
-        position, layer = int(chunk.positions[s]), 1
+        position = int(chunk.positions[s])
         summaries = PageSummaries(teacher.PAGE, dtype=None)
         summaries.set_token_codes(lambda keys: scorer.encode(keys, layer))
         summaries.append(chunk.keys[layer, :, :position + 1][None].float())
