@@ -142,7 +142,7 @@ class OvalSelector(Selector):
         router = self.loaded_router
         if not isinstance(router, LowRankScorer):
             return None
-        router.shape.index_of(self._layer)
+        router.shape.index_of(self._layer)  # a layer it was not trained for is refused at create_cache()
 
         def encode(keys: torch.Tensor) -> torch.Tensor:
             self._check_shape(keys.shape[1], keys.shape[-1])
