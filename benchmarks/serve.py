@@ -12,9 +12,10 @@ ignored so every request generates its full ``max_tokens``):
   tokens: through a server (``http:CONFIG`` for ``kvfactory serve``, ``vllm``) or ``sequential``
   (each request starts at its arrival or when the one before it ends; TTFT from its arrival).
 
-Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``; mixed steps, the
-default) and ``engine-prefill-first:CONFIG`` (the engine's ``prefill_first`` scheduling: steps that prefill
-carry no decode tokens, so decodes run as one batch), either with ``-no-prefix-cache`` after the kind
+Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``, or a YAML config
+file such as ``benchmarks/configs/oval_true_8.yaml``; mixed steps, the default) and
+``engine-prefill-first:CONFIG`` (the engine's ``prefill_first`` scheduling: steps that prefill carry no
+decode tokens, so decodes run as one batch), either with ``-no-prefix-cache`` after the kind
 (``engine-prefill-first-no-prefix-cache:paged16``: every prompt token computed, as sequential computes them),
 ``sequential`` (``model.generate`` with ``DynamicCache``, one request after another) and
 ``generate_batch`` (transformers' continuous batching). Each reports wall time, throughput
@@ -47,8 +48,8 @@ from transformers import DynamicCache, GenerationConfig
 
 from kvfactory.cache import dynamic_cache_bytes
 from kvfactory.engine import Engine, SamplingParams
+from kvfactory.eval.runner import resolve_cache
 from kvfactory.models import load_model
-from kvfactory.presets import load_preset
 
 sys.path.insert(0, str(Path(__file__).parent))  # serve_http.py beside this file
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
@@ -91,10 +92,13 @@ def summary(wall: float, generated: int, ttft: list[float], itl: list[float], pr
             "peak_kv_bytes": peak}
 
 
-def run_engine(model: Any, tokenizer: Any, preset: str, prompts: list[list[int]], new: int,
+def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]], new: int,
                prefill_first: bool = False, prefix_caching: bool | None = None) -> dict[str, Any]:
+    spec = resolve_cache(config)
+    if spec.config is None:
+        raise SystemExit(f"engine:{config}: the engine takes a kvfactory config, not {spec.source}")
     total = sum(len(p) for p in prompts) + len(prompts) * new
-    engine = Engine(model, tokenizer, load_preset(preset), pool_tokens=total + 64 * len(prompts),
+    engine = Engine(model, tokenizer, spec.config, pool_tokens=total + 64 * len(prompts),
                     max_num_batched_tokens=512, max_num_seqs=len(prompts), prefill_first=prefill_first,
                     prefix_caching=prefix_caching)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -254,10 +258,10 @@ def main() -> None:
                     continue  # arrivals over time: through a server, or one by one as they arrive
                     # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
                 if system.startswith("engine"):
-                    kind, preset = system.split(":", 1)
+                    kind, config = system.split(":", 1)
                     if kind.removesuffix("-no-prefix-cache") not in ("engine", "engine-prefill-first"):
                         raise SystemExit(f"unknown system {system!r}")
-                    result = run_engine(model, tokenizer, preset, prompts, new,
+                    result = run_engine(model, tokenizer, config, prompts, new,
                                         prefill_first=kind.startswith("engine-prefill-first"),
                                         prefix_caching=False if kind.endswith("-no-prefix-cache") else None)
                 elif system == "sequential":

@@ -312,6 +312,11 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(
         min=0, help="seconds requests in flight get to finish after SIGTERM before they are aborted")]
     = 10.0,
+    retrain_on_drift: Annotated[float | None, typer.Option(
+        min=0, max=1, help="with an OVAL query scorer: fine-tune it in the background when the shadow "
+                           "hit rate stays under this for --drift-seconds (docs/sparse-reads.md)")] = None,
+    drift_seconds: Annotated[float, typer.Option(
+        min=0, help="seconds under --retrain-on-drift before retraining")] = 180.0,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads; default: torch's")] = None,
     log_level: Annotated[Literal["debug", "info", "warning", "error"], typer.Option(help="log level")]
     = "info",
@@ -351,6 +356,15 @@ def serve(
                         tier_codec=tier_codec)
     except KVFactoryError as exc:
         _fail(exc)
+    if retrain_on_drift is not None:
+        from kvfactory.selectors.oval.drift import DriftRetrainer
+
+        selector = engine.manager.factory.config.selector
+        router = "embedded" if selector is None else selector.options.get("router", "embedded")
+        try:
+            DriftRetrainer(router, retrain_on_drift, drift_seconds).attach(engine)
+        except ValueError as exc:
+            raise typer.BadParameter(f"{cache!r}: {exc}", param_hint="--retrain-on-drift") from exc
     serve_app.run(create_app(engine, served_model_name or model, max_tokens=max_tokens), host, port,
                   shutdown_timeout, log_level)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ class EngineMemory:
     def __init__(self, manager: KVCacheManager, preemption: str, like: tuple[torch.Tensor, torch.Tensor],
                  metrics: EngineMetrics) -> None:
         self.manager, self.preemption, self.like, self.metrics = manager, preemption, like, metrics
+        self.cache_hooks: list[Callable[[Any], None]] = []  # called with each request's new cache
         self._needs: dict[tuple[str, int, int], list] = {}  # a scheduling pass asks again as its plan grows
 
     def requests(self, plan: Plan) -> list:
@@ -82,6 +83,8 @@ class EngineMemory:
         manager = self.manager
         cache = manager.create(request.request_id, prompt=request.tokens if manager.prefix_caching else None)
         join_batch(cache)
+        for hook in self.cache_hooks:
+            hook(cache)
         request.computed = manager.cached_tokens(request.request_id)
         if not request.output_ids:  # a first admission (not a recompute)
             request.cached_tokens = request.computed
@@ -169,6 +172,12 @@ class Engine:
         self.eos = _eos_ids(model)
         self._ids = itertools.count()
         self._aborted: list[RequestOutput] = []
+
+    def on_new_cache(self, hook: Callable[[Any], None]) -> None:
+        """Call ``hook(cache)`` with each request's cache when it is created (at admission, and again
+        after a preemption by recompute): how a watcher such as OVAL's ``DriftRetrainer`` sees every
+        sequence's shadow samples."""
+        self.memory.cache_hooks.append(hook)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -93,3 +93,33 @@ def test_only_a_query_scorer_is_retrained(tmp_path) -> None:
         DriftRetrainer(tiny_router(64, 2, 16, (0, 1), "prefetch"))
     with pytest.raises(ValueError, match="steps"):
         DriftRetrainer(tiny_router(64, 2, 16, (0, 1)), steps=0)
+
+
+def test_an_engine_feeds_every_request_to_the_retrainer(router: str) -> None:
+    """Attached to an engine, the retrainer watches each request's cache from its admission: the
+    alert fires on their shadow samples and the retrained scorer serves the requests after it."""
+    from kvfactory.engine import Engine, SamplingParams
+
+    model = tiny_model("llama")
+    original = load_router(router)
+    engine = Engine(model, None, config(router), pool_tokens=512)
+    retrainer = DriftRetrainer(router, threshold=1.0, duration_s=0.0, window=1, samples=32, steps=5)
+    retrainer.attach(engine)
+    prompts = [random_prompt(n, seed=n)[0].tolist() for n in (30, 41, 25)]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    retrainer.wait(timeout=60)
+    assert [len(o.token_ids) for o in outputs] == [8, 8, 8]
+    assert len(retrainer.history) == 1 and load_router(router) is not original
+    layers = {sample.layer for sample in retrainer.samples}
+    assert layers == {0, 1} and len(retrainer.samples) > 2 * 7  # shadow steps of more than one request
+    later = engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(later[0].token_ids) == 4 and engine.stats()["sequences"] == 0
+
+
+def test_an_engine_over_another_selector_is_refused(router: str) -> None:
+    from kvfactory.engine import Engine
+
+    model = tiny_model("llama")
+    quest = {"type": "composite", "strategies": [{"name": "paged", "page_size": 4}, {"name": "quest"}]}
+    with pytest.raises(ValueError, match="'quest'"):
+        DriftRetrainer(router).attach(Engine(model, None, quest, pool_tokens=512))

@@ -38,3 +38,29 @@ def test_scheduling_options_reach_the_engine(monkeypatch, flag: list[str], prefi
     assert result.exit_code == 0, result.output
     engine = served[0].state.runner.engine
     assert engine.scheduler.prefill_first is prefill_first and engine.memory.preemption == "recompute"
+
+
+@pytest.mark.slow
+def test_retraining_on_drift_attaches_to_the_engine(monkeypatch) -> None:
+    from kvfactory.selectors.oval.drift import DriftRetrainer
+    from kvfactory.server import serve as serve_app
+
+    served = []
+    monkeypatch.setattr(serve_app, "run", lambda application, *args: served.append(application))
+    args = ["serve", "--cache", "oval@0.125", "--retrain-on-drift", "0.7", "--drift-seconds", "60"]
+    result = CliRunner().invoke(app, args, env=WIDE)
+    assert result.exit_code == 0, result.output
+    [hook] = served[0].state.runner.engine.memory.cache_hooks
+    retrainer = hook.__self__
+    assert isinstance(retrainer, DriftRetrainer)
+    assert (retrainer.alert.threshold, retrainer.alert.duration_s) == (0.7, 60.0)
+
+
+@pytest.mark.slow
+def test_retraining_on_drift_needs_a_query_scorer(monkeypatch) -> None:
+    from kvfactory.server import serve as serve_app
+
+    monkeypatch.setattr(serve_app, "run", lambda application, *args: pytest.fail("served"))
+    args = ["serve", "--cache", "quest@0.125", "--retrain-on-drift", "0.7"]
+    result = CliRunner().invoke(app, args, env=WIDE)
+    assert result.exit_code == 2 and "'quest'" in result.output

@@ -74,10 +74,19 @@ class DriftRetrainer:
         self.history: list[dict[str, Any]] = []
         self._thread: threading.Thread | None = None
 
-    def attach(self, cache: Any) -> DriftRetrainer:
-        """Watch ``cache``'s shadow samples (a cache whose selector reads this router, or its metrics)."""
-        self.alert.attach(cache)
-        metrics_of(cache).sample_hooks.append(self.record)
+    def attach(self, source: Any) -> DriftRetrainer:
+        """Watch the shadow samples of ``source``: a cache whose selector reads this router (or its
+        metrics), or a ``kvfactory.engine.Engine`` over such caches (each request's cache from its
+        admission on)."""
+        if hasattr(source, "on_new_cache"):
+            selector = source.manager.factory.config.selector
+            if selector is None or getattr(selector.build_selector(), "slot", None) is not self.slot:
+                raise ValueError(f"the engine's config reads no page selector over this retrainer's router "
+                                 f"(selector {None if selector is None else selector.selector!r})")
+            source.on_new_cache(self.attach)
+            return self
+        self.alert.attach(source)
+        metrics_of(source).sample_hooks.append(self.record)
         return self
 
     @property
@@ -90,9 +99,10 @@ class DriftRetrainer:
             return
         b, _, _, d = query.shape
         hkv = mass.shape[1]
-        self.samples.append(ShadowSample(store.layer_idx, store.page_size,
-                                         query.detach().reshape(b, hkv, -1, d).float().clone(),
-                                         store.summaries.codes.clone(), mass.detach().float().clone()))
+        with torch.inference_mode(False):  # copies that training can use, from an engine's inference mode too
+            self.samples.append(ShadowSample(store.layer_idx, store.page_size,
+                                             query.detach().reshape(b, hkv, -1, d).float().clone(),
+                                             store.summaries.codes.clone(), mass.detach().float().clone()))
 
     def _on_alert(self, hit_rate: float, seconds: float) -> None:
         if not self.training:
