@@ -11,7 +11,8 @@ fraction of each layer's tokens); the hit rate and the attention-mass recall are
 positions, the layers every router covers (``--layers``) and the KV heads. ``--router`` is
 reported as ``router``, ``--others`` by their names. ``router_no_decay`` is the prefetch router's
 ablation without the positional term; ``oracle_pooled`` the oracle free to move the budget between
-the layers and KV heads of a position. Prints JSON; ``--plot FILE`` also draws recall and hit rate
+the layers and KV heads of a position; ``--detail`` adds the tail of each method's recall and its
+mean per layer. Prints JSON; ``--plot FILE`` also draws recall and hit rate
 against the read budget (``--replot JSON`` redraws a saved run).
 
     python benchmarks/oval_routing.py [--budgets 0.25,0.125,0.0625] [--chunks 12] [--router embedded]
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--others", default="", help="more routers to compare, comma-separated")
     parser.add_argument("--layers", default="2-29", help="FIRST-LAST model layers to measure")
     parser.add_argument("--text", default=str(BOOK), help="a file, or 'wikitext' / 'alice'")
+    parser.add_argument("--detail", action="store_true",
+                        help="also each method's recall tail (1st and 5th percentiles, share under 1/2) and "
+                             "mean per layer")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--replot", type=Path, help="a saved JSON output to draw instead of measuring")
     args = parser.parse_args()
@@ -62,7 +66,8 @@ def main() -> None:
     ids = teacher.cap(teacher.tokens_of(tokenizer, [load_text(args.text).text]), args.chunks, args.chunk)
     chunks = teacher.collect(model, ids, range(first, last + 1), args.positions, args.chunk, seed=1,
                              advance=lambda: print(".", end="", file=sys.stderr, flush=True), keys=True)
-    results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True, others=others)
+    results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True, others=others,
+                                              detail=args.detail)
                for budget in map(float, args.budgets.split(","))}
     report = {"benchmark": "oval_routing", "text": Path(args.text).name, "tokens": ids.numel(),
               "positions": args.positions * len(chunks), "router": args.router, "others": list(others),

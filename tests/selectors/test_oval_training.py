@@ -60,6 +60,13 @@ def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
     pooled = oval_train.evaluate(router, chunks, 0.25, ablations=True)
     assert set(pooled) == set(report) | {"router_no_decay", "random", "oracle_pooled"}
     assert pooled["oracle_pooled"]["recall"] >= pooled["oracle"]["recall"] - 1e-6  # a freer choice
+    detail = oval_train.evaluate(router, chunks, 0.25, detail=True)
+    for name, values in detail.items():
+        assert values["recall"] == pytest.approx(report[name]["recall"])
+        assert 0 <= values["recall_p01"] <= values["recall_p05"] <= values["recall"] + 1e-6
+        assert 0 <= values["under_half"] <= 1 and set(values["per_layer"]) == set(router.shape.layers)
+        mean_of_layers = sum(values["per_layer"].values()) / len(values["per_layer"])
+        assert mean_of_layers == pytest.approx(values["recall"], abs=1e-5)  # as many samples per layer
     assert model.config._attn_implementation == "sdpa"  # the teacher's attention is switched back
 
 
@@ -127,3 +134,26 @@ def test_the_train_command_writes_a_router_and_its_curves(tmp_path) -> None:
         "--epochs", "1"])
     assert result.exit_code == 0, result.output
     assert Router.load(out).shape.layers == tuple(range(2, 30))
+
+
+@pytest.mark.parametrize(("batch", "new", "page", "tokens"),
+                         [(1, 1, 16, 768), (3, 1, 4, 37), (2, 3, 16, 101), (1, 2, 32, 32), (2, 1, 16, 1)])
+def test_the_page_kernel_scores_as_torch_does(batch: int, new: int, page: int, tokens: int) -> None:
+    """``page_log_mass`` on the CPU (one C kernel call: softmax over the tokens, page sums) against
+    the differentiable torch path training uses: several batch rows, new tokens, page sizes, a last page
+    partly filled; a key far above the rest (its page's softmax dominates)."""
+    from kvfactory.selectors.oval.lowrank import LowRankShape
+
+    gen = torch.Generator().manual_seed(tokens)
+    scorer = LowRankScorer(LowRankShape(query_heads=6, kv_heads=2, head_dim=16, layers=(0, 3)))
+    with torch.no_grad():
+        scorer.query.copy_(torch.randn(scorer.query.shape, generator=gen))
+        scorer.code_scale.copy_(torch.rand(scorer.code_scale.shape, generator=gen) * 0.05 + 0.01)
+    codes = torch.randint(-127, 128, (batch, 2, 4, tokens), dtype=torch.int8, generator=gen)
+    codes[0, 0, :, tokens // 2] = 127
+    queries = torch.randn(batch, 2, 3 * new, 16, generator=gen)
+    kernel = scorer.page_log_mass(queries, codes, 3, page)
+    expected = scorer.page_shares(queries, codes, 3, page).clamp(min=torch.finfo(torch.float32).tiny).log()
+    assert kernel.shape == (batch, 2, -(-tokens // page))
+    torch.testing.assert_close(kernel.exp(), expected.exp(), atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(kernel.exp().sum(-1), torch.ones(batch, 2))

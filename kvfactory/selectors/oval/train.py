@@ -104,14 +104,16 @@ def ranking(scorer: Scorer, chunk: Chunk) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(router: Scorer, chunks: Sequence[Chunk], budget: float, ablations: bool = False,
-             others: dict[str, Scorer] | None = None) -> dict[str, dict[str, float]]:
+             others: dict[str, Scorer] | None = None, detail: bool = False) -> dict[str, dict[str, Any]]:
     """Hit rate and mass recall at ``budget`` per method, as the cache measures them (the sink and
     current page always read), mean over positions, layers and KV heads: ``router`` (either kind),
     ``others`` by their names, Quest, recent pages and the oracle. ``ablations`` adds a prefetch
     router without its positional decay, the random baseline and ``oracle_pooled``: the oracle
     free to move the budget between the layers and KV heads of a position (the best any per-step
-    allocation could read)."""
+    allocation could read). ``detail`` adds the tail of each method's recall over (position, layer,
+    KV head): its 1st and 5th percentiles, the share under one half, and the mean per layer."""
     totals: dict[str, list[float]] = {}
+    recalls: dict[str, list[torch.Tensor]] = {}
     gen = torch.Generator().manual_seed(0)
     for chunk in chunks:
         pages = chunk.features.shape[2]
@@ -142,7 +144,17 @@ def evaluate(router: Scorer, chunks: Sequence[Chunk], budget: float, ablations: 
             stats[0] += float(recall.sum())
             stats[1] += float(hit.sum())
             stats[2] += recall.numel()
-    return {name: {"recall": s[0] / s[2], "hit_rate": s[1] / s[2]} for name, s in totals.items()}
+            if detail:
+                recalls.setdefault(name, []).append(recall.float())
+    report: dict[str, dict[str, Any]] = {name: {"recall": s[0] / s[2], "hit_rate": s[1] / s[2]}
+                                         for name, s in totals.items()}
+    for name, parts in recalls.items():
+        recall = torch.cat(parts)  # [positions, layers, KV heads]
+        report[name] |= {"recall_p01": float(recall.quantile(0.01)),
+                         "recall_p05": float(recall.quantile(0.05)),
+                         "under_half": float((recall < 0.5).float().mean()),
+                         "per_layer": dict(zip(chunks[0].layers, recall.mean((0, 2)).tolist(), strict=True))}
+    return report
 
 
 def _top(scores: torch.Tensor, allowed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
