@@ -6,7 +6,7 @@ and KV head the summaries keep the per-channel maximum and minimum of its keys, 
 and, for selectors that embed pages (OVAL's prefetch router), the mean key; side by side in one
 ``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one pass over them. They are updated as
 tokens are appended, one vectorised reduction per append. A selector that scores every token from
-a small code of its key (OVAL's query scorer) has the codes kept here too (``set_token_codes``).
+a small code of its key (OVAL's query scorer) has the codes kept here instead (``set_token_codes``).
 
 Every decode step reads each sparse layer's summaries whole, so they are stored in float16 by default
 (half the bytes of float32 keys): maxima rounded up and minima rounded down, so Quest's bound stays
@@ -141,7 +141,8 @@ class PageSummaries:
 
     def set_token_codes(self, encode: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Keep ``encode(keys)`` (``[B, Hkv, n, D]`` -> ``[B, Hkv, n, C]``) of every token appended from
-        now on (set before the first append)."""
+        now on (set before the first append), instead of the page bounds: the selector scores from
+        the codes alone, so the bounds' bytes and their update at every append are saved."""
         if self.length:
             raise ValueError(f"token codes are set before any token is appended ({self.length} held)")
         self.encode, self._codes = encode, None
@@ -188,8 +189,10 @@ class PageSummaries:
         b, h, n, d = keys.shape
         if n == 0:
             return
-        if self.encode is not None:
+        if self.encode is not None:  # a selector that scores tokens from their codes reads no bounds
             self._append_codes(keys)
+            self.length += n
+            return
         ps, first = self.page_size, self.length // self.page_size
         last = (self.length + n - 1) // ps + 1
         self._reserve(last, keys)

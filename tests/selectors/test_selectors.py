@@ -195,6 +195,23 @@ def test_page_summaries_hold_each_pages_key_bounds(with_mean: bool, dtype: torch
     assert torch.equal(summaries.kmax, kmax[[1, 1, 0]])
 
 
+def test_page_summaries_with_token_codes_keep_the_codes_alone() -> None:
+    """A selector scoring tokens from their codes (OVAL's query scorer) reads no bounds: none are kept."""
+    gen = torch.Generator().manual_seed(0)
+    summaries, chunks = PageSummaries(PAGE), []
+    summaries.set_token_codes(lambda keys: (keys[..., :2] * 10).round().to(torch.int8))
+    for n in (5, 1, 16, 3):
+        chunks.append(torch.randn(2, 3, n, 6, generator=gen))
+        summaries.append(chunks[-1])
+    keys = torch.cat(chunks, 2)
+    assert summaries.length == 25 and summaries.pages == -(-25 // PAGE)
+    assert torch.equal(summaries.codes, (keys[..., :2] * 10).round().to(torch.int8).transpose(2, 3))
+    assert summaries.scored is summaries.codes or torch.equal(summaries.scored, summaries.codes)
+    assert summaries.nbytes == summaries._codes.nbytes  # no bounds beside them
+    summaries.select_rows(torch.tensor([1, 0]))
+    assert torch.equal(summaries.codes[0], (keys[1, ..., :2] * 10).round().to(torch.int8).transpose(1, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_quest_bound_is_at_least_every_key_score_of_the_page(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
