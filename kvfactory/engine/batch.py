@@ -12,9 +12,9 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
 - decode tokens of sparse layers over plain pages (Quest, OVAL) likewise, each KV head over the
   blocks its selector picked (``SparseStore.decode_blocks``), except on the steps that measure the
   selection against full attention;
-- a prefill chunk over plain or quantized pages is written through its cache and attends causally
-  over its stored tokens (decoded, for quantized ones) and itself
-  (``kvfactory.attention.causal_chunk``);
+- a prefill chunk over plain or quantized pages, sparse layers' included, is written through its
+  cache and attends causally over its stored tokens (decoded, for quantized ones) and itself
+  (``kvfactory.attention.causal_chunk``), a page selector then seeing the chunk's queries;
 - everything else (int8 and FP8 pages, eviction policies, sparse reads over quantized pages and
   their shadow steps, sliding layers) goes
   through the sequence's own cache and kvfactory's attention, exactly as ``model.generate`` would
@@ -95,10 +95,15 @@ class _StepRead(attention.BatchRead):
             length = read.length if pending else keys.shape[-2]
             whole = read is None or (isinstance(read, attention.DeferredRead)  # K/V read whole for a chunk
                                      and q.shape[2] > attention.MAX_CHUNKED_QUERY)
-            if q.shape[2] > 1 and whole and observer is None and layer.sliding_window is None and plain_math:
+            passive = observer is None or getattr(observer, "keeps_causal_mask", False)
+            if q.shape[2] > 1 and whole and passive and layer.sliding_window is None and plain_math:
                 if read is not None:  # quantized pages, decoded for the chunk as kvfactory_attention would
                     keys, values = read.materialize()
+                if observer is not None:  # a page selector: causal over the stored tokens, as here
+                    observer.attention_mask(None, q)
                 out[:, span] = attention.causal_chunk(q, keys, values, scaling)
+                if observer is not None:  # the prompt's page mass, as kvfactory_attention would hand it
+                    observer.observe(q, scaling)
                 continue
             mask = causal_mask(q.shape[2], length, layer.sliding_window, q.device) if q.shape[2] > 1 else None
             attention.defer(read, keys, self.layer_idx, observer)

@@ -37,6 +37,7 @@ class SparseStore(WrappedStore):
     ``spec`` asks; ``inner`` serves whole pages (``pageable``, ``read_pages``, ``read_bytes``)."""
 
     observes_attention = True  # shadow steps measure full attention for the same queries
+    keeps_causal_mask = True  # it records the mask for those measurements and the prompt's page mass
 
     def __init__(self, inner: PagedStore | QuantizedStore, selector: Selector, spec: SelectorSpec,
                  metrics: RoutingMetrics, context: RoutingContext, num_layers: int) -> None:

@@ -88,6 +88,9 @@ class LayerStore(ABC):
     #: takes part in its layer's attention call (``kvfactory.attention.Observer``): the mask it
     #: attends with and what it sees afterwards (eviction scores, shadow measurements)
     observes_attention: ClassVar[bool] = False
+    #: an observer whose ``attention_mask`` returns transformers' mask unchanged (it only records it):
+    #: a causal prefill chunk may attend without building the mask (the engine's ``causal_chunk``)
+    keeps_causal_mask: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
