@@ -298,17 +298,25 @@ class _Haystack:
         return self.prompt(_largest(1, self.context, fits), depth)
 
 
+NEEDLE_SEED_STRIDE = 10  # articles between the first haystacks of consecutive seeds
+
+
 def needle_prompts(tokenizer: Any, corpus: Corpus, context: int, depths: Iterable[float],
-                   samples_per_depth: int = 1) -> list[RetrievalPrompt]:
-    """Needle prompts of at most ``context`` tokens; sample ``i``'s haystack starts at WikiText article ``i``.
+                   samples_per_depth: int = 1, seed: int = 0) -> list[RetrievalPrompt]:
+    """Needle prompts of at most ``context`` tokens; sample ``i``'s haystack starts at WikiText article
+    ``seed * NEEDLE_SEED_STRIDE + i``.
 
     The needle goes in at the sentence start nearest to ``depth`` of the haystack (by tokens), and
-    the question with its answer prefix (``NEEDLE_QUESTION``) follows the haystack.
+    the question with its answer prefix (``NEEDLE_QUESTION``) follows the haystack. Seeds draw
+    their haystacks from different articles (apart for up to ``NEEDLE_SEED_STRIDE`` samples), so a
+    set reported as held out shares no prompt with the set defaults were chosen on (seed 0).
     """
-    articles = corpus.articles()
+    if seed < 0:
+        raise ValueError(f"seed={seed}: expected a seed >= 0")
+    articles = corpus.articles()[seed * NEEDLE_SEED_STRIDE:]
     if samples_per_depth > len(articles):
-        raise ValueError(f"{samples_per_depth} needle samples: {corpus.source} holds only "
-                         f"{len(articles)} articles")
+        raise ValueError(f"{samples_per_depth} needle samples at seed {seed}: {corpus.source} holds only "
+                         f"{len(articles)} articles from article {seed * NEEDLE_SEED_STRIDE}")
     depths = list(depths)
     for depth in depths:
         _check_depth(depth)

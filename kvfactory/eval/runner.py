@@ -148,7 +148,7 @@ def _prompts(task: str, context: int, tokenizer: Any, corpus: data.Corpus, s: Ev
     if task == "passkey":
         return data.passkey_prompts(tokenizer, context, s.depths, s.keys_per_depth, s.seed)
     if task == "needle":
-        return data.needle_prompts(tokenizer, corpus, context, s.depths, s.needles_per_depth)
+        return data.needle_prompts(tokenizer, corpus, context, s.depths, s.needles_per_depth, s.seed)
     return data.chat_prompts(tokenizer, corpus, context, s.facts, s.conversations, seed=s.seed)
 
 

@@ -95,6 +95,26 @@ def test_needle_prompts(corpus: Corpus) -> None:
         needle_prompts(tok, corpus, 900, [0.5], samples_per_depth=6)
 
 
+def test_needle_seeds_take_their_haystacks_from_other_articles() -> None:
+    tok = tiny_tokenizer()
+    text = "".join(f" = Article {i} = \n Sentence {i} one . Sentence {i} two .\n" * 1 +
+                   "".join(f" Line {i}.{j} of the article goes on . And on .\n" for j in range(12))
+                   for i in range(25))
+    corpus = Corpus(text, "articles")
+    starts = corpus.articles()
+    assert len(starts) == 25
+    for seed in (0, 1, 2):
+        records = needle_prompts(tok, corpus, 400, [0.5], samples_per_depth=3, seed=seed)
+        for r in records:
+            haystack = r.prompt.removesuffix(data.NEEDLE_QUESTION).replace(NEEDLE + " ", "")
+            assert text[starts[seed * data.NEEDLE_SEED_STRIDE + r.sample]:].startswith(haystack)
+    assert needle_prompts(tok, corpus, 400, [0.5], 3, seed=1) != needle_prompts(tok, corpus, 400, [0.5], 3)
+    with pytest.raises(ValueError, match="from article 20"):
+        needle_prompts(tok, corpus, 400, [0.5], samples_per_depth=6, seed=2)
+    with pytest.raises(ValueError, match="seed"):
+        needle_prompts(tok, corpus, 400, [0.5], seed=-1)
+
+
 def test_chat_prompts(corpus: Corpus) -> None:
     tok = tiny_tokenizer()
     (record,) = chat_prompts(tok, corpus, 3000, facts=5, reply_tokens=24, seed=1)
