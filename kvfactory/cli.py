@@ -194,7 +194,8 @@ def eval_(
         help="passkey/needle: the question 'inside' the prompt a cache compresses, or fed 'after' the "
              "compressed context (kvpress's pipeline; compare kvpress rows in this setting)")] = "inside",
     seed: Annotated[int, typer.Option(
-        min=0, help="draws the passkeys, the needles' haystacks and the conversations' facts: another seed, other prompts")] = 0,
+        min=0, help="draws the passkeys, the needles' haystacks and the conversations' facts: "
+                    "another seed, other prompts")] = 0,
 ) -> None:
     """Evaluate caches on perplexity, passkey, needle and multi-turn recall against DynamicCache."""
     import shlex
