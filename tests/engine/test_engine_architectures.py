@@ -153,16 +153,28 @@ def test_eos_ends_a_request() -> None:
 
 def test_int4_pages_admit_more_sequences_in_one_byte_budget() -> None:
     """With one KV byte budget, int4 pages hold over three times the concurrent long sequences of plain
-    pages (the scheduler admits while their writes fit the pool)."""
+    pages (the scheduler admits while their writes fit the pool), and finish every one of them with
+    the tokens the same int4 cache gives alone (the quality the quantization docs measure)."""
+    from kvfactory import KVCacheFactory
+
     model = tiny_model("llama")
-    prompt = random_prompt(400)[0].tolist()
-    running = {}
+    prompts = [random_prompt(400, seed=i)[0].tolist() for i in range(40)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    running, done = {}, {}
     for name, config in (("plain", {"type": "paged", "page_size": 16}),
                          ("int4", {"type": "paged", "page_size": 16, "quantization": "int4"})):
         pool = {"pool_bytes": 6 * 416 * 2 * 2 * 16 * 4 * 2}  # 6 plain sequences of 416 tokens, 2 layers
-        engine = Engine(model, None, config | pool, max_num_batched_tokens=100_000, max_num_seqs=64)
-        for _ in range(40):
-            engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
-        engine.step()
+        engine = Engine(model, None, config | pool, max_num_batched_tokens=100_000, max_num_seqs=64,
+                        prefix_caching=False)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        outputs = {o.request_id: o for o in engine.step() if o.finished}
         running[name] = len(engine.scheduler.running)
+        while engine.has_unfinished():
+            outputs |= {o.request_id: o for o in engine.step() if o.finished}
+        done[name] = [outputs[i].token_ids for i in ids]
+        assert engine.stats()["sequences"] == 0
     assert running["plain"] == 6 and running["int4"] >= 3 * running["plain"]
+    assert all(len(tokens) == 16 for tokens in done["int4"])
+    factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 16, "quantization": "int4"})
+    for prompt, tokens in list(zip(prompts, done["int4"], strict=True))[::13]:
+        assert tokens == greedy_tokens(model, prompt, 16, factory.create_cache())
