@@ -22,8 +22,9 @@ class CacheFootprint:
     values, averaged over quantized layers (``KVCache.quantization_error``); None elsewhere. Caches
     with a page selector add its routing metrics (``KVCache.routing_metrics``): the fraction of KV
     bytes decode read, hit rate and attention-mass recall, the oracle's recall at the same number of
-    pages (NaN without shadow samples) and the router's p99 latency per decode step; others read
-    everything (``read_fraction`` 1.0).
+    pages (NaN without shadow samples), the router's p99 latency per decode step, and the tokens a
+    decode step read over those stored with their split: always read (sink, local and new-token
+    pages), selected, and read whole (dense layers); others read everything (``read_fraction`` 1.0).
     """
 
     bytes: int
@@ -38,6 +39,10 @@ class CacheFootprint:
     recall: float | None = None
     router_p99_ms: float | None = None
     oracle_recall: float | None = None
+    token_read_fraction: float | None = None
+    always_read_fraction: float | None = None
+    selected_read_fraction: float | None = None
+    whole_read_fraction: float | None = None
 
 
 def cache_footprint(cache: Any) -> CacheFootprint:
@@ -58,7 +63,8 @@ def cache_footprint(cache: Any) -> CacheFootprint:
     value_mse = sum(e["value"] for e in errors) / len(errors) if errors else None
     routing = cache.routing.as_dict() if getattr(cache, "routing", None) is not None else None
     read = routing["read_fraction"] if routing and not math.isnan(routing["read_fraction"]) else 1.0
+    fields = ("hit_rate", "recall", "router_latency_p99_ms", "oracle_recall", "token_read_fraction",
+              "always_read_fraction", "selected_read_fraction", "whole_read_fraction")
     return CacheFootprint(held, seen, stored, held / seen if seen else 0.0,
                           1.0 - stored / seen if seen else 0.0, key_mse, value_mse, read,
-                          *((routing["hit_rate"], routing["recall"], routing["router_latency_p99_ms"],
-                             routing["oracle_recall"]) if routing else (None, None, None, None)))
+                          *(routing[f] if routing else None for f in fields))

@@ -38,6 +38,11 @@ def _f(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def _split(row: dict[str, Any]) -> str:
+    """The tokens read, split: always read + selected + read whole."""
+    return " + ".join(_f(row.get(f"{part}_read_fraction"), ".3f") for part in ("always", "selected", "whole"))
+
+
 def _table(headers: list[str], lines: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     return out + ["| " + " | ".join(cells) + " |" for cells in lines]
@@ -172,12 +177,15 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
                   "hit rate (pages read among the same number with the most attention mass) and the "
                   "attention-mass recall, mean over sparse layers, KV heads and prompts, beside the "
                   "oracle's (as many pages chosen by full attention: the most any selector reads); the "
-                  "router's p99 seconds choosing pages per decode step (all layers):", ""]
+                  "router's p99 seconds choosing pages per decode step (all layers); the tokens a decode "
+                  "step read over those stored (the read budget as Quest counts it), split into always "
+                  "read (sink, local and new-token pages), selected, and read whole (dense layers):", ""]
         lines += _table(["config", "task", "context", "read", "hit rate", "recall", "oracle recall",
-                         "router p99 ms/step"],
+                         "router p99 ms/step", "tokens read", "always + selected + whole"],
                         [[r["config"], r["task"], str(r["context"]), _f(r["read_budget"], ".3f"),
                           _f(r.get("hit_rate"), ".3f"), _f(r["recall"], ".3f"),
-                          _f(r.get("oracle_recall"), ".3f"), _f(r.get("router_p99_ms"), ".2f")]
+                          _f(r.get("oracle_recall"), ".3f"), _f(r.get("router_p99_ms"), ".2f"),
+                          _f(r.get("token_read_fraction"), ".3f"), _split(r)]
                          for r in routed])
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]

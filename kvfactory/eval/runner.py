@@ -195,7 +195,8 @@ def _aggregate(unit: Unit) -> dict[str, Any]:
         "decode_tokens_per_s": steps / decode_s if decode_s > 0 else float("nan"),
     }
     for field_name in ("key_rel_mse", "value_rel_mse", "hit_rate", "recall", "oracle_recall",
-                       "router_p99_ms"):
+                       "router_p99_ms", "token_read_fraction", "always_read_fraction",
+                       "selected_read_fraction", "whole_read_fraction"):
         values = [getattr(p, field_name) for p in prints
                   if getattr(p, field_name) is not None and not math.isnan(getattr(p, field_name))]
         if values:

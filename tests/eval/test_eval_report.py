@@ -41,6 +41,10 @@ def test_report_files(tmp_path) -> None:
     assert "## Page routing" in text  # the Quest config's bytes read, hit rate and recall
     quest = [r for r in results["rows"] if "quest" in r["config"]]
     assert quest and all(r["read_budget"] < 0.7 and 0 < r["recall"] <= 1 + 1e-6 for r in quest)
+    for r in quest:  # the tokens read and their split, as the table shows them
+        parts = [r[f"{p}_read_fraction"] for p in ("always", "selected", "whole")]
+        assert abs(sum(parts) - r["token_read_fraction"]) < 1e-9 and 0 < r["token_read_fraction"] < 1
+        assert " + ".join(f"{p:.3f}" for p in parts) in text
     others = [r for r in results["rows"] if "quest" not in r["config"]]
     assert all(r["read_budget"] == 1.0 and "recall" not in r for r in others)
 
