@@ -12,8 +12,10 @@ positions, the layers every router covers (``--layers``) and the KV heads. ``--r
 reported as ``router``, ``--others`` by their names. ``router_no_decay`` is the prefetch router's
 ablation without the positional term; ``oracle_pooled`` the oracle free to move the budget between
 the layers and KV heads of a position; ``--detail`` adds the tail of each method's recall and its
-mean per layer. Prints JSON; ``--plot FILE`` also draws recall and hit rate
-against the read budget (``--replot JSON`` redraws a saved run).
+mean per layer, and the relative error of each query head's attention output over the pages a method
+reads against full attention's (mean and per layer; full attention's inputs at every layer).
+Prints JSON; ``--plot FILE`` also draws recall and hit rate against the read budget (``--replot
+JSON`` redraws a saved run).
 
     python benchmarks/oval_routing.py [--budgets 0.25,0.125,0.0625] [--chunks 12] [--router embedded]
         [--others embedded-prefetch] [--text wikitext] [--plot docs/oval_routing.png] [--replot results.json]
@@ -49,8 +51,8 @@ def main() -> None:
     parser.add_argument("--layers", default="2-29", help="FIRST-LAST model layers to measure")
     parser.add_argument("--text", default=str(BOOK), help="a file, or 'wikitext' / 'alice'")
     parser.add_argument("--detail", action="store_true",
-                        help="also each method's recall tail (1st and 5th percentiles, share under 1/2) and "
-                             "mean per layer")
+                        help="also each method's recall tail (1st and 5th percentiles, share under 1/2), "
+                             "mean per layer, and the attention output's relative error")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--replot", type=Path, help="a saved JSON output to draw instead of measuring")
     args = parser.parse_args()
@@ -65,7 +67,8 @@ def main() -> None:
     first, last = map(int, args.layers.split("-"))
     ids = teacher.cap(teacher.tokens_of(tokenizer, [load_text(args.text).text]), args.chunks, args.chunk)
     chunks = teacher.collect(model, ids, range(first, last + 1), args.positions, args.chunk, seed=1,
-                             advance=lambda: print(".", end="", file=sys.stderr, flush=True), keys=True)
+                             advance=lambda: print(".", end="", file=sys.stderr, flush=True), keys=True,
+                             values=args.detail)
     results = {budget: oval_train.evaluate(router, chunks, budget, ablations=True, others=others,
                                               detail=args.detail)
                for budget in map(float, args.budgets.split(","))}

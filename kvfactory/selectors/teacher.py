@@ -5,7 +5,8 @@ Text is cut into windows and run through the frozen model once each with full at
 page of ``PAGE`` tokens gets from the query at ``t`` (the group's query heads averaged per KV head,
 causal), Quest's score for comparison (``kvfactory.selectors.quest``), the pages' summaries (key
 maximum, minimum and mean per channel) and the decoder's last hidden state at ``t - 1``; with
-``keys`` also the keys themselves and the sampled queries (what OVAL's query scorer learns from). Read-budget
+``keys`` also the keys themselves and the sampled queries (what OVAL's query scorer learns from),
+with ``values`` the values too (what the attention output of a page choice is measured with). Read-budget
 calibration (``calibrate.py``) and OVAL's router training (``oval/train.py``) both learn from it;
 both count the sink page and the current page as always read (``candidates``, ``chosen_count``).
 """
@@ -40,13 +41,17 @@ class Chunk:
     queries: torch.Tensor | None = None  # [S, L, Hq, D]: the queries at the sampled positions
     positions: torch.Tensor | None = None  # [S]: the sampled query positions (with the keys)
     layers: tuple[int, ...] = ()  # the model layers recorded, in order
+    values: torch.Tensor | None = None  # [L, Hkv, P * PAGE, D]: the values (``collect(values=True)``)
+    scaling: float | None = None  # the attention's score scale (with the values)
 
 
 class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int], keys: bool) -> None:
-        self.positions, self.layers, self.keys = positions, set(layers), keys
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int], keys: bool, values: bool) -> None:
+        self.positions, self.layers, self.keys, self.values = positions, set(layers), keys, values
         self.out: dict[int, PageRecord] = {}
         self.raw: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.value: dict[int, torch.Tensor] = {}
+        self.scaling: float | None = None
 
 
 _recording: _Recorder | None = None
@@ -59,10 +64,14 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
         _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"))
+        pages = key.shape[2] // PAGE
         if _recording.keys:
-            pages = key.shape[2] // PAGE
             _recording.raw[layer] = (query[0, :, _recording.positions].transpose(0, 1).half(),
                                      key[0, :, :pages * PAGE].half())
+        if _recording.values:
+            _recording.value[layer] = value[0, :, :pages * PAGE].half()
+            scaling = kwargs.get("scaling")
+            _recording.scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     return out
 
 
@@ -95,9 +104,13 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
 @torch.no_grad()
 def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None, keys: bool = False) -> list[Chunk]:
+            advance: Callable[[], None] = lambda: None, keys: bool = False, values: bool = False
+            ) -> list[Chunk]:
     """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
-    positions each (uniform beyond the first eighth); with ``keys`` the keys and sampled queries too."""
+    positions each (uniform beyond the first eighth); with ``keys`` the keys and sampled queries too,
+    with ``values`` (and ``keys``) the values and the score scale."""
+    if values and not keys:
+        raise ValueError("values=True needs keys=True: an attention output needs the keys and queries")
     global _recording
     gen = random.Random(seed)
     previous = model.config._attn_implementation
@@ -107,7 +120,7 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
         for start in range(0, ids.numel() - chunk + 1, chunk):
             window = ids[start:start + chunk][None]
             at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-            _recording = _Recorder(at, layers, keys)
+            _recording = _Recorder(at, layers, keys, values)
             hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
             out = [_recording.out[layer] for layer in layers]
             record = Chunk(
@@ -118,6 +131,9 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
                 record.queries = torch.stack([_recording.raw[layer][0] for layer in layers], 1)
                 record.keys = torch.stack([_recording.raw[layer][1] for layer in layers])
                 record.positions = at
+            if values:
+                record.values = torch.stack([_recording.value[layer] for layer in layers])
+                record.scaling = _recording.scaling
             records.append(record)
             advance()
     finally:

@@ -70,6 +70,36 @@ def test_a_short_fit_lowers_the_loss_and_reports_every_method() -> None:
     assert model.config._attn_implementation == "sdpa"  # the teacher's attention is switched back
 
 
+def test_output_errors_are_the_attention_over_the_pages_read() -> None:
+    """The relative error of a query head's attention output over the pages read, against a direct
+    computation; reading every page costs nothing; ``evaluate(detail=True)`` reports it per layer."""
+    model = tiny_model("llama", max_position_embeddings=1024)
+    ids = random_prompt(512, seed=0)[0]
+    with pytest.raises(ValueError, match="keys=True"):
+        teacher.collect(model, ids, (0, 1), 8, 256, seed=0, values=True)
+    chunks = teacher.collect(model, ids, (0, 1), 8, 256, seed=0, keys=True, values=True)
+    chunk = chunks[0]
+    assert chunk.values.shape == chunk.keys.shape and chunk.scaling == pytest.approx(16 ** -0.5)
+    every = torch.ones(chunk.mass.shape, dtype=torch.bool)
+    sink = torch.zeros_like(every)
+    sink[..., 0] = True
+    errors = oval_train.output_errors(chunk, {"every": every, "sink": sink})
+    assert errors["every"].shape == (8, 2, 4) and errors["every"].abs().max() < 1e-5
+    for s, layer, head in ((0, 0, 0), (5, 1, 3)):
+        t, q = int(chunk.positions[s]), chunk.queries[s, layer, head].float()
+        keys, values = chunk.keys[layer, head // 2].float(), chunk.values[layer, head // 2].float()
+        full = (q @ keys[:t + 1].T * chunk.scaling).softmax(-1) @ values[:t + 1]
+        partial = (q @ keys[:16].T * chunk.scaling).softmax(-1) @ values[:16]
+        expected = (partial - full).norm() / full.norm()
+        assert float(errors["sink"][s, layer, head]) == pytest.approx(float(expected), rel=1e-4)
+    router = oval_train.new_router(model, 0, "tiny")
+    detail = oval_train.evaluate(router, chunks, 0.25, detail=True)
+    for values in detail.values():
+        per_layer = values["output_error_per_layer"]
+        assert set(per_layer) == {0, 1} and values["output_error"] >= 0
+        assert sum(per_layer.values()) / 2 == pytest.approx(values["output_error"], abs=1e-6)
+
+
 def test_the_query_scorer_learns_the_teachers_page_mass_and_ranks_as_decode_does() -> None:
     """Trained end to end on a tiny model: the loss falls; the ranking the evaluation scores (int8
     codes) is the one a decode step computes from the codes its page summaries keep."""

@@ -111,9 +111,12 @@ def evaluate(router: Scorer, chunks: Sequence[Chunk], budget: float, ablations: 
     router without its positional decay, the random baseline and ``oracle_pooled``: the oracle
     free to move the budget between the layers and KV heads of a position (the best any per-step
     allocation could read). ``detail`` adds the tail of each method's recall over (position, layer,
-    KV head): its 1st and 5th percentiles, the share under one half, and the mean per layer."""
+    KV head): its 1st and 5th percentiles, the share under one half, and the mean per layer; for
+    chunks with values (``collect(values=True)``) also the attention output's relative error
+    (``output_errors``), mean and per layer."""
     totals: dict[str, list[float]] = {}
     recalls: dict[str, list[torch.Tensor]] = {}
+    errors: dict[str, list[torch.Tensor]] = {}
     gen = torch.Generator().manual_seed(0)
     for chunk in chunks:
         pages = chunk.features.shape[2]
@@ -146,6 +149,9 @@ def evaluate(router: Scorer, chunks: Sequence[Chunk], budget: float, ablations: 
             stats[2] += recall.numel()
             if detail:
                 recalls.setdefault(name, []).append(recall.float())
+        if detail and chunk.values is not None:
+            for name, error in output_errors(chunk, reads).items():
+                errors.setdefault(name, []).append(error)
     report: dict[str, dict[str, Any]] = {name: {"recall": s[0] / s[2], "hit_rate": s[1] / s[2]}
                                          for name, s in totals.items()}
     for name, parts in recalls.items():
@@ -154,7 +160,36 @@ def evaluate(router: Scorer, chunks: Sequence[Chunk], budget: float, ablations: 
                          "recall_p05": float(recall.quantile(0.05)),
                          "under_half": float((recall < 0.5).float().mean()),
                          "per_layer": dict(zip(chunks[0].layers, recall.mean((0, 2)).tolist(), strict=True))}
+    for name, parts in errors.items():
+        error = torch.cat(parts)  # [positions, layers, query heads]
+        report[name] |= {"output_error": float(error.mean()),
+                         "output_error_per_layer": dict(zip(chunks[0].layers, error.mean((0, 2)).tolist(),
+                                                            strict=True))}
     return report
+
+
+def output_errors(chunk: Chunk, reads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per method, ``[S, L, Hq]``: the relative error ``|o_read - o| / |o|`` of each query head's
+    attention output at each sampled position and layer when it attends only to the pages ``reads``
+    marks (``[S, L, Hkv, P]``, renormalised over them) against full attention's ``o``. The inputs are
+    full attention's at every layer, so errors do not compound here as they do in decode."""
+    s, layers = chunk.queries.shape[:2]
+    hkv, tokens, d = chunk.keys.shape[1:]
+    causal = torch.arange(tokens) > chunk.positions[:, None]  # [S, T]
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in reads}
+    for at in range(layers):
+        q = chunk.queries[:, at].float().view(s, hkv, -1, d).transpose(0, 1)  # [Hkv, S, G, D]
+        keys, values = chunk.keys[at].float(), chunk.values[at].float()  # [Hkv, T, D]
+        probs = (q @ keys[:, None].transpose(-1, -2) * chunk.scaling).masked_fill(
+            causal[None, :, None], float("-inf")).softmax(-1)  # [Hkv, S, G, T]
+        full = probs @ values[:, None]  # [Hkv, S, G, D]
+        for name, read in reads.items():
+            tokens_read = read[:, at].transpose(0, 1).repeat_interleave(PAGE, -1)[:, :, None, :]
+            kept = probs * tokens_read  # [Hkv, S, G, T]
+            partial = kept @ values[:, None] / kept.sum(-1, keepdim=True).clamp(min=1e-12)
+            error = (partial - full).norm(dim=-1) / full.norm(dim=-1).clamp(min=1e-9)  # [Hkv, S, G]
+            out[name].append(error.permute(1, 0, 2).flatten(1))  # [S, Hq]
+    return {name: torch.stack(parts, 1) for name, parts in out.items()}
 
 
 def _top(scores: torch.Tensor, allowed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
