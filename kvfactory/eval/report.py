@@ -169,7 +169,7 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
         lines += _table(["config", "task", "context", "keys", "values"],
                         [[r["config"], r["task"], str(r["context"]), _f(r["key_rel_mse"], ".2e"),
                           _f(r["value_rel_mse"], ".2e")] for r in quantized])
-    routed = [r for r in rows if "recall" in r]
+    routed = [r for r in rows if "token_read_fraction" in r]
     if routed:
         lines += ["", "## Page routing", "",
                   "Sparse decode (page selectors): KV bytes read per decode step over all stored (page "
@@ -183,7 +183,7 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
         lines += _table(["config", "task", "context", "read", "hit rate", "recall", "oracle recall",
                          "router p99 ms/step", "tokens read", "always + selected + whole"],
                         [[r["config"], r["task"], str(r["context"]), _f(r["read_budget"], ".3f"),
-                          _f(r.get("hit_rate"), ".3f"), _f(r["recall"], ".3f"),
+                          _f(r.get("hit_rate"), ".3f"), _f(r.get("recall"), ".3f"),
                           _f(r.get("oracle_recall"), ".3f"), _f(r.get("router_p99_ms"), ".2f"),
                           _f(r.get("token_read_fraction"), ".3f"), _split(r)]
                          for r in routed])

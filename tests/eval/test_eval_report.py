@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 from eval_pipeline import CONTEXTS, TASKS, pipeline_results
@@ -47,6 +48,19 @@ def test_report_files(tmp_path) -> None:
         assert " + ".join(f"{p:.3f}" for p in parts) in text
     others = [r for r in results["rows"] if "quest" not in r["config"]]
     assert all(r["read_budget"] == 1.0 and "recall" not in r for r in others)
+
+
+def test_the_routing_table_shows_the_tokens_read_without_shadow_samples(tmp_path) -> None:
+    """A run too short for a shadow step has no recall, yet the tokens read and their split show."""
+    results = copy.deepcopy({k: v for k, v in pipeline_results().items() if k != "_units"})
+    for row in results["rows"]:
+        for name in ("recall", "hit_rate", "oracle_recall"):
+            row.pop(name, None)
+    write_report(results, tmp_path / "out")
+    text = (tmp_path / "out" / "report.md").read_text()
+    quest = [r for r in results["rows"] if "quest" in r["config"]]
+    assert quest and "## Page routing" in text
+    assert all(f"{r['always_read_fraction']:.3f} + {r['selected_read_fraction']:.3f}" in text for r in quest)
 
 
 def test_report_shows_the_paired_ci_and_the_windows(tmp_path) -> None:
