@@ -97,7 +97,7 @@ def test_needle_prompts(corpus: Corpus) -> None:
 
 def test_needle_seeds_take_their_haystacks_from_other_articles() -> None:
     tok = tiny_tokenizer()
-    text = "".join(f" = Article {i} = \n Sentence {i} one . Sentence {i} two .\n" * 1 +
+    text = "".join(f" = Article {i} = \n Sentence {i} one . Sentence {i} two .\n" +
                    "".join(f" Line {i}.{j} of the article goes on . And on .\n" for j in range(12))
                    for i in range(25))
     corpus = Corpus(text, "articles")
