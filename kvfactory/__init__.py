@@ -17,8 +17,9 @@ _EXPORTS = {
     "CacheConfig": "kvfactory.config", "register_cache_strategy": "kvfactory.config",
     "registered_strategies": "kvfactory.config",
     **{name: "kvfactory.errors" for name in (
-        "CacheFullError", "ConfigError", "KVFactoryError", "SequenceFileError", "SequenceStateError",
-        "ShapeError", "UnknownSequenceError", "UnsupportedError")},
+        "AllocationError", "CacheFullError", "ConfigError", "KVFactoryError", "LayerIndexError",
+        "SequenceFileError", "SequenceStateError", "ShapeError", "TensorTypeError", "UnknownSequenceError",
+        "UnsupportedError")},
     **{name: "kvfactory.eviction" for name in ("Observation", "Policy", "register_policy")},
     "KVCacheFactory": "kvfactory.factory",
     "KVCacheManager": "kvfactory.manager",

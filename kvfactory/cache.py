@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import PreTrainedModel
 
 from kvfactory import attention
-from kvfactory.errors import ConfigError, SequenceStateError, ShapeError
+from kvfactory.errors import ConfigError, LayerIndexError, SequenceStateError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import BlockTableStore, PagedStore
@@ -423,9 +423,13 @@ class KVCache(Cache):
 
     def _check_write(self, layer_idx: int) -> None:
         """Every write, of every layer: a layer this cache has, of a sequence that is not paused."""
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
-            raise ShapeError(f"layer_idx={layer_idx!r}: this cache has layers 0 to {len(self.layers) - 1}")
+        self._check_layer(layer_idx)
         self._check_live()
+
+    def _check_layer(self, layer_idx: int) -> None:
+        """``LayerIndexError`` unless ``layer_idx`` is one of this cache's layers (0 to n - 1)."""
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise LayerIndexError(layer_idx, len(self.layers))
 
     def record_tokens(self, token_ids: torch.Tensor | None) -> None:
         """Note the ids ``[1, n]`` of the tokens just written (the decoder's ``input_ids``): prefix
@@ -637,7 +641,9 @@ class KVCache(Cache):
                token_ids: torch.Tensor | None = None) -> None:
         """Store ``[batch, kv_heads, tokens, head_dim]`` keys/values in layer ``layer_idx``; layer 0's
         call may name the tokens they belong to (``token_ids [1, tokens]``, for prefix caching:
-        without them the cache's tokens are unknown)."""
+        without them the cache's tokens are unknown). ``LayerIndexError`` for a layer the cache does
+        not have, ``TensorTypeError`` for anything but floating-point tensors, ``ShapeError`` for
+        tensors that do not fit each other or the layer."""
         self._check_write(layer_idx)
         check_kv(key, value)
         with self.forward_lock.held():
@@ -649,11 +655,13 @@ class KVCache(Cache):
 
     def gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of all stored keys and values of layer ``layer_idx``."""
+        self._check_layer(layer_idx)
         keys, values = self.layers[layer_idx].store.gather()
         return keys.clone(), values.clone()
 
     def size(self, layer_idx: int = 0) -> int:
         """Tokens stored per batch row in layer ``layer_idx``."""
+        self._check_layer(layer_idx)
         return self.layers[layer_idx].store.size()
 
     def clear(self) -> None:

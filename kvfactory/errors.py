@@ -26,8 +26,26 @@ class CacheFullError(KVFactoryError, RuntimeError):
         )
 
 
+class AllocationError(KVFactoryError, RuntimeError):
+    """Storage could not allocate the memory a write needs (the allocator refused); nothing was written."""
+
+
 class ShapeError(KVFactoryError, ValueError):
     """Key/value tensors do not match each other or what the cache already holds."""
+
+
+class LayerIndexError(ShapeError, IndexError):
+    """A layer index the cache does not have: an ``IndexError``, and a ``ShapeError`` like the other
+    checks of a write."""
+
+    def __init__(self, layer: object, num_layers: int):
+        self.layer, self.num_layers = layer, num_layers
+        super().__init__(f"layer {layer!r} is out of range: this cache has {num_layers} layers "
+                         f"(0..{num_layers - 1})")
+
+
+class TensorTypeError(KVFactoryError, TypeError):
+    """Keys or values that are not floating-point torch tensors."""
 
 
 class UnsupportedError(KVFactoryError, NotImplementedError):
@@ -51,4 +69,5 @@ class SequenceStateError(KVFactoryError, RuntimeError):
 
 
 class SequenceFileError(KVFactoryError, ValueError):
-    """A saved sequence file is corrupted, truncated, or was written for another model or cache."""
+    """A saved sequence file is corrupted, truncated, written for another model or cache, or its path
+    cannot be written or read (a directory, a missing or read-only folder)."""

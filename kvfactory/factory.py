@@ -17,7 +17,7 @@ from kvfactory.config import CacheConfig, load_yaml, parse_config
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
-from kvfactory.sizing import KVShape
+from kvfactory.sizing import KVShape, bytes_per_token_per_layer
 from kvfactory.storage.blocks import PagedPool
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import PagedStore
@@ -43,11 +43,14 @@ class KVCacheFactory:
             raise ConfigError("pool", type(pool).__name__, "a PagedPool (another factory's .pool) shared by "
                               "paged storage")
         self.pool: PagedPool | None = pool
+        shape = KVShape.from_config(model_config)
         if pool is not None:  # every write of every layer is checked against the model's shape
-            shape = KVShape.from_config(model_config)
             pool.expect_layout(shape.kv_heads, shape.head_dim)
-        if self.config.quantization is not None:  # a per-layer codec list names every layer
-            self.config.quantization.codec_name(0, len(self.windows))
+        # sizes are checked at half precision, the least a model's K/V take unquantized
+        token_bytes = int(bytes_per_token_per_layer(shape, "fp16"))
+        storage.cls.check_size(storage.options, token_bytes, len(self.windows))
+        if self.config.quantization is not None:
+            self.config.quantization.check_layers(len(self.windows))
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
         # caches of a factory (or of one pool) share memory: their forwards take turns
         self.forward_lock = pool.forward_lock if pool is not None else ForwardLock()

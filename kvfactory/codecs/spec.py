@@ -95,6 +95,20 @@ class QuantizationSpec:
         except ConfigError as exc:
             raise ConfigError(f"{where}{exc.key}", exc.value, exc.allowed) from None
 
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse per-layer options that do not fit a model of ``num_layers`` layers (the factory knows
+        it): a codec list of another length, or full-precision layers that leave none quantized."""
+        self.codec_name(0, num_layers)  # a per-layer codec list names every layer
+        first, last = self.full_precision_first, self.full_precision_last
+        for key, value in (("full_precision_first", first), ("full_precision_last", last)):
+            if value >= num_layers:
+                raise ConfigError(key, value, f"fewer than the model's {num_layers} layers: at least one "
+                                  f"layer is quantized (to quantize none, leave quantization out)")
+        if first + last >= num_layers:
+            raise ConfigError("full_precision_first", first, f"at most {num_layers - 1 - last} with "
+                              f"full_precision_last={last}: at least one of the model's {num_layers} layers "
+                              f"is quantized")
+
     def codec_name(self, layer: int, num_layers: int) -> str:
         """The codec of layer ``layer`` of ``num_layers``."""
         if self.layers is not None:

@@ -98,6 +98,10 @@ class Policy(ABC):
         """``[B, Hkv, T]`` scores of the stored tokens, higher = kept; ``kept`` tokens will stay and
         ``accumulated`` ``[B, Hkv, T]`` is the attention mass received so far (``accumulates``)."""
 
+    def check_budget(self, budget: int) -> None:  # noqa: B027 - an optional hook, not abstract
+        """Refuse hyperparameters that cannot work within ``budget`` tokens kept per layer (the
+        smallest of a per-layer list). Default: every budget >= 1 works."""
+
     def layer_budget(self, kept: int, stored: int, layer_idx: int, num_layers: int) -> int:
         """Tokens this layer keeps of ``stored`` when ``kept`` is the cache-wide target, at prefill
         and, for a policy that ``decodes``, against a decode budget (PyramidKV varies it with depth,

@@ -52,7 +52,9 @@ class EvictionSpec:
                               "tokens kept per layer: an integer >= 1 or a list of them")
         if self.slack is not None and (not isinstance(self.slack, int) or self.slack < 0):
             raise ConfigError("slack", self.slack, "an integer >= 0 (tokens decoded between evictions)")
-        self.build_policy()
+        policy = self.build_policy()
+        if self.budget is not None:
+            policy.check_budget(min(budgets))
 
     @classmethod
     def parse(cls, options: dict[str, Any], where: str = "") -> EvictionSpec:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfactory.errors import ConfigError
 from kvfactory.eviction.base import Observation, Policy, check_positive
 
 
@@ -20,6 +21,13 @@ class WindowPolicy(Policy):
 
     def __post_init__(self) -> None:
         check_positive("n_sink", self.n_sink, minimum=0)
+
+    def check_budget(self, budget: int) -> None:
+        """The budget holds the sinks and at least one recent token."""
+        if self.n_sink >= budget:
+            raise ConfigError("n_sink", self.n_sink, f"fewer than budget={budget} tokens: a budget keeps the "
+                              f"n_sink first tokens and at least one recent one (the first N and the last M "
+                              f"is n_sink: N, budget: N + M)")
 
     def scores(self, obs: Observation, accumulated: torch.Tensor | None, kept: int) -> torch.Tensor:
         b, h, t, _ = obs.keys.shape

@@ -6,17 +6,21 @@ metadata (safetensors' string header) names the format, the model fingerprint (a
 and name, the K/V layout and element type, so that a file is never loaded into a model or pool
 whose K/V it does not fit), the cache config, the tokens seen per layer and a SHA-256 of every
 tensor, and a SHA-256 of all of that (``digest``), so an edited header is refused like a corrupted
-tensor. Writes go to a temporary file in the same folder, are flushed to disk and renamed over the
-target, so a crash leaves the old file or the new one, never half of one; temporaries a killed
-save left behind are removed by the next save or load of that path. Loading checks all of it,
-field by field, and raises ``SequenceFileError`` naming what is wrong.
+tensor. Writes go to a temporary file in the same folder, ``.NAME.PID.XXXXXXXX.tmp`` (PID: the
+writing process), are flushed to disk and renamed over the target, so a crash leaves the old file or
+the new one, never half of one; the temporaries of writers that no longer run (a killed save) are
+removed by the next save or load of that path, a running writer's never. Loading checks all of it,
+field by field, and raises ``SequenceFileError`` naming what is wrong, as does a path that cannot be
+written or read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -62,35 +66,73 @@ def _kv_dtype(state: SequenceState) -> torch.dtype | None:
     return None
 
 
-def _temporaries(path: Path) -> list[Path]:
-    return list(path.parent.glob(f".{path.name}.*")) if path.parent.is_dir() else []
+TEMPORARY = ".tmp"  # a temporary's suffix: .NAME.PID.XXXXXXXX.tmp
+_WRITER = re.compile(r"(\d{1,9})\.[a-z0-9_]+")  # PID.XXXXXXXX (mkstemp's random part has no dot)
+
+
+def _writer(path: Path, name: str) -> int | None:
+    """The process id of the save that wrote ``name``, if ``name`` is one of ``path``'s temporaries."""
+    prefix = f".{path.name}."
+    if not (name.startswith(prefix) and name.endswith(TEMPORARY)):
+        return None
+    match = _WRITER.fullmatch(name[len(prefix):-len(TEMPORARY)])
+    return int(match.group(1)) if match else None
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's included; a killed one once its parent reaped it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Remove ``path``'s temporaries whose writer no longer runs (a killed save); a running one's
+    (another process or thread saving now) stays."""
+    try:
+        names = os.listdir(path.parent)
+    except OSError:  # no folder yet, or none readable: nothing of ours to remove
+        return
+    for name in names:
+        pid = _writer(path, name)
+        if pid is not None and pid > 0 and not _running(pid):
+            with contextlib.suppress(OSError):  # best effort: it must not stop a save or a load
+                (path.parent / name).unlink()
 
 
 def save_state(state: SequenceState, path: str | Path, model_config: Any, cache_config: dict,
                seq_id: str) -> None:
-    """Write ``state`` to ``path`` atomically."""
+    """Write ``state`` to ``path`` atomically (``SequenceFileError`` where the path cannot be written)."""
     path = Path(path)
     if path.is_dir():
-        raise SequenceFileError(f"{path}: is a folder; give the path of a file to write")
+        raise SequenceFileError(f"{path}: is a directory; give the path of a file to write")
     tensors = {f"layer.{i}.{name}": t.cpu().contiguous()
                for i, layer in enumerate(state.layers) for name, t in layer.items()}
     meta = {"format": FORMAT, "seq_id": seq_id, "fingerprint": fingerprint(model_config, _kv_dtype(state)),
             "cache_config": cache_config, "seen": state.seen,
             "checksums": {name: _digest(t) for name, t in tensors.items()}}
     meta["digest"] = _meta_digest(meta)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in _temporaries(path):  # left by a save that was killed
-        stale.unlink(missing_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
+    tmp: str | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temporaries(path)
+        handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=TEMPORARY,
+                                       dir=path.parent)
+        os.close(handle)
         save_file(tensors, tmp, metadata={"kvfactory": json.dumps(meta)})
         with open(tmp, "rb+") as file:
             os.fsync(file.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        tmp = None
+    except (OSError, SafetensorError) as err:
+        raise SequenceFileError(f"{path}: cannot be written ({err})") from err
+    finally:  # a failed save leaves no temporary
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def load_state(path: str | Path, model_config: Any, cache_config: dict, pool_dtype: torch.dtype | None = None,
@@ -99,8 +141,9 @@ def load_state(path: str | Path, model_config: Any, cache_config: dict, pool_dty
     ``pool_dtype`` (the element type the pool's K/V have, if fixed) and whether the config evicts
     (else a full-attention layer of plain pages stores every token it has seen)."""
     path = Path(path)
-    for stale in _temporaries(path):
-        stale.unlink(missing_ok=True)
+    _remove_dead_temporaries(path)
+    if path.is_dir():
+        raise SequenceFileError(f"{path}: is a directory; give the path of a saved sequence file")
     if not path.is_file():
         raise SequenceFileError(f"{path}: no such file")
     try:

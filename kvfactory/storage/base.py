@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvfactory.errors import ShapeError, UnsupportedError
+from kvfactory.errors import ShapeError, TensorTypeError, UnsupportedError
 
 if TYPE_CHECKING:
     from kvfactory.attention import DeferredRead, NarrowRead
@@ -60,6 +60,13 @@ def take_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def check_kv(key: torch.Tensor, value: torch.Tensor) -> None:
     """Reject key/value pairs that cannot be stored together."""
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TensorTypeError(f"{name} is a {type(t).__name__}: expected torch tensors of shape "
+                                  f"[batch, kv_heads, tokens, head_dim] for keys and values")
+        if not t.is_floating_point():
+            raise TensorTypeError(f"{name} is a {t.dtype} tensor: expected floating-point keys and values "
+                                  f"(the model's K/V dtype, e.g. torch.float32 or torch.bfloat16)")
     if key.dim() != 4 or value.dim() != 4:
         raise ShapeError(f"key and value must be 4-D [batch, kv_heads, tokens, head_dim]; "
                          f"got key {tuple(key.shape)}, value {tuple(value.shape)}")
@@ -107,6 +114,12 @@ class LayerStore(ABC):
     def make_shared(cls, options: dict, num_layers: int) -> PagedPool | None:
         """The pool the caches of one factory share (paged storage), or None for storage without one."""
         return None
+
+    @classmethod  # noqa: B027 - an optional hook, not abstract
+    def check_size(cls, options: dict, token_bytes: int, num_layers: int) -> None:
+        """Refuse ``options`` whose memory this machine cannot hold, once the factory knows the model:
+        ``token_bytes`` is the least one token's keys and values take in one layer. Default: nothing
+        to check (paged pools check their own size, ``PagedPool.expect_layout``)."""
 
     @abstractmethod
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfactory.errors import ConfigError, ShapeError
+from kvfactory.errors import AllocationError, ConfigError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv, take_tokens
+from kvfactory.storage.blocks import memory_bytes
 
 
 @dataclass(eq=False)
@@ -53,16 +54,37 @@ class DenseStore(LayerStore):
         self._v[:, :, end:end + t] = value
         self._len += t
 
+    @classmethod
+    def check_size(cls, options: dict, token_bytes: int, num_layers: int) -> None:
+        """``reserve_tokens`` of headroom in every layer must fit this machine's memory."""
+        reserve = options.get("reserve_tokens", cls.reserve_tokens)
+        needed, limit = reserve * token_bytes * num_layers, memory_bytes()
+        if needed > limit:
+            raise ConfigError("reserve_tokens", reserve, f"headroom within this machine's {limit:,} bytes of "
+                              f"memory: {reserve:,} tokens x {num_layers} layers x {token_bytes} bytes take "
+                              f"at least {needed:,} bytes for one sequence")
+
     def _reallocate(self, needed: int, like: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Move the live tokens to a new buffer with room for ``needed`` tokens and headroom."""
+        """Move the live tokens to a new buffer with room for ``needed`` tokens and headroom;
+        ``AllocationError`` with the numbers where the allocator refuses (nothing is changed)."""
         capacity = needed + self.reserve_tokens
         if self._k is not None:
             capacity = max(capacity, math.ceil(needed * self.growth))
         key, value = like
         b, h, _, dk = key.shape
-        with torch.inference_mode(False):  # the buffer outlives any one inference_mode block
-            new_k = key.new_empty((b, h, capacity, dk))
-            new_v = value.new_empty((b, h, capacity, value.shape[3]))
+        try:
+            with torch.inference_mode(False):  # the buffer outlives any one inference_mode block
+                new_k = key.new_empty((b, h, capacity, dk))
+                new_v = value.new_empty((b, h, capacity, value.shape[3]))
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            nbytes = b * h * capacity * (dk + value.shape[3]) * key.element_size()
+            raise AllocationError(
+                f"layer {self.layer_idx}: cannot allocate {nbytes:,} bytes for {capacity:,} tokens of keys "
+                f"and values ([batch={b}, kv_heads={h}, head_dim={dk}] {key.dtype} on {key.device}: "
+                f"{needed:,} tokens plus headroom, reserve_tokens={self.reserve_tokens:,} and growth="
+                f"{self.growth}; this machine has {memory_bytes():,} bytes of memory); store fewer tokens, "
+                f"lower reserve_tokens or use paged storage with a fixed pool (the allocator said: "
+                f"{str(err).splitlines()[0]})") from err
         if self._k is not None and self._len:
             new_k[:, :, :self._len] = self._k[:, :, self._start:self._start + self._len]
             new_v[:, :, :self._len] = self._v[:, :, self._start:self._start + self._len]

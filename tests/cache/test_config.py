@@ -8,6 +8,7 @@ import pytest
 from tiny_models import tiny_config
 
 from kvfactory import ConfigError, DenseStore, KVCacheFactory, LayerStore, register_cache_strategy
+from kvfactory.storage.blocks import memory_bytes
 
 MODEL_CONFIG = tiny_config("llama")
 
@@ -75,6 +76,15 @@ def test_bad_config_names_key_value_and_allowed(case: str) -> None:
 
 def test_config_error_is_a_value_error() -> None:
     assert isinstance(config_error({"type": "nope"}), ValueError)
+
+
+def test_dense_headroom_beyond_this_machines_memory_is_refused() -> None:
+    err = config_error({"type": "dense", "reserve_tokens": 10**12})
+    needed = 10**12 * 2 * 128  # tokens x 2 layers x (K and V of 2 KV heads x 16 dims at 2 bytes)
+    assert (err.key, err.value) == ("reserve_tokens", 10**12)
+    message = str(err)
+    assert f"{needed:,} bytes" in message and f"this machine's {memory_bytes():,} bytes" in message, message
+    KVCacheFactory(MODEL_CONFIG, {"type": "dense", "reserve_tokens": 10**6})  # 256 MB: accepted
 
 
 def test_good_configs_are_accepted() -> None:

@@ -17,9 +17,11 @@ from kvfactory import (
     DenseStore,
     KVCache,
     KVCacheFactory,
+    LayerIndexError,
     PagedPool,
     PagedStore,
     ShapeError,
+    TensorTypeError,
 )
 
 MODEL_CONFIG = tiny_config("llama")  # 2 layers, 2 KV heads, head_dim 16
@@ -200,6 +202,26 @@ def test_low_level_shape_errors(cache_config) -> None:
     assert "3" in str(exc.value) and "2" in str(exc.value)
     with pytest.raises(ShapeError):
         cache.append(1, torch.randn(KV_HEADS, 3, HEAD_DIM), torch.randn(KV_HEADS, 3, HEAD_DIM))
+    assert layer_sizes(cache) == [3, 0]
+
+
+@pytest.mark.parametrize("cache_config", LOW_LEVEL, ids=["dense", "paged4", "paged1"])
+def test_low_level_layer_and_type_errors_name_what_was_given(cache_config) -> None:
+    cache = KVCacheFactory(MODEL_CONFIG, cache_config).create_cache()
+    cache.append(0, *kv(3))
+    out_of_range = "layer 7 is out of range: this cache has 2 layers (0..1)"
+    for call in (lambda: cache.gather(7), lambda: cache.size(7), lambda: cache.append(7, *kv(1))):
+        with pytest.raises(LayerIndexError) as exc:
+            call()
+        assert str(exc.value) == out_of_range
+        assert isinstance(exc.value, IndexError) and isinstance(exc.value, ShapeError)
+    with pytest.raises(IndexError, match=r"layer -1 is out of range"):
+        cache.gather(-1)
+    keys, values = kv(2)
+    with pytest.raises(TensorTypeError, match=r"key is a list: expected torch tensors of shape \[batch, "
+                                              r"kv_heads, tokens, head_dim\]") as exc:
+        cache.append(1, keys.tolist(), values.tolist())
+    assert isinstance(exc.value, TypeError)
     assert layer_sizes(cache) == [3, 0]
 
 

@@ -57,6 +57,8 @@ def llama():
     ({"policy": "snapkv", "budget": 8, "kernel_size": 4}, "strategies[1].kernel_size"),
     ({"policy": "h2o", "budget": 8, "recent_fraction": 1.5}, "strategies[1].recent_fraction"),
     ({"policy": "streaming_llm", "budget": 8, "n_sink": -1}, "strategies[1].n_sink"),
+    ({"policy": "streaming_llm", "budget": 4}, "strategies[1].n_sink"),  # 4 sinks by default
+    ({"policy": "window", "budget": [16, 8], "n_sink": 8}, "strategies[1].n_sink"),
     ({"policy": "h2o", "budget": 8, "slack": -1}, "strategies[1].slack"),
 ])
 def test_invalid_eviction_configs_name_the_key(entry: dict, key: str) -> None:
@@ -64,6 +66,16 @@ def test_invalid_eviction_configs_name_the_key(entry: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         KVCacheFactory(tiny_config("llama"), config)
     assert err.value.key == key
+
+
+def test_sinks_leave_room_for_a_recent_token_in_the_budget() -> None:
+    config = evicting("window", budget=[16, 8], n_sink=9)
+    with pytest.raises(ConfigError) as err:
+        KVCacheFactory(tiny_config("llama"), config)
+    assert (err.value.key, err.value.value) == ("strategies[1].n_sink", 9)
+    assert "fewer than budget=8" in str(err.value), str(err.value)
+    KVCacheFactory(tiny_config("llama"), evicting("window", budget=[16, 8], n_sink=7))  # one recent token
+    KVCacheFactory(tiny_config("llama"), evicting("streaming_llm", compression_ratio=0.99))  # no budget
 
 
 def test_a_budget_list_needs_one_budget_per_layer() -> None:

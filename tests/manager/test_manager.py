@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -258,8 +261,9 @@ def test_a_failed_save_leaves_the_old_file_and_no_temporary(tmp_path: Path, monk
         raise OSError("disk full")
 
     monkeypatch.setattr(persist, "save_file", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(SequenceFileError) as exc:
         manager.save("a", path)
+    assert str(exc.value) == f"{path}: cannot be written (disk full)"
     assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
 
 
@@ -528,7 +532,7 @@ def test_every_low_level_write_checks_its_layer_and_the_sequence_state() -> None
             cache.append(layer, torch.randn(shape), torch.randn(shape))
     manager.resume("a")
     for bad in (-1, len(cache.layers), 1.0):
-        with pytest.raises(ShapeError, match="layer_idx"):
+        with pytest.raises(ShapeError, match=f"layer {bad} is out of range: this cache has 2 layers"):
             cache.append(bad, torch.randn(shape), torch.randn(shape))
     big = (*shape[:2], 6 * PAGE, shape[3])
     with pytest.raises(CacheFullError):  # layer 1's own pool is checked before it writes
@@ -610,18 +614,36 @@ def test_a_file_of_another_dtype_is_refused_and_the_pool_keeps_its_own(tmp_path:
         other.load(path)
 
 
-def test_saves_refuse_a_folder_and_clean_what_a_killed_save_left(tmp_path: Path) -> None:
+def test_saves_and_loads_name_a_directory_or_an_unwritable_path(tmp_path: Path) -> None:
     model = tiny_model("llama")
     manager = manager_for(model)
     continued(model, manager.create("a"), random_prompt(10), 1)
-    with pytest.raises(SequenceFileError, match="is a folder"):
+    with pytest.raises(SequenceFileError, match="is a directory; give the path of a file to write"):
         manager.save("a", tmp_path)
-    path = tmp_path / "a.safetensors"
-    left = [tmp_path / ".a.safetensors.x1y2", tmp_path / ".a.safetensors.z3"]
-    for stale in left:
-        stale.write_bytes(b"half a save")
-    manager.save("a", path)
-    assert sorted(tmp_path.iterdir()) == [path]
-    left[0].write_bytes(b"")
+    with pytest.raises(SequenceFileError, match="is a directory; give the path of a saved sequence file"):
+        manager.load(tmp_path, "b")
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    target = blocker / "folder" / "a.safetensors"  # a folder that cannot be made: its parent is a file
+    with pytest.raises(SequenceFileError) as exc:
+        manager.save("a", target)
+    assert str(exc.value) == f"{target}: cannot be written ([Errno 20] Not a directory: '{target.parent}')"
+    assert sorted(tmp_path.iterdir()) == [blocker] and manager.sequences() == ["a"]
+
+
+def test_saves_and_loads_remove_only_temporaries_of_writers_that_no_longer_run(tmp_path: Path) -> None:
+    model, manager, path = saved_sequence(tmp_path, 10, 1)
+    finished = subprocess.Popen([sys.executable, "-c", ""])
+    finished.wait()  # its pid names no process now
+    stale = tmp_path / f".a.safetensors.{finished.pid}.k2x9_q1z.tmp"
+    kept = [tmp_path / f".a.safetensors.{os.getpid()}.a1b2c3d4.tmp",  # a running writer's (this process)
+            tmp_path / f".b.safetensors.{finished.pid}.a1b2c3d4.tmp",  # another file's
+            tmp_path / f".a.safetensors.5.{finished.pid}.a1b2c3d4.tmp",  # a file named a.safetensors.5's
+            tmp_path / ".a.safetensors.notes"]  # no temporary's name
+    for name in (stale, *kept):
+        name.write_bytes(b"half a save")
     manager.load(path, "b")
-    assert sorted(tmp_path.iterdir()) == [path]
+    assert sorted(tmp_path.iterdir()) == sorted([path, *kept])
+    stale.write_bytes(b"half a save")
+    manager.save("a", path)
+    assert sorted(tmp_path.iterdir()) == sorted([path, *kept])

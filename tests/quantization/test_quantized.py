@@ -108,6 +108,23 @@ def test_bad_quantization_configs(config: dict, key: str) -> None:
     assert info.value.key == key
 
 
+@pytest.mark.parametrize(("options", "key", "allowed"), [
+    ({"full_precision_first": 6}, "full_precision_first", "fewer than the model's 6 layers"),
+    ({"full_precision_last": 9}, "full_precision_last", "fewer than the model's 6 layers"),
+    ({"full_precision_first": 3, "full_precision_last": 3}, "full_precision_first",
+     "at most 2 with full_precision_last=3"),
+])
+def test_full_precision_layers_leave_at_least_one_layer_quantized(options: dict, key: str,
+                                                                  allowed: str) -> None:
+    config = tiny_config("llama", num_hidden_layers=6)
+    with pytest.raises(ConfigError) as info:
+        KVCacheFactory(config, {"type": "paged", "quantization": {"codec": "int4", **options}})
+    assert (info.value.key, info.value.value) == (key, options[key]) and allowed in str(info.value)
+    cache = KVCacheFactory(config, {"type": "dense", "quantization": {
+        "codec": "int4", "full_precision_first": 3, "full_precision_last": 2}}).create_cache()
+    assert [type(layer.store).__name__ for layer in cache.layers].count("QuantizedStore") == 1
+
+
 # -- the store ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -8,8 +8,17 @@ from helpers import apply_edit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvfactory import CacheFullError, ConfigError, DenseStore, PagedPool, PagedStore, ShapeError
-from kvfactory.storage.blocks import PoolSpec
+from kvfactory import (
+    AllocationError,
+    CacheFullError,
+    ConfigError,
+    DenseStore,
+    PagedPool,
+    PagedStore,
+    ShapeError,
+    TensorTypeError,
+)
+from kvfactory.storage.blocks import PoolSpec, memory_bytes
 
 B, H, D = 2, 3, 8  # batch rows, kv heads, head dim
 SLOT = 2 * H * D * 4  # bytes of one token's K and V in one layer (fp32)
@@ -368,6 +377,34 @@ def test_append_incompatible_to_existing_store(kind: str, change: str) -> None:
     wrong = {"batch": B + 1, "heads": H + 1, "head_dim": D + 2}[change]
     right = {"batch": B, "heads": H, "head_dim": D}[change]
     assert str(wrong) in message and str(right) in message, message
+    assert_holds(store, keys, values)  # nothing was written
+
+
+@store_kinds
+def test_anything_but_floating_point_tensors_is_refused_by_type(kind: str) -> None:
+    store = STORES[kind]()
+    k, v = kv(2)
+    with pytest.raises(TensorTypeError, match=r"key is a list: expected torch tensors of shape "
+                                              r"\[batch, kv_heads, tokens, head_dim\]"):
+        store.append(k.tolist(), v.tolist())
+    with pytest.raises(TypeError, match="value is a ndarray"):  # callers catching TypeError still do
+        store.append(k, v.numpy())
+    with pytest.raises(TensorTypeError, match="key is a torch.int64 tensor: expected floating-point"):
+        store.append(k.long(), v.long())
+    assert store.size() == 0
+
+
+def test_a_dense_buffer_the_allocator_refuses_raises_with_the_numbers() -> None:
+    store, keys, values = filled("dense-tight")
+    store.reserve_tokens = 10**12  # beyond any machine: torch's allocator refuses the new buffer
+    with pytest.raises(AllocationError) as exc:
+        store.append(*kv(1, seed=9))
+    message, capacity = str(exc.value), keys.shape[2] + 1 + 10**12
+    nbytes = B * H * capacity * 2 * D * 4
+    for number in (f"{nbytes:,} bytes", f"{capacity:,} tokens", f"reserve_tokens={10**12:,}",
+                   f"{memory_bytes():,} bytes of memory", "can't allocate memory"):
+        assert number in message, message
+    assert isinstance(exc.value, RuntimeError)  # as torch's own allocation error is
     assert_holds(store, keys, values)  # nothing was written
 
 
