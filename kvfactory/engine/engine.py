@@ -7,6 +7,11 @@ model in one forward without padding (``kvfactory.cache.packed_forward`` and ``S
 samples the next token of every sequence that finished its prompt or decoded, and reports what each
 request gained (``RequestOutput``), so callers stream token by token.
 
+A failure that belongs to one request (its admission or resume, its logits or draw, its text) ends
+that request alone with ``finish_reason='error'`` and the cause; the step goes on for the others,
+whose tokens are those they would have had anyway. A failure of the shared forward itself fails the
+requests in that forward; requests waiting or swapped out go on.
+
 Preemption defaults to swapping: on a CPU the host tier is the same memory as the pool, so moving a
 sequence's K/V out and back costs a copy, where recompute costs its whole prefill again (vLLM, whose
 GPU pool sits across PCIe from the host, recomputes by default). Configs whose caches cannot be
@@ -30,7 +35,7 @@ from kvfactory.engine.metrics import EngineMetrics
 from kvfactory.engine.params import SamplingParams
 from kvfactory.engine.request import Request, RequestOutput, RequestStatus
 from kvfactory.engine.sampler import Sampler
-from kvfactory.engine.scheduler import Plan, Scheduler
+from kvfactory.engine.scheduler import Plan, RequestFailed, Scheduler
 from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError
 from kvfactory.manager import KVCacheManager
 from kvfactory.manager.tiered import PrefixTiers
@@ -81,11 +86,16 @@ class EngineMemory:
 
     def admit(self, request: Request) -> None:
         manager = self.manager
-        cache = manager.create(request.request_id, prompt=request.tokens if manager.prefix_caching else None)
-        join_batch(cache)
-        for hook in self.cache_hooks:
-            hook(cache)
-        request.computed = manager.cached_tokens(request.request_id)
+        try:
+            cache = manager.create(request.request_id,
+                                   prompt=request.tokens if manager.prefix_caching else None)
+            join_batch(cache)
+            for hook in self.cache_hooks:
+                hook(cache)
+            request.computed = manager.cached_tokens(request.request_id)
+        except Exception as exc:  # this request's admission (a tier load, a hook) failed: it alone ends
+            self.release(request)
+            raise RequestFailed(f"admission failed: {type(exc).__name__}: {exc}") from exc
         if not request.output_ids:  # a first admission (not a recompute)
             request.cached_tokens = request.computed
             self.metrics.prefix_tokens(len(request.prompt_ids), request.computed)
@@ -117,7 +127,10 @@ class EngineMemory:
         return True
 
     def resume(self, request: Request) -> None:
-        self.manager.resume(request.request_id)
+        try:
+            self.manager.resume(request.request_id)
+        except Exception as exc:
+            raise RequestFailed(f"resuming from the host tier failed: {type(exc).__name__}: {exc}") from exc
 
 
 class Engine:
@@ -154,7 +167,8 @@ class Engine:
         prefix_tiers = None if tiers is None else PrefixTiers(tiers, model.config, weight.dtype, tier_codec,
                                                               chunk_tokens, weight.device)
         self.manager = KVCacheManager(model.config, config, prefix_caching=prefix_caching,
-                                      host_bytes=host_bytes, tiers=prefix_tiers)
+                                      host_bytes=host_bytes, tiers=prefix_tiers,
+                                      warn_unused_prefix_cache=False)  # a server's traffic: a metric
         text = model.config.get_text_config(decoder=True)
         self.max_model_len: int | None = getattr(text, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
@@ -188,8 +202,11 @@ class Engine:
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
             raise AdmissionError("prompt" if isinstance(prompt, str) else "stop",
                                  "an engine without a tokenizer takes token ids and no stop strings")
-        ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"] if isinstance(prompt, str) \
-            else [int(t) for t in prompt]
+        if isinstance(prompt, str):
+            _check_text(prompt)
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise AdmissionError("request_id", f"request id {request_id!r} is in use")
@@ -215,6 +232,16 @@ class Engine:
         self._aborted.append(output)
         return output
 
+    def fail(self, request_id: str, cause: str) -> RequestOutput | None:
+        """End a request with ``finish_reason='error'`` and ``cause`` (a caller's own failure handling);
+        its last output, or None if it is unknown or finished already."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
+        output = self._fail(request, cause)
+        self.metrics.update_gauges()
+        return output
+
     def has_unfinished(self) -> bool:
         return bool(len(self.scheduler))
 
@@ -225,17 +252,34 @@ class Engine:
         outputs, self._aborted = self._aborted, []
         self.memory.new_step()
         plan = self.scheduler.schedule()
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        outputs += [self._fail(request, cause) for request, cause in failed]
         if not plan:
+            self.metrics.update_gauges()
             return outputs
         started = time.perf_counter()
         sampled = [request for request, tokens in plan if request.computed + tokens == request.length]
+        try:
+            with torch.inference_mode():
+                logits = self._forward(plan)
+        except Exception as exc:  # the shared forward: what it cannot attribute fails its own requests only
+            logger.exception("request(s) %s: the step's forward failed", [r.request_id for r, _ in plan])
+            outputs += [self._fail(request, f"the step's forward failed: {type(exc).__name__}: {exc}")
+                        for request, _ in plan]
+            self.metrics.update_gauges()
+            return outputs
         with torch.inference_mode():
-            logits = self._forward(plan)
-            new = self.sampler(logits, sampled)
+            draws = self.sampler(logits, sampled)
         now = time.perf_counter()
-        self.metrics.step(plan, len(sampled), now - started)
-        for request, token in zip(sampled, new, strict=True):
-            outputs.append(self._append(request, token, now))
+        self.metrics.step(plan, len(sampled) - len(draws.failures), now - started)
+        for i, (request, token) in enumerate(zip(sampled, draws.tokens, strict=True)):
+            if token is None:
+                outputs.append(self._fail(request, draws.failures[i]))
+                continue
+            try:
+                outputs.append(self._append(request, token, now))
+            except Exception as exc:  # detokenizing or stop matching for this request alone
+                outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
         self.metrics.update_gauges()
         return outputs
 
@@ -323,14 +367,23 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         self.metrics.finished(request, reason)
         self.scheduler.finish(request)
+        self.memory.release(request)  # also one the scheduler no longer queues (a failed resume)
         self.sampler.forget(request.request_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+
+    def _fail(self, request: Request, cause: str) -> RequestOutput:
+        """End ``request`` alone (``finish_reason='error'``, its blocks freed): something about it broke
+        a step, which goes on for every other request."""
+        logger.error("request %s failed: %s", request.request_id, cause)
+        request.error = cause
+        self._finish(request, "error")
+        return self._output(request, [])
 
     def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
         text = request.settled_text()
         output = RequestOutput(request.request_id, new_ids, text[request.sent_text:],
                                list(request.output_ids), text, request.finished, request.finish_reason,
-                               len(request.prompt_ids), request.cached_tokens)
+                               len(request.prompt_ids), request.cached_tokens, request.error)
         request.sent_text, request.sent_tokens = len(text), len(request.output_ids)
         return output
 
@@ -378,6 +431,16 @@ def _with_pool(config: dict[str, Any], pool_tokens: int) -> dict[str, Any]:
     else:
         strategies.insert(0, {"name": "paged", "pool_tokens": pool_tokens})
     return {**config, "strategies": strategies}
+
+
+def _check_text(prompt: str) -> None:
+    """``AdmissionError`` for a prompt that is not Unicode text (a lone surrogate, which JSON's
+    ``\\ud800`` escapes can carry and no tokenizer can encode)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise AdmissionError("prompt", f"the prompt is not valid Unicode text: {exc.reason} "
+                             f"({prompt[exc.start:exc.end]!r} at character {exc.start})") from None
 
 
 def _eos_ids(model: Any) -> set[int]:

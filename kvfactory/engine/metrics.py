@@ -1,5 +1,6 @@
 """The engine's Prometheus metrics, in a registry of its own (``kvfactory serve`` exposes it at
-``/metrics``): queues, pool usage, prefix-cache hits, preemptions, token rates, time to first token,
+``/metrics``): queues, pool usage (blocks held by requests apart from idle prefix-cache blocks),
+prefix-cache hits, rejected and failed requests, preemptions, token rates, time to first token,
 inter-token latency and, for sparse configs, the page selector's routing quality."""
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ class EngineMetrics:
         self.running = gauge("kvfactory_requests_running", "Requests holding K/V in the pool")
         self.waiting = gauge("kvfactory_requests_waiting", "Requests waiting to be scheduled")
         self.swapped = gauge("kvfactory_requests_swapped", "Preempted requests whose K/V is on the host tier")
-        self.pool_used = gauge("kvfactory_pool_blocks_used", "Pool blocks in use (all layers)")
+        self.pool_used = gauge("kvfactory_pool_blocks_used", "Pool blocks allocated (all layers): held by "
+                               "requests plus idle prefix-cache blocks")
+        self.pool_held = gauge("kvfactory_pool_blocks_held", "Pool blocks held by requests (all layers); "
+                               "0 with no request in flight")
+        self.prefix_idle = gauge("kvfactory_prefix_cache_idle_blocks", "Pool blocks only the prefix cache "
+                                 "keeps for later prompts (evicted when the pool needs room)")
         self.pool_total = gauge("kvfactory_pool_blocks_total", "Pool blocks (all layers)")
-        self.pool_usage = gauge("kvfactory_pool_usage", "Fraction of the pool's blocks in use")
+        self.pool_usage = gauge("kvfactory_pool_usage", "Fraction of the pool's blocks held by requests")
         self.prefix_queried = counter("kvfactory_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("kvfactory_prefix_cache_hit_tokens",
@@ -40,7 +46,11 @@ class EngineMetrics:
         self.preemptions = counter("kvfactory_preemptions", "Sequences preempted to make room", ["mode"])
         self.prompt_tokens = counter("kvfactory_prompt_tokens", "Prompt tokens computed (prefill)")
         self.generation_tokens = counter("kvfactory_generation_tokens", "Tokens generated")
-        self.finished_requests = counter("kvfactory_requests_finished", "Requests finished", ["reason"])
+        self.finished_requests = counter("kvfactory_requests_finished", "Requests finished, by "
+                                         "finish_reason: stop, length, abort (client gone, shutdown) or "
+                                         "error (failed)", ["reason"])
+        self.rejected = counter("kvfactory_requests_rejected", "Requests answered with an error before they "
+                                "ran, by HTTP status and reason", ["status", "reason"])
         self.prompt_rate = gauge("kvfactory_prompt_tokens_per_second",
                                  f"Prefill tokens/s over the last {RATE_WINDOW:g} s")
         self.generation_rate = gauge("kvfactory_generation_tokens_per_second",
@@ -64,6 +74,9 @@ class EngineMetrics:
     def prefix_tokens(self, prompt: int, cached: int) -> None:
         self.prefix_queried.inc(prompt)
         self.prefix_hits.inc(cached)
+
+    def rejected_request(self, status: int, reason: str) -> None:
+        self.rejected.labels(status=str(status), reason=reason).inc()
 
     def preempted(self, mode: str) -> None:
         self.preemptions.labels(mode=mode).inc()
@@ -112,8 +125,10 @@ class EngineMetrics:
         self.waiting.set(len(scheduler.waiting))
         self.swapped.set(len(scheduler.swapped))
         self.pool_used.set(stats["pool_blocks_used"])
+        self.pool_held.set(stats["pool_blocks_held"])
+        self.prefix_idle.set(stats["pool_blocks_used"] - stats["pool_blocks_held"])
         self.pool_total.set(stats["pool_blocks"])
-        self.pool_usage.set(stats["pool_blocks_used"] / stats["pool_blocks"] if stats["pool_blocks"] else 0.0)
+        self.pool_usage.set(stats["pool_blocks_held"] / stats["pool_blocks"] if stats["pool_blocks"] else 0.0)
         tiers = self.engine.manager.tiers
         if tiers is not None:
             for name, value in vars(tiers.counters).items():

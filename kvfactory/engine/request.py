@@ -26,7 +26,8 @@ class RequestStatus(enum.Enum):
 class RequestOutput:
     """What ``Engine.step`` reports for a request that advanced: the step's new tokens and text, and
     everything so far. ``finish_reason``: ``stop`` (EOS, a stop token or string), ``length``
-    (``max_tokens``) or ``abort``; None while it runs."""
+    (``max_tokens``), ``abort`` or ``error`` (this request alone failed: ``error`` says why); None while
+    it runs."""
 
     request_id: str
     new_token_ids: list[int]
@@ -37,6 +38,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     cached_tokens: int
+    error: str | None = None  # with ``finish_reason='error'``: why this request failed
 
 
 @dataclass(eq=False)
@@ -50,6 +52,7 @@ class Request:
     computed: int = 0  # tokens whose K/V the cache holds
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     finish_reason: str | None = None
+    error: str | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     text: str = ""

@@ -6,7 +6,9 @@ first, then continues their chunked prefills, then brings back preempted sequenc
 one, so nobody starves), then admits waiting requests with a prefill chunk that fills the budget.
 When a step's writes do not fit in the pool, the most recently admitted running sequence is
 preempted (``Memory.preempt``: swapped to the host tier or dropped for recompute) until they do;
-nothing is resumed or admitted in a step that preempted.
+nothing is resumed or admitted in a step that preempted. A request whose admission or resume fails
+(``RequestFailed``: a tier error loading its chunks, say) leaves the queues for ``failed``, where
+the engine ends it with the cause; the others are scheduled as if it had never come.
 
 With ``prefill_first`` a step that has a prompt to prefill (a running chunked prefill, a swapped
 sequence, or a waiting request with a free slot) carries no decode tokens, as SGLang's default and
@@ -25,6 +27,11 @@ from kvfactory.engine.request import Request, RequestStatus
 Plan = list[tuple[Request, int]]  # (request, tokens it feeds this step), in packing order
 
 
+class RequestFailed(Exception):
+    """One request cannot go on (raised by ``Memory.admit`` / ``Memory.resume``, which undo what they
+    began); the message is the cause."""
+
+
 class Memory(Protocol):
     """The pool as the scheduler sees it (``kvfactory.engine.engine.EngineMemory``)."""
 
@@ -32,7 +39,8 @@ class Memory(Protocol):
         """Whether the pool can take every write of ``plan`` (after freeing cached prefixes)."""
 
     def admit(self, request: Request) -> None:
-        """Give a waiting request a cache (starting from its cached prefix: sets ``computed``)."""
+        """Give a waiting request a cache (starting from its cached prefix: sets ``computed``);
+        ``RequestFailed`` if that fails, with nothing held."""
 
     def release(self, request: Request) -> None:
         """Drop the request's cache (finished, aborted, or preempted by recompute)."""
@@ -46,7 +54,7 @@ class Memory(Protocol):
         request's own next tokens)."""
 
     def resume(self, request: Request) -> None:
-        """Bring a swapped request's K/V back into the pool."""
+        """Bring a swapped request's K/V back into the pool; ``RequestFailed`` if that fails."""
 
 
 class Scheduler:
@@ -58,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self.failed: list[tuple[Request, str]] = []  # taken out of the queues, with the cause
         self.preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -107,8 +116,12 @@ class Scheduler:
             tokens = self._chunk(request, budget, plan)
             if not tokens or not self.memory.fits_resume(request, [*plan, (request, tokens)]):
                 return plan
-            self.memory.resume(request)
             self.swapped.popleft()
+            try:
+                self.memory.resume(request)
+            except RequestFailed as exc:
+                self.failed.append((request, str(exc)))
+                continue
             self._run(request)
             plan.append((request, tokens))
             budget -= tokens
@@ -116,7 +129,12 @@ class Scheduler:
             return plan
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            self.memory.admit(request)
+            try:
+                self.memory.admit(request)
+            except RequestFailed as exc:
+                self.waiting.popleft()
+                self.failed.append((request, str(exc)))
+                continue
             tokens = self._chunk(request, budget, plan)
             if not tokens or not self.memory.fits([*plan, (request, tokens)]):
                 self.memory.release(request)

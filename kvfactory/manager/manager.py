@@ -103,7 +103,8 @@ class KVCacheManager:
 
     def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
                  pool: PagedPool | None = None, *, prefix_caching: bool | None = None,
-                 host_bytes: int | None = None, tiers: PrefixTiers | None = None) -> None:
+                 host_bytes: int | None = None, tiers: PrefixTiers | None = None,
+                 warn_unused_prefix_cache: bool = True) -> None:
         if host_bytes is not None and (isinstance(host_bytes, bool) or not isinstance(host_bytes, int)
                                        or host_bytes < 0):
             raise ConfigError("host_bytes", host_bytes, "an integer >= 0 (bytes the host tier may hold) "
@@ -129,6 +130,7 @@ class KVCacheManager:
                 raise ConfigError("chunk_tokens", tiers.tokens, f"a multiple of the page ({self.page_size})")
         self.tiers = tiers
         self.host_bytes = host_bytes
+        self.warn_unused_prefix_cache = warn_unused_prefix_cache
         self.index = PrefixIndex()
         self.pool.reclaimers.append(self._reclaim)
         self._sequences: dict[str, Sequence] = {}
@@ -542,7 +544,8 @@ class KVCacheManager:
         c = self.counters
         c.prompt_tokens += tokens
         c.prompt_tokens_cached += cached
-        if not c.warned and self.index.lookups >= SILENT_LOOKUPS and self.index.hit_blocks == 0:
+        unused = self.index.lookups >= SILENT_LOOKUPS and self.index.hit_blocks == 0
+        if self.warn_unused_prefix_cache and not c.warned and unused:
             c.warned = True
             warnings.warn(f"prefix caching is on but none of {self.index.lookups} prompts reused a cached "
                           f"block: prompts share blocks only when they start with the same "

@@ -30,7 +30,7 @@ from kvfactory.engine import AdmissionError, Engine, EngineFullError, SamplingPa
 from kvfactory.server import protocol
 from kvfactory.server.errors import SERVER, APIError, error_body, install_error_handlers
 from kvfactory.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvfactory.server.runner import AsyncEngine, EngineStepError, RequestStream, ShuttingDownError
+from kvfactory.server.runner import AsyncEngine, RequestFailedError, RequestStream, ShuttingDownError
 
 logger = logging.getLogger("kvfactory.server")
 DISCONNECT_POLL = 0.25  # seconds between checks that a non-streaming request's client is still there
@@ -42,11 +42,11 @@ def create_app(engine: Engine, served_model_name: str, *, max_tokens: int = 256,
                ) -> FastAPI:
     """The API over ``engine`` (which the app's engine thread owns from startup on), answering to
     model name ``served_model_name``. ``max_tokens``: a chat request's when it gives none;
-    ``retry_after``: seconds a 503 for a full queue asks clients to wait."""
+    ``retry_after``: seconds a 503 (a full queue, a stopping server) asks clients to wait."""
     server = OpenAIServer(engine, served_model_name, max_tokens, retry_after)
     app = FastAPI(title="kvfactory", lifespan=server.lifespan)
     app.state.runner = server.runner  # kvfactory.server.serve drains it on SIGTERM
-    install_error_handlers(app)
+    install_error_handlers(app, engine.metrics.rejected_request)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.get("/v1/models")(server.list_models)
@@ -144,9 +144,13 @@ class OpenAIServer:
             field = prompt_field if exc.field == "prompt" else exc.field
             raise APIError(400, str(exc), field) from None
         except EngineFullError as exc:
-            raise APIError(503, str(exc), None, SERVER, {"Retry-After": str(self.retry_after)}) from None
+            raise APIError(503, str(exc), None, SERVER, self._retry, "queue_full") from None
         except ShuttingDownError as exc:
-            raise APIError(503, str(exc), None, SERVER) from None
+            raise APIError(503, str(exc), None, SERVER, self._retry, "shutting_down") from None
+
+    @property
+    def _retry(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
 
     async def _final(self, stream: RequestStream, request: Request) -> Any:
         """The request's last output; aborts it if the client goes away first."""
@@ -154,13 +158,14 @@ class OpenAIServer:
         outputs = []
         try:
             outputs = [output async for output in stream]
-        except EngineStepError as exc:
-            raise APIError(500, str(exc), None, SERVER) from None
+        except RequestFailedError as exc:
+            raise APIError(500, str(exc), None, SERVER, reason=None) from None
         finally:
             watcher.cancel()
             stream.abort()
         if outputs[-1].finish_reason == "abort":
-            raise APIError(503, "the request was aborted: the server is shutting down", None, SERVER)
+            raise APIError(503, "the request was aborted: the server is shutting down", None, SERVER,
+                           self._retry, reason=None)
         return outputs[-1]
 
     async def _completion_events(self, stream: RequestStream, created: int, include_usage: bool
@@ -174,7 +179,7 @@ class OpenAIServer:
             if include_usage:
                 yield _event(protocol.usage_chunk("text_completion", response_id, created, self.name, output))
             yield DONE
-        except EngineStepError as exc:
+        except RequestFailedError as exc:
             yield _event(error_body(str(exc), SERVER))
         finally:  # also when the client went away: starlette cancels this generator
             stream.abort()
@@ -194,7 +199,7 @@ class OpenAIServer:
                 yield _event(protocol.usage_chunk("chat.completion.chunk", response_id, created, self.name,
                                                   output))
             yield DONE
-        except EngineStepError as exc:
+        except RequestFailedError as exc:
             yield _event(error_body(str(exc), SERVER))
         finally:
             stream.abort()

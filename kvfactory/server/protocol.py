@@ -5,7 +5,8 @@ Requests are pydantic models (types only); values are checked where generation i
 1, ``top_p`` 1, ``max_tokens`` 16 for completions; chat has no OpenAI default, so it takes the
 server's (``--max-tokens``). ``top_k`` and ``ignore_eos`` are extensions (as in vLLM). Fields that
 would change what the answer means and are not implemented (``n`` > 1, ``logprobs``, ``echo``,
-``suffix``, ``best_of`` > 1, ``tools``) are refused, other unknown fields ignored.
+``suffix``, ``best_of`` > 1, ``tools``, non-zero ``presence_penalty`` / ``frequency_penalty``, a
+``logit_bias``) are refused, other unknown fields ignored.
 
 Responses are plain dicts in OpenAI's shapes: ``text_completion`` / ``chat.completion`` objects
 and their streamed chunks, with ``usage`` (and ``prompt_tokens_details.cached_tokens``, the
@@ -54,6 +55,9 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
 
     _stop = field_validator("stop", mode="wrap")(_one_of("expected a string or a list of strings"))
 
@@ -80,7 +84,13 @@ class _GenerationRequest(BaseModel):
 
     def _refused(self) -> dict[str, str]:
         """Fields set to what this server does not do, and why."""
-        return {"n": f"{self.n} asked; only n=1 is supported"} if self.n != 1 else {}
+        refused = {"n": f"{self.n} asked; only n=1 is supported"} if self.n != 1 else {}
+        for field in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, field) != 0:
+                refused[field] = f"{getattr(self, field)!r} asked; penalties are not supported (only 0)"
+        if self.logit_bias:
+            refused["logit_bias"] = "not supported"
+        return refused
 
 
 class CompletionRequest(_GenerationRequest):

@@ -5,6 +5,9 @@ post to its inbox (add a request, abort one, read the stats), steps while any re
 unfinished, and otherwise sleeps on the inbox's condition. Each request's outputs reach its handler
 through an ``asyncio.Queue`` of its own, fed from the engine thread with ``call_soon_threadsafe``.
 
+A request that fails inside a step (``finish_reason='error'``) reaches its handler as
+``RequestFailedError``; the other requests of that step go on.
+
 Adding a request is a round trip to the engine thread, so ``AdmissionError`` and ``EngineFullError``
 reach the handler before it starts a response (a 400 or a 503, never a broken stream). Aborting only
 posts: a handler being cancelled (its client went away) cannot wait for anything.
@@ -33,8 +36,14 @@ class ShuttingDownError(KVFactoryError, RuntimeError):
     """The server is stopping: no new request is taken (a 503)."""
 
 
-class EngineStepError(KVFactoryError, RuntimeError):
-    """A step of the engine failed; every request in flight was aborted (a 500)."""
+class RequestFailedError(KVFactoryError, RuntimeError):
+    """This request failed inside the engine (a 500, or an error event ending its stream); the
+    others went on."""
+
+
+class EngineStepError(RequestFailedError):
+    """A step failed outside any request's own work (the scheduler itself): every request in flight
+    failed with it."""
 
 
 def pool_state(engine: Engine) -> dict[str, Any]:
@@ -92,6 +101,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._final: dict[str, Any] = {}
+        self.drained = threading.Event()  # set once draining and no request is left in flight
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -117,11 +127,15 @@ class AsyncEngine:
         self._post(lambda: self._abort(request_id))
 
     def drain(self, timeout: float) -> None:
-        """Stop taking requests and abort those still unfinished ``timeout`` seconds from now (their
-        streams end with ``finish_reason='abort'``). Safe to call from a signal handler."""
+        """Stop taking requests (``add`` raises ``ShuttingDownError``) and abort those still unfinished
+        ``timeout`` seconds from now (their streams end with ``finish_reason='abort'``); ``drained`` is
+        set once none is left. Safe to call from a signal handler."""
         self.accepting = False
-        if self._loop is not None:  # else it never started: shutdown has nothing to wait for
-            self._loop.call_soon_threadsafe(self._loop.call_later, timeout, self._post, self._abort_all)
+        if self._loop is None:  # it never started: nothing is in flight
+            self.drained.set()
+            return
+        self._loop.call_soon_threadsafe(self._loop.call_later, timeout, self._post, self._abort_all)
+        self._post(lambda: None)  # wake the engine thread, which sets ``drained`` once nothing is left
 
     async def stats(self) -> dict[str, Any]:
         """``pool_state`` of the engine, read on its thread."""
@@ -180,6 +194,8 @@ class AsyncEngine:
                 return
             if self.engine.has_unfinished():
                 self._step()
+            elif not self.accepting and not self._queues:
+                self.drained.set()
 
     def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
              queue: asyncio.Queue) -> None:
@@ -197,12 +213,12 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            logger.exception("engine step failed: aborting the %d requests in flight", len(self._queues))
-            error = EngineStepError(f"the engine failed: {type(exc).__name__}: {exc}")
+            logger.exception("engine step failed: failing the %d requests in flight", len(self._queues))
+            cause = f"the engine failed: {type(exc).__name__}: {exc}"
             for request_id, queue in list(self._queues.items()):
                 del self._queues[request_id]  # its handler gets the error, not an abort
-                self._send(queue, error)
-                self.engine.abort(request_id)
+                self._send(queue, EngineStepError(cause))
+                self.engine.fail(request_id, cause)
                 self.engine.forget(request_id)
             return
         for output in outputs:
@@ -212,7 +228,8 @@ class AsyncEngine:
         queue = self._queues.get(output.request_id)
         if queue is None:  # aborted already: its handler is gone
             return
-        self._send(queue, output)
+        failed = output.finish_reason == "error"
+        self._send(queue, RequestFailedError(f"the request failed: {output.error}") if failed else output)
         if output.finished:
             del self._queues[output.request_id]
             self.engine.forget(output.request_id)
