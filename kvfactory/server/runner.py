@@ -101,6 +101,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._final: dict[str, Any] = {}
+        self._draining = False
         self.drained = threading.Event()  # set once draining and no request is left in flight
 
     def start(self) -> None:
@@ -130,7 +131,7 @@ class AsyncEngine:
         """Stop taking requests (``add`` raises ``ShuttingDownError``) and abort those still unfinished
         ``timeout`` seconds from now (their streams end with ``finish_reason='abort'``); ``drained`` is
         set once none is left. Safe to call from a signal handler."""
-        self.accepting = False
+        self.accepting, self._draining = False, True
         if self._loop is None:  # it never started: nothing is in flight
             self.drained.set()
             return
@@ -184,6 +185,8 @@ class AsyncEngine:
         while True:
             with self._wake:
                 while not (self._inbox or self._stopping or self.engine.has_unfinished()):
+                    if self._draining and not self._queues:
+                        self.drained.set()
                     self._wake.wait()
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopped = self._stopping
@@ -194,8 +197,6 @@ class AsyncEngine:
                 return
             if self.engine.has_unfinished():
                 self._step()
-            elif not self.accepting and not self._queues:
-                self.drained.set()
 
     def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str,
              queue: asyncio.Queue) -> None:

@@ -130,6 +130,7 @@ def test_requests_during_the_drain_are_503s_with_retry_after(server: ServerProce
     assert answer.status_code == 503 and answer.headers["retry-after"] == "1", answer.text
     assert "shutting down" in answer.json()["error"]["message"]
     stream.join(120)
+    server.process.wait(timeout=10)  # the drain ends when the stream does, well before --shutdown-timeout
     assert stream.events[-1] == "[DONE]"
     assert json.loads(stream.events[-2])["choices"][0]["finish_reason"] == "length"
     code, log = server.stop()
