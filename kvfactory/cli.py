@@ -23,27 +23,34 @@ app = typer.Typer(help="KV-cache management for Hugging Face transformers.", no_
 
 # options several commands share
 def _model(model: str) -> str:
-    """``--model``: the embedded model, a hub id, or a local folder that exists."""
+    """``--model``: a packaged model's short name, a hub id, or a local folder that exists."""
     path = Path(model).expanduser()
     local = path.is_absolute() or model.startswith((".", "~"))
-    if model != models.EMBEDDED and local and not path.exists():
+    if model not in models.PACKAGED and local and not path.exists():
         raise typer.BadParameter(f"{model!r}: no such model folder", param_hint="--model")
+    if model in models.PACKAGED:
+        try:
+            models.PACKAGED[model].check_installed()
+        except FileNotFoundError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--model") from None
     return model
 
 
 ModelOption = Annotated[str, typer.Option(callback=_model,
-                                          help="'smollm2' (embedded) or a local model folder / hub id")]
+                                          help="'smollm2' (embedded), 'gemma3-270m' (the gemma extra) "
+                                          "or a local model folder / hub id")]
 DenseLayersOption = Annotated[int, typer.Option(min=0, help="first layers read whole (not routed)")]
 ThreadsOption = Annotated[int, typer.Option(min=1, help="torch CPU threads")]
 
 
 def load_config(model: str) -> Any:
-    """The transformers config of ``model`` ("smollm2", a config.json or a model folder), no weights."""
-    if model == models.EMBEDDED:
-        return models.load_config()
+    """The transformers config of ``model`` (a packaged model's name, a config.json or a model folder),
+    no weights."""
+    if model in models.PACKAGED:
+        return models.load_config(model)
     if not Path(model).exists():
-        raise typer.BadParameter(f"{model!r} is neither {models.EMBEDDED!r} nor an existing config.json "
-                                 f"or model folder", param_hint="--model")
+        raise typer.BadParameter(f"{model!r} is neither one of {sorted(models.PACKAGED)} nor an existing "
+                                 f"config.json or model folder", param_hint="--model")
     try:
         return models.load_config(model)
     except (OSError, ValueError, KeyError) as exc:
@@ -125,6 +132,7 @@ def run(
     = None,
     every: Annotated[bool, typer.Option("--all", help=f"run every preset ({len(run_job.PRESETS)} configs "
                                                       f"instead of {len(run_job.DEFAULT_CONFIGS)})")] = False,
+    model: ModelOption = models.EMBEDDED,
     threads: ThreadsOption = 1,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
 ) -> None:
@@ -134,7 +142,7 @@ def run(
 
     logging.disable_progress_bar()  # the run shows its own progress
     try:
-        run_job.run(context, new_tokens, configs, threads, json_path, Console(), every)
+        run_job.run(context, new_tokens, configs, threads, json_path, Console(), every, model)
     except run_job.RunError as exc:
         raise typer.BadParameter(str(exc)) from exc
     except KVFactoryError as exc:  # a config that cannot hold the run (a pool too small): no traceback

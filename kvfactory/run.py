@@ -13,6 +13,7 @@ baseline's (for lossy configs: how many leading tokens do) and the start of its 
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import re
@@ -41,7 +42,7 @@ from kvfactory.config import parse_config
 from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
 from kvfactory.measure import GenerationTiming, timed_continue, timed_generate
-from kvfactory.models import load_model
+from kvfactory.models import EMBEDDED, load_model
 from kvfactory.sizing import format_bytes, kv_bytes
 from kvfactory.texts import shipped_text
 
@@ -178,6 +179,7 @@ class _Decode:
     cache: Any
     sequences: torch.Tensor
     timings: list[GenerationTiming] = field(default_factory=list)
+    prompt_cache: Any = None  # the baseline's: its cache right after the prefill
 
 
 def decode_interleaved(model: Any, decodes: list[_Decode], sizes: list[int]) -> None:
@@ -271,8 +273,11 @@ def compare(model: Any, tokenizer: Any, configs: dict[str, dict[str, Any]], cont
 
 def _measure_baseline(model: Any, inputs: dict[str, torch.Tensor], sizes: list[int], tokenizer: Any
                       ) -> tuple[_Decode, ConfigResult]:
-    """The baseline's prefill and its own segments, and its row (speed ratio 1 by definition)."""
+    """The baseline's prefill and its own segments, and its row (speed ratio 1 by definition). Its
+    cache as the prefill left it stays in ``baseline.prompt_cache``: each config's baseline segments
+    restart from a copy (a sliding-window layer cannot be cropped back to the prompt)."""
     baseline, prefill = _prefill(model, inputs, None)
+    baseline.prompt_cache = copy.deepcopy(baseline.cache)
     decode_interleaved(model, [baseline], sizes)
     reference = baseline.sequences[:, inputs["input_ids"].shape[1]:]
     return baseline, _result(BASELINE, None, baseline, prefill, baseline.timings, reference, tokenizer)
@@ -284,8 +289,7 @@ def _measure_config(model: Any, inputs: dict[str, torch.Tensor], name: str, conf
     """One config's row: its prefill, then its segments interleaved with the baseline's from the prompt."""
     decode, prefill = _prefill(model, inputs, config)
     prompt_tokens = inputs["input_ids"].shape[1]
-    baseline.cache.crop(prompt_tokens - baseline.cache.get_seq_length())  # back to the prompt
-    rewound = _Decode(baseline.cache, baseline.sequences[:, :prompt_tokens + 1])
+    rewound = _Decode(copy.deepcopy(baseline.prompt_cache), baseline.sequences[:, :prompt_tokens + 1])
     decode_interleaved(model, [rewound, decode], sizes)
     row = _result(name, config, decode, prefill, rewound.timings, reference, tokenizer)
     del decode  # free this config's cache before the next one is built
@@ -294,9 +298,11 @@ def _measure_config(model: Any, inputs: dict[str, torch.Tensor], name: str, conf
 
 
 def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = None, threads: int = 1,
-        json_path: Path | None = None, console: Console | None = None, every: bool = False) -> dict[str, Any]:
-    """Load the embedded model and ``compare`` the configs on ``threads`` torch threads; return (and
-    optionally save as JSON) the report."""
+        json_path: Path | None = None, console: Console | None = None, every: bool = False,
+        model_name: str = EMBEDDED) -> dict[str, Any]:
+    """Load ``model_name`` (the embedded model by default; ``kvfactory.models.load_model``) and
+    ``compare`` the configs on ``threads`` torch threads; return (and optionally save as JSON) the
+    report."""
     if context < 1 or new_tokens < MIN_NEW_TOKENS or threads < 1:
         raise RunError(f"context={context}, new_tokens={new_tokens}, threads={threads}: expected "
                        f"context >= 1, new_tokens >= {MIN_NEW_TOKENS} ({SEGMENTS} decode segments of at "
@@ -306,9 +312,10 @@ def run(context: int = 4096, new_tokens: int = 64, configs: list[str] | None = N
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with console.status("loading the embedded model"):
-            model, tokenizer = load_model()
-        report = compare(model, tokenizer, named, context, new_tokens, console, threads)
+        with console.status(f"loading {model_name}"):
+            model, tokenizer = load_model(model_name)
+        label = MODEL_LABEL if model_name == EMBEDDED else f"{model_name} (fp32)"
+        report = compare(model, tokenizer, named, context, new_tokens, console, threads, label)
     finally:
         torch.set_num_threads(previous_threads)
     if json_path is not None:

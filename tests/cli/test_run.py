@@ -125,11 +125,13 @@ def test_segments_interleave_with_the_baseline_from_the_prompt(tiny_run):
     report, _, clock, warm_up = tiny_run
     calls = [(kind, cache) for kind, cache, _, _ in clock.calls[warm_up:]]
     base = calls[0][1]
-    expected = [("prefill", base)] + [("decode", base)] * 3
-    for i in range(len(CONFIGS)):
-        cache = base + 1 + i
-        expected += [("prefill", cache)] + [("decode", base), ("decode", cache)] * 3
-    assert calls == expected
+    assert calls[:4] == [("prefill", base)] + [("decode", base)] * 3
+    blocks = [calls[4 + 7 * i:4 + 7 * (i + 1)] for i in range(len(CONFIGS))]
+    assert len(calls) == 4 + 7 * len(CONFIGS)
+    for block in blocks:  # the config's prefill, then the baseline (a copy of its prompt cache) and it
+        (kind, cache), rewound = block[0], block[1][1]
+        assert kind == "prefill" and rewound not in (base, cache)
+        assert block[1:] == [("decode", rewound), ("decode", cache)] * 3
     prompt = report["prompt_tokens"]
     for i, (kind, _, length, _) in enumerate(clock.calls[warm_up:]):
         if kind == "decode" and calls[i - 1][0] == "prefill":  # a pass's first segment starts at the prompt
@@ -146,7 +148,8 @@ def test_speeds_are_medians_of_paired_segments(tiny_run):
     base = clock.calls[warm_up][1]
     own = [clock.speed(i) for i in decodes[base][:3]]  # the baseline's own run, then a pass per config
     pairs = {run_job.BASELINE: list(zip(own, own, strict=True))}
-    for name, cache in zip(CONFIGS, range(base + 1, base + len(NAMES)), strict=True):
+    configs = range(base + 1, base + 2 * len(CONFIGS), 2)  # each followed by its baseline's copy
+    for name, cache in zip(CONFIGS, configs, strict=True):
         pairs[name] = [(clock.speed(i), clock.speed(i - 1)) for i in decodes[cache]]  # after the baseline's
     for result in report["results"]:
         segments, expected = result["segments"], pairs[result["name"]]
@@ -182,7 +185,7 @@ def test_segment_sizes():
 
 def _cli(monkeypatch, *args):
     """``kvfactory run ARGS`` at 80 columns with the tiny model in place of the embedded one."""
-    monkeypatch.setattr(run_job, "load_model", lambda: (_model(), tiny_tokenizer()))
+    monkeypatch.setattr(run_job, "load_model", lambda name: (_model(), tiny_tokenizer()))
     return CliRunner().invoke(app, ["run", *args], env={"COLUMNS": "80"})
 
 
@@ -215,3 +218,13 @@ def test_cli_all_and_configs_conflict(monkeypatch):
     result = _cli(monkeypatch, "--all", "--configs", "int8")
     assert result.exit_code == 2
     assert "--all runs every preset" in " ".join(result.output.split())
+
+
+def test_a_model_with_sliding_window_layers_runs_every_row() -> None:
+    """A sliding layer of ``DynamicCache`` cannot be cropped back to the prompt: the baseline's
+    segments restart from a copy of its cache after the prefill, past the window here."""
+    model = tiny_model("mistral-sw8", vocab_size=VOCAB, max_position_embeddings=1024)
+    with attn_implementation(model, "kvfactory") as model:
+        report = run_job.compare(model, tiny_tokenizer(), run_job.parse_configs(["paged/16"]), CONTEXT,
+                                 NEW_TOKENS, Console(file=io.StringIO(), width=80))
+    assert report["prompt_tokens"] > 8 and [r["equal"] for r in report["results"]] == [True, True]
