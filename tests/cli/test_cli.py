@@ -65,7 +65,7 @@ def test_size_embedded_model():
 @pytest.mark.parametrize(("args", "message"), [
     (["--memory", "8q"], "memory '8q'"),
     (["--memory", "0"], "at least 1 byte"),
-    (["--model", "/no/such/config.json"], "neither 'smollm2' nor"),
+    (["--model", "/no/such/config.json"], "is neither one of"),
     (["--codec", "int3"], "int3"),
     (["--dtype", "fp64"], "fp64"),
     (["--context", "0"], "--context"),

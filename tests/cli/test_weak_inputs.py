@@ -76,7 +76,7 @@ def test_a_ratio_out_of_range_is_named() -> None:
 
 def test_run_with_a_pool_too_small_prints_the_error_not_a_traceback(monkeypatch) -> None:
     model, tokenizer = tiny_model("llama", vocab_size=VOCAB), tiny_tokenizer()
-    monkeypatch.setattr(run_job, "load_model", lambda: (model, tokenizer))
+    monkeypatch.setattr(run_job, "load_model", lambda name: (model, tokenizer))
     result = cli("run", "--context", "40", "--new-tokens", "8", "--configs",
                  '{"type": "paged", "page_size": 4, "pool_tokens": 16}')
     assert result.exit_code == 2, result.output
