@@ -367,7 +367,6 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         self.metrics.finished(request, reason)
         self.scheduler.finish(request)
-        self.memory.release(request)  # also one the scheduler no longer queues (a failed resume)
         self.sampler.forget(request.request_id)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
 
@@ -377,6 +376,7 @@ class Engine:
         logger.error("request %s failed: %s", request.request_id, cause)
         request.error = cause
         self._finish(request, "error")
+        self.memory.release(request)  # also one the scheduler no longer queues (a failed resume)
         return self._output(request, [])
 
     def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
