@@ -313,8 +313,8 @@ class KVLayer(CacheLayerMixin):
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.is_sliding:  # transformers' sliding-window rule, which also covers past recording
-            visible = min(self.seen, self.sliding_window - 1)
+        if self.is_sliding:  # transformers' sliding-window rule, which also covers past recording, unless
+            visible = min(self.seen, self.sliding_window - 1, self.store.size())  # a store keeps less
             return visible + query_length, self.seen - visible
         stored = self.store.size()
         return stored + query_length, self.seen - stored

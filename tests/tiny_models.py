@@ -3,7 +3,8 @@
 One row per architecture: ``(id, model_type, config kwargs)``. Every model has 2 layers, hidden 64,
 4 query heads and 2 KV heads (GQA) where the architecture allows; ``llama-mqa`` has one KV head,
 GPT-2 is multi-head only, and Mistral's ``sliding_window`` is smaller than the test prompts so the
-window rule is exercised.
+window rule is exercised. ``gemma3`` is hybrid as Gemma 3 is: a sliding-window layer (window 8) then
+a full-attention one, one KV head, each layer type with its own rotary base.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ VOCAB = 256
 PAD, BOS, EOS = 0, 1, 2
 PROMPT_LEN = 20  # longer than Mistral's window below
 MISTRAL_WINDOW = 8
+GEMMA3_WINDOW = 8
+GEMMA3_LAYERS = ("sliding_attention", "full_attention")
 TINY_HIDDEN = 64  # 2 KV heads of 16 dims where the architecture has GQA
 
 _COMMON = dict(vocab_size=VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=128, num_hidden_layers=2,
@@ -32,6 +35,8 @@ TINY_MODELS: list[tuple[str, str, dict]] = [
     ("gpt2", "gpt2", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                           pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
     ("gemma", "gemma", _COMMON | {"head_dim": 16}),
+    ("gemma3", "gemma3_text", _COMMON | {"head_dim": 16, "num_key_value_heads": 1, "query_pre_attn_scalar": 16,
+                                         "sliding_window": GEMMA3_WINDOW, "layer_types": list(GEMMA3_LAYERS)}),
 ]
 TINY_IDS = [row[0] for row in TINY_MODELS]
 _ROWS = {row[0]: row for row in TINY_MODELS}

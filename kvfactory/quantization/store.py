@@ -318,7 +318,13 @@ class QuantizedStore(LayerStore):
             self.append(keys, values)
 
     def drop_front(self, n: int) -> None:
-        self.keep(torch.arange(min(n, self.size()), self.size()))
+        """While nothing is encoded the window's own ``drop_front`` (a sliding-window layer whose window
+        fits the full-precision window): it leaves the stored tokens in place, so a read returned
+        before the drop still holds them, as the attention that follows it expects. Else ``keep``."""
+        if self.quantized_tokens == 0:
+            self.inner.drop_front(n)
+        else:
+            self.keep(torch.arange(min(n, self.size()), self.size()))
 
     def truncate(self, n: int) -> None:
         if n >= self.quantized_tokens:

@@ -46,6 +46,12 @@ class Selector(ABC):
     uses_mean: ClassVar[bool] = False  # the page summaries keep each page's mean key
     prompt_weight: ClassVar[float] = 0.0  # ``SelectorSpec.prompt_weight`` where the config leaves it unset
 
+    @classmethod
+    def options_for_model(cls, options: dict[str, Any], model_config: Any) -> dict[str, Any]:
+        """The options this selector runs with on ``model_config``'s model (a name it resolves per
+        model, as OVAL's shipped routers); called once by the factory."""
+        return options
+
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
 

@@ -123,13 +123,17 @@ class SelectorSpec:
         return SELECTORS[self.selector](**self.options)
 
     def per_layer(self, model_config: Any, layers: Sequence[int]) -> dict[int, SelectorSpec]:
-        """The spec each of the routed ``layers`` decodes with: its share of the read budget under
-        ``layer_budgets``; the same spec for all when the split is even."""
+        """The spec each of the routed ``layers`` decodes with: the selector's options for this model
+        (``Selector.options_for_model``) and its share of the read budget under ``layer_budgets``; the
+        same spec for all when the split is even."""
+        if not layers:
+            return {}
+        spec = replace(self, options=SELECTORS[self.selector].options_for_model(self.options, model_config))
         profile = None if self.top_k is not None else resolve(self.layer_budgets, model_config)
-        if profile is None or not layers:
-            return dict.fromkeys(layers, self)
+        if profile is None:
+            return dict.fromkeys(layers, spec)
         split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers)
-        return {layer: replace(self, read_budget=budget, layer_budgets="uniform")
+        return {layer: replace(spec, read_budget=budget, layer_budgets="uniform")
                 for layer, budget in split.items()}
 
     def pages_to_read(self, pages: int) -> int:

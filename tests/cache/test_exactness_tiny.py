@@ -115,7 +115,7 @@ def test_sliding_layers_release_blocks(page_size: int) -> None:
 
 
 @pytest.mark.parametrize("config", [DENSE, PAGED4])
-@pytest.mark.parametrize("arch", ["llama", "mistral-sw8", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral-sw8", "gemma3", "gpt2"])
 def test_continuing_generation_with_the_same_cache(arch: str, config: str) -> None:
     """A second ``generate`` call on the grown sequence reuses the cache (multi-turn chat)."""
     model = tiny_model(arch)
@@ -134,7 +134,7 @@ def test_continuing_generation_with_the_same_cache(arch: str, config: str) -> No
 
 
 @pytest.mark.parametrize("config", [DENSE, PAGED4])
-@pytest.mark.parametrize("arch", ["llama", "mistral-sw8"])
+@pytest.mark.parametrize("arch", ["llama", "mistral-sw8", "gemma3"])
 def test_prompt_lookup_decoding_matches_dynamic_cache(arch: str, config: str) -> None:
     """Assisted (prompt-lookup) decoding crops rejected draft tokens; on sliding-window layers
     DynamicCache records the past for that (``activate_past_recording``), so must we."""

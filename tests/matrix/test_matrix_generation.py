@@ -1,5 +1,6 @@
 """Cross-cutting generation tests over the shared matrix (``configs.py``): greedy exactness or the
-row's loss bound, left-padded batches, beam search and the memory report, on a tiny random llama."""
+row's loss bound, left-padded batches, beam search and the memory report, on each tiny random model
+of ``MATRIX_ARCHS`` (full attention only, and hybrid)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import functools
 
 import pytest
 import torch
-from configs import BEAMS, CASE_IDS, CASES, MIXED, OPERATIONS, PADDED, ROWS, SUMMARIES, Row
+from configs import BEAMS, CASE_IDS, CASES, MATRIX_ARCHS, MIXED, OPERATIONS, PADDED, ROWS, SUMMARIES, Row
 from helpers import LOGITS_ATOL, assert_same_generation, diff_before_divergence, generate, kv_slot_bytes
 from tiny_models import left_padded_batch, random_prompt, tiny_model
 from transformers import DynamicCache
 
 from kvfactory import KVCacheFactory
+from kvfactory.cache import attention_layout
 from kvfactory.codecs import make_codec
 from kvfactory.eviction import POLICIES
 from kvfactory.presets import preset_names
@@ -22,10 +24,7 @@ PROMPT, NEW = 24, 6
 PADDED_LENGTHS = [PROMPT, 15, 7]
 BEAM_LENGTHS = [PROMPT, 13]
 cases = pytest.mark.parametrize(("row", "level"), CASES, ids=CASE_IDS)
-
-
-def model():
-    return tiny_model("llama")
+archs = pytest.mark.parametrize("arch", MATRIX_ARCHS)
 
 
 def greedy_inputs() -> dict[str, torch.Tensor]:
@@ -41,14 +40,18 @@ MODES = {
 }
 
 
-def run(mode: str, cache) -> object:
+def run(arch: str, mode: str, cache) -> object:
     make_inputs, kwargs = MODES[mode]
-    return generate(model(), make_inputs(), cache, **({"max_new_tokens": NEW} | kwargs))
+    return generate(tiny_model(arch), make_inputs(), cache, **({"max_new_tokens": NEW} | kwargs))
 
 
 @functools.cache
-def reference(mode: str):
-    return run(mode, DynamicCache(config=model().config))
+def reference(arch: str, mode: str):
+    return run(arch, mode, DynamicCache(config=tiny_model(arch).config))
+
+
+def create_cache(row: Row, level: str, arch: str):
+    return KVCacheFactory(tiny_model(arch).config, row.config(level, arch)).create_cache()
 
 
 def check(row: Row, ref, out) -> None:
@@ -68,7 +71,8 @@ def test_every_row_states_every_operation_and_builds() -> None:
         assert set(row.raises) <= set(OPERATIONS), row.id
         assert row.bound >= 0.0, row.id
         for level in ("small", "demanding"):
-            KVCacheFactory(model().config, row.config(level))
+            for arch in MATRIX_ARCHS:
+                KVCacheFactory(tiny_model(arch).config, row.config(level, arch))
 
 
 def test_every_registered_policy_selector_codec_and_preset_has_a_row() -> None:
@@ -85,34 +89,45 @@ def test_every_registered_policy_selector_codec_and_preset_has_a_row() -> None:
 
 # -- generation -----------------------------------------------------------------------------------
 
+@archs
 @cases
-def test_greedy_is_exact_or_within_the_bound(row: Row, level: str) -> None:
-    cache = KVCacheFactory(model().config, row.config(level)).create_cache()
-    ref, out = reference("greedy"), run("greedy", cache)
+def test_greedy_is_exact_or_within_the_bound(row: Row, level: str, arch: str) -> None:
+    """Sliding-window layers hold their last ``window - 1`` tokens (at most that where a storage
+    strategy drops tokens in every layer, as ``FirstAndLast``: eviction policies leave them alone,
+    ``test_compose.py``); full-attention layers all tokens seen, or fewer where the row evicts."""
+    cache = create_cache(row, level, arch)
+    ref, out = reference(arch, "greedy"), run(arch, "greedy", cache)
     check(row, ref, out)
     if not row.lossless:  # a lossy row really is lossy here (else its bound says nothing)
         assert diff_before_divergence(ref, out) > LOGITS_ATOL
     seen = PROMPT + NEW - 1
     assert cache.get_seq_length() == seen
+    windows = attention_layout(tiny_model(arch).config)
     stored = [cache.size(i) for i in range(len(cache.layers))]
-    assert all(n < seen for n in stored) if row.evicts else stored == [seen] * len(stored)
+    for n, window in zip(stored, windows, strict=True):
+        if window is not None:
+            assert n <= min(seen, window - 1) if row.evicts else n == min(seen, window - 1)
+    full = [n for n, window in zip(stored, windows, strict=True) if window is None]
+    assert all(n < seen for n in full) if row.evicts else full == [seen] * len(full)
 
 
+@archs
 @cases
-def test_left_padded_batch(row: Row, level: str) -> None:
-    cache = KVCacheFactory(model().config, row.config(level)).create_cache()
-    if row.refuses(PADDED, lambda: run("padded", cache)):
+def test_left_padded_batch(row: Row, level: str, arch: str) -> None:
+    cache = create_cache(row, level, arch)
+    if row.refuses(PADDED, lambda: run(arch, "padded", cache)):
         return
-    check(row, reference("padded"), run("padded", cache))
+    check(row, reference(arch, "padded"), run(arch, "padded", cache))
     assert cache.get_seq_length() == max(PADDED_LENGTHS) + NEW - 1
 
 
+@archs
 @cases
-def test_beam_search(row: Row, level: str) -> None:
-    cache = KVCacheFactory(model().config, row.config(level)).create_cache()
-    if row.refuses(BEAMS, lambda: run("beams", cache)):
+def test_beam_search(row: Row, level: str, arch: str) -> None:
+    cache = create_cache(row, level, arch)
+    if row.refuses(BEAMS, lambda: run(arch, "beams", cache)):
         return
-    ref, out = reference("beams"), run("beams", cache)
+    ref, out = reference(arch, "beams"), run(arch, "beams", cache)
     assert out.sequences.shape[0] == 2 * len(BEAM_LENGTHS)
     if row.lossless:
         assert_same_generation(ref, out)
@@ -138,16 +153,17 @@ def quantization_options(config: dict) -> dict:
     return next(e for e in config["strategies"] if e["name"] == "quantized")
 
 
+@archs
 @cases
-def test_memory_report(row: Row, level: str) -> None:
+def test_memory_report(row: Row, level: str, arch: str) -> None:
     """allocated >= used >= 0; used is what the row's tokens cost; clear() gives everything back."""
-    config = row.config(level)
-    cache = KVCacheFactory(model().config, config).create_cache()
-    run("greedy", cache)
+    config, model_config = row.config(level, arch), tiny_model(arch).config
+    cache = KVCacheFactory(model_config, config).create_cache()
+    run(arch, "greedy", cache)
     report = cache.memory_report()
     assert report["allocated"] >= report["used"] >= 0 and report["tokens_stored"] > 0
     assert report["tokens_stored"] == sum(cache.size(i) for i in range(len(cache.layers)))
-    slot = kv_slot_bytes(model().config)
+    slot = kv_slot_bytes(model_config)
     stored, window = report["tokens_stored"], report.get("residual_tokens", report["tokens_stored"])
     if row.bytes_per_token == MIXED:
         assert window < stored and report["used"] < stored * slot
@@ -158,7 +174,7 @@ def test_memory_report(row: Row, level: str) -> None:
     else:  # quantized tokens cost the codec's bytes, the full-precision window fp32
         assert window < stored, "nothing was quantized"
         assert report["workspace"] > 0
-        per_token = codec_bytes(codec, 2, 16, quantization_options(config).get("group_size"))
+        per_token = codec_bytes(codec, model_config.num_key_value_heads, model_config.head_dim, quantization_options(config).get("group_size"))
         expected = (stored - window) * per_token + window * slot
     if summaries:
         assert report["used"] > expected

@@ -12,13 +12,13 @@ from helpers import assert_same_generation, attn_implementation, generate, tiny_
 from tiny_models import TINY_HIDDEN, left_padded_batch, random_prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvfactory import ConfigError, KVCacheFactory
+from kvfactory import ConfigError, KVCacheFactory, models
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors import SELECTORS, PageSummaries, register_selector
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
-from kvfactory.selectors.oval import router_path
+from kvfactory.selectors.oval import load_router, router_path
 from kvfactory.selectors.oval.files import load_module
 from kvfactory.selectors.oval.lowrank import LowRankScorer
 from kvfactory.selectors.oval.router import Router
@@ -548,6 +548,19 @@ def test_a_router_for_another_model_is_refused(tmp_path) -> None:
     broken.write_bytes(b"not a router")
     with pytest.raises(ConfigError, match="kvfactory oval train"):
         Router.load(broken)
+
+
+def test_the_shipped_router_is_the_one_trained_for_the_model() -> None:
+    """``"embedded"`` resolves per model: SmolLM2's scorer for SmolLM2 (every layer), Gemma 3 270M's
+    for its full-attention layers 5, 11 and 17; a model none was trained for is told the command."""
+    for name, layers in (("smollm2", range(2, 30)), ("gemma3-270m", (5, 11, 17))):
+        factory = KVCacheFactory(models.load_config(name), sparse("oval", router="embedded", read_budget=0.125,
+                                                                   dense_layers=2))
+        assert sorted(factory.layer_selectors) == list(layers)
+        routers = {spec.options["router"] for spec in factory.layer_selectors.values()}
+        assert len(routers) == 1 and load_router(routers.pop()).shape.model == name
+    with pytest.raises(ConfigError, match="ships 'embedded' for gemma3-270m, smollm2 only.*kvfactory oval train"):
+        KVCacheFactory(tiny_model("llama").config, sparse("oval", router="embedded", read_budget=0.5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

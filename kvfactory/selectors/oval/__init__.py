@@ -2,7 +2,8 @@
 
 A router file holds one of two trained scorers (``files.py``, ``docs/sparse-reads.md``):
 
-- ``"query"`` (``lowrank.LowRankScorer``, shipped as ``router = "embedded"``): the step's own query
+- ``"query"`` (``lowrank.LowRankScorer``, shipped as ``router = "embedded"`` for SmolLM2 and Gemma 3
+  270M: a cache takes the one trained for its model): the step's own query
   at each layer, projected to a few learned channels, against int8 codes of every stored key in
   the same channels: an estimate of each page's attention mass from a quarter of Quest's bytes.
 - ``"prefetch"`` (``router.Router``, shipped as ``router = "embedded-prefetch"``): pages predicted
@@ -20,25 +21,60 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.oval.files import load_module
-from kvfactory.selectors.oval.lowrank import LowRankScorer
-from kvfactory.selectors.oval.router import Router
+from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
+from kvfactory.selectors.oval.router import Router, RouterShape
 from kvfactory.selectors.pages import PageSummaries
 
-EMBEDDED = {"embedded": "smollm2_lowrank.safetensors", "embedded-prefetch": "smollm2_router.safetensors"}
+# The routers shipped with the package, per name; a cache takes the one trained for its model's shapes.
+SHIPPED = {"embedded": ("smollm2_lowrank.safetensors", "gemma3_270m_lowrank.safetensors"),
+           "embedded-prefetch": ("smollm2_router.safetensors",)}
+EMBEDDED = {name: files[0] for name, files in SHIPPED.items()}  # the embedded model's (SmolLM2's)
+
+
+def _shipped_file(file: str) -> Path:
+    return Path(str(resources.files("kvfactory.selectors.oval").joinpath(file)))
 
 
 def router_path(name: str) -> Path:
     """``"embedded"`` / ``"embedded-prefetch"``: a router shipped for the embedded model; else a path."""
     if name in EMBEDDED:
-        return Path(str(resources.files("kvfactory.selectors.oval").joinpath(EMBEDDED[name])))
+        return _shipped_file(EMBEDDED[name])
     return Path(name)
+
+
+def fits(shape: LowRankShape | RouterShape, model_config: Any) -> bool:
+    """Whether a router of ``shape`` scores this model: its KV heads, head size (and hidden size for a
+    prefetch router), and layers that are full-attention layers of the model."""
+    from kvfactory.cache import attention_layout
+
+    config = model_config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    full = {i for i, window in enumerate(attention_layout(model_config)) if window is None}
+    return (shape.kv_heads, shape.head_dim) == (config.num_key_value_heads, head_dim) \
+        and set(shape.layers) <= full and getattr(shape, "hidden_size", config.hidden_size) == config.hidden_size
+
+
+def shipped_router(name: str, model_config: Any) -> str:
+    """The path of the router shipped as ``name`` for this model (``SHIPPED``); ``ConfigError`` naming
+    the command that trains one where none fits."""
+    for file in SHIPPED[name]:
+        path = str(_shipped_file(file))
+        if fits(load_router(path).shape, model_config):
+            return path
+    trained = sorted(load_router(str(_shipped_file(file))).shape.model for file in SHIPPED[name])
+    config = model_config.get_text_config(decoder=True)
+    raise ConfigError("router", name, f"a router trained for this model ({config.model_type}, "
+                      f"{config.num_key_value_heads} KV heads): kvfactory ships {name!r} for "
+                      f"{', '.join(trained)} only. Train one on text you will not evaluate on with "
+                      f"`kvfactory oval train --model MODEL --text book.txt --val-text other.txt --out "
+                      f"router.safetensors` and set \"router\": \"router.safetensors\"")
 
 
 @dataclass
@@ -82,6 +118,12 @@ class OvalSelector(Selector):
         if not path.is_file():
             raise ConfigError("router", self.router, f"one of {sorted(EMBEDDED)} or the path of a router "
                               f"file written by `kvfactory oval train`")
+
+    @classmethod
+    def options_for_model(cls, options: dict[str, Any], model_config: Any) -> dict[str, Any]:
+        """A shipped router's name resolved to the file trained for this model (``shipped_router``)."""
+        router = options.get("router", cls.router)
+        return options | {"router": shipped_router(router, model_config)} if router in SHIPPED else options
 
     @property
     def uses_mean(self) -> bool:  # the prefetch router embeds the page's mean key too

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvfactory.cache import attention_layout
 from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
 from kvfactory.selectors.teacher import PAGE, Chunk, candidates, cap, chosen_count, collect, tokens_of
@@ -235,12 +236,13 @@ def _sample_keys(chunks: Sequence[Chunk], count: int = 4) -> torch.Tensor:
 
 
 def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch") -> Scorer:
-    """An untrained scorer of ``kind`` (``"query"`` or ``"prefetch"``) for ``model``'s layers after the
-    first ``dense_layers``."""
+    """An untrained scorer of ``kind`` (``"query"`` or ``"prefetch"``) for ``model``'s full-attention
+    layers after the first ``dense_layers`` (sliding-window layers are never read sparsely)."""
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    layers = tuple(range(dense_layers, config.num_hidden_layers))
+    windows = attention_layout(model.config)
+    layers = tuple(i for i in range(dense_layers, config.num_hidden_layers) if windows[i] is None)
     torch.manual_seed(0)
     if kind == "query":
         return LowRankScorer(LowRankShape(heads, config.num_key_value_heads, head_dim, layers, model=name))
