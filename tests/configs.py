@@ -24,7 +24,8 @@ behaviour silently changes:
 Adding a strategy means adding one row here: every cross-cutting test (``test_matrix_*.py``)
 parametrizes over ``CASES`` and runs each case on the tiny random models of ``MATRIX_ARCHS``: a llama
 with full attention in both layers and a hybrid Gemma 3 (a sliding-window layer, then a full-attention
-one: eviction and sparse reads apply to the second only). The ``FirstAndLast`` of docs/storage.md goes through them that way below.
+one: eviction and sparse reads apply to the second only). The ``FirstAndLast`` of docs/storage.md
+goes through them that way below.
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ TINY_MODELS: list[tuple[str, str, dict]] = [
     ("gpt2", "gpt2", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                           pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)),
     ("gemma", "gemma", _COMMON | {"head_dim": 16}),
-    ("gemma3", "gemma3_text", _COMMON | {"head_dim": 16, "num_key_value_heads": 1, "query_pre_attn_scalar": 16,
-                                         "sliding_window": GEMMA3_WINDOW, "layer_types": list(GEMMA3_LAYERS)}),
+    ("gemma3", "gemma3_text", _COMMON | {"head_dim": 16, "num_key_value_heads": 1,
+                                         "query_pre_attn_scalar": 16, "sliding_window": GEMMA3_WINDOW,
+                                         "layer_types": list(GEMMA3_LAYERS)}),
 ]
 TINY_IDS = [row[0] for row in TINY_MODELS]
 _ROWS = {row[0]: row for row in TINY_MODELS}

@@ -174,7 +174,8 @@ def test_memory_report(row: Row, level: str, arch: str) -> None:
     else:  # quantized tokens cost the codec's bytes, the full-precision window fp32
         assert window < stored, "nothing was quantized"
         assert report["workspace"] > 0
-        per_token = codec_bytes(codec, model_config.num_key_value_heads, model_config.head_dim, quantization_options(config).get("group_size"))
+        per_token = codec_bytes(codec, model_config.num_key_value_heads, model_config.head_dim,
+                                quantization_options(config).get("group_size"))
         expected = (stored - window) * per_token + window * slot
     if summaries:
         assert report["used"] > expected

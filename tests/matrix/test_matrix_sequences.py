@@ -130,7 +130,8 @@ def test_several_sequences_over_one_pool(row: Row, level: str, arch: str) -> Non
         return
     prompts = [random_prompt(n, seed=seed) for seed, n in enumerate((PROMPT, 17, 9))]
     caches = [manager.create(f"s{i}") for i in range(len(prompts))]
-    together = list(zip(*(greedy_steps(arch, c, p, 5) for c, p in zip(caches, prompts, strict=True)), strict=True))
+    steps = (greedy_steps(arch, c, p, 5) for c, p in zip(caches, prompts, strict=True))
+    together = list(zip(*steps, strict=True))
     assert manager.stats()["sequences"] == 3 and manager.stats()["pool_blocks_used"] > 0
     for i, ids in enumerate(prompts):
         alone = KVCacheFactory(tiny_model(arch).config, row.config(level, arch)).create_cache()

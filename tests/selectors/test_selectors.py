@@ -554,12 +554,12 @@ def test_the_shipped_router_is_the_one_trained_for_the_model() -> None:
     """``"embedded"`` resolves per model: SmolLM2's scorer for SmolLM2 (every layer), Gemma 3 270M's
     for its full-attention layers 5, 11 and 17; a model none was trained for is told the command."""
     for name, layers in (("smollm2", range(2, 30)), ("gemma3-270m", (5, 11, 17))):
-        factory = KVCacheFactory(models.load_config(name), sparse("oval", router="embedded", read_budget=0.125,
-                                                                   dense_layers=2))
+        config = sparse("oval", router="embedded", read_budget=0.125, dense_layers=2)
+        factory = KVCacheFactory(models.load_config(name), config)
         assert sorted(factory.layer_selectors) == list(layers)
         routers = {spec.options["router"] for spec in factory.layer_selectors.values()}
         assert len(routers) == 1 and load_router(routers.pop()).shape.model == name
-    with pytest.raises(ConfigError, match="ships 'embedded' for gemma3-270m, smollm2 only.*kvfactory oval train"):
+    with pytest.raises(ConfigError, match="'embedded' for gemma3-270m, smollm2 only.*kvfactory oval train"):
         KVCacheFactory(tiny_model("llama").config, sparse("oval", router="embedded", read_budget=0.5))
 
 

@@ -57,8 +57,9 @@ def fits(shape: LowRankShape | RouterShape, model_config: Any) -> bool:
     config = model_config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     full = {i for i, window in enumerate(attention_layout(model_config)) if window is None}
-    return (shape.kv_heads, shape.head_dim) == (config.num_key_value_heads, head_dim) \
-        and set(shape.layers) <= full and getattr(shape, "hidden_size", config.hidden_size) == config.hidden_size
+    hidden = getattr(shape, "hidden_size", config.hidden_size)
+    wanted = (config.num_key_value_heads, head_dim, config.hidden_size)
+    return (shape.kv_heads, shape.head_dim, hidden) == wanted and set(shape.layers) <= full
 
 
 def shipped_router(name: str, model_config: Any) -> str:
