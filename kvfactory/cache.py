@@ -600,11 +600,18 @@ class KVCache(Cache):
         ``residual`` / ``residual_tokens``: the part of ``allocated`` / ``tokens_stored`` in the
         full-precision window of recent tokens. Evicting caches add ``peak_allocated``: the most
         each layer held (right before an eviction: budget + the step's or chunk's tokens), summed.
+        Models with sliding-window layers add ``global_*`` and ``sliding_*`` ``allocated`` and
+        ``tokens_stored``: the two kinds apart (sliding layers hold only their window).
         """
         reports = [layer.store.memory_report() for layer in self.layers]
         total = sum(reports, MemoryReport())
         seen = self.get_seq_length() * self.batch_size
         report = MemoryReport(total.allocated, total.used, seen).as_dict() | {"tokens_stored": total.tokens}
+        if any(layer.is_sliding for layer in self.layers):
+            for kind, sliding in (("global", False), ("sliding", True)):
+                part = sum((r for r, layer in zip(reports, self.layers, strict=True)
+                            if layer.is_sliding == sliding), MemoryReport())
+                report |= {f"{kind}_allocated": part.allocated, f"{kind}_tokens_stored": part.tokens}
         if self.shared is not None:
             report["pool_allocated"] = self.shared.memory_report().allocated
         peaks = [layer.store.peak_bytes() for layer in self.layers]
@@ -625,11 +632,20 @@ class KVCache(Cache):
             layer.store.end_prefill()
 
     def routing_metrics(self) -> dict[str, float]:
-        """A selector's routing metrics (``kvfactory.selectors.metrics``): hit rate, recall, bytes read."""
+        """A selector's routing metrics (``kvfactory.selectors.metrics``): hit rate, recall, bytes read;
+        ``unrouted_kv_bytes_per_step``: what the layers no selector routes hold (sliding-window
+        layers, read whole by every step), and ``model_read_fraction``: what a step reads of every
+        layer's K/V together."""
         if self.routing is None:
             raise ValueError("this cache has no selector: add one to the config, e.g. "
                              "{'name': 'quest', 'read_budget': 0.125}")
-        return self.routing.as_dict()
+        metrics = self.routing.as_dict()
+        # sliding-window layers are never routed: every step reads what they hold (their window)
+        unrouted = sum(layer.store.memory_report().used for layer in self.layers
+                       if not self.routing.records(layer.store))
+        read, full = metrics["kv_bytes_read_per_step"] + unrouted, metrics["kv_bytes_full_per_step"] + unrouted
+        return metrics | {"unrouted_kv_bytes_per_step": unrouted,
+                          "model_read_fraction": read / full if full else float("nan")}
 
     def quantization_error(self) -> dict[int, dict[str, float]]:
         """Per quantized layer: the relative MSE of its stored keys and values (sampled on writes)."""

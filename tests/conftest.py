@@ -8,10 +8,8 @@ import os
 
 import pytest
 import torch
-from helpers import WIKITEXT
+from helpers import wikitext_excerpt
 from redis_server import RedisServer
-
-from kvfactory.texts import shipped_text
 
 # The suite runs on shared 2-core machines where a second thread mostly waits on the first: with
 # other jobs running, 2 threads made SmolLM2 generation 4-9x slower than 1. Override with
@@ -32,17 +30,10 @@ def smollm2():
 def wikitext_ids(smollm2) -> torch.Tensor:
     """The first ~8k tokens of WikiText-2 test as a 1-D tensor of SmolLM2 token ids."""
     _, tokenizer = smollm2
-    # the shipped excerpt is the same text's beginning, so the tests never skip without shared/
-    text = WIKITEXT.read_text(encoding="utf-8") if WIKITEXT.exists() else shipped_text()
-    lines, chars = [], 0
-    for line in text.splitlines():
-        lines.append(line)
-        chars += len(line)
-        if chars > 40_000:  # ~4 characters per token: comfortably more than 4096 tokens
-            break
-    ids = tokenizer("\n".join(lines), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    ids = tokenizer(wikitext_excerpt(), return_tensors="pt", add_special_tokens=False).input_ids[0]
     assert ids.numel() > 4096
     return ids
+
 
 
 @pytest.fixture(scope="module")

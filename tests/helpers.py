@@ -14,6 +14,7 @@ import torch
 
 from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
+from kvfactory.texts import shipped_text
 
 # The repository sits next to ``shared/`` (``/work/main`` and ``/work/shared``; CI has the same layout).
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -179,3 +180,17 @@ def greedy_tokens(model: Any, prompt: list[int], new_tokens: int, cache: Any = N
         out.append(int(logits.argmax()))
         ids = torch.tensor([[out[-1]]])
     return out
+
+
+def wikitext_excerpt() -> str:
+    """The first ~40,000 characters of WikiText-2 test (~4 characters per token: comfortably more
+    than 4,096 tokens); the shipped excerpt is the same text's beginning, so the tests never skip
+    without shared/."""
+    text = WIKITEXT.read_text(encoding="utf-8") if WIKITEXT.exists() else shipped_text()
+    lines, chars = [], 0
+    for line in text.splitlines():
+        lines.append(line)
+        chars += len(line)
+        if chars > 40_000:
+            break
+    return "\n".join(lines)

@@ -52,6 +52,10 @@ class RoutingMetrics:
     def register(self, store: SparseStore) -> None:
         self._stores.add(store)
 
+    def records(self, store: object) -> bool:
+        """Whether ``store`` (a layer's) counts its reads here."""
+        return store in self._stores
+
     def record_read(self, step: int, read_bytes: int, full_bytes: int, seconds: float,
                     index_bytes: int = 0) -> None:
         """One layer's decode step ``step`` (counted by each layer alike); ``read_bytes`` includes the

@@ -163,6 +163,14 @@ def test_memory_report(row: Row, level: str, arch: str) -> None:
     report = cache.memory_report()
     assert report["allocated"] >= report["used"] >= 0 and report["tokens_stored"] > 0
     assert report["tokens_stored"] == sum(cache.size(i) for i in range(len(cache.layers)))
+    windows = attention_layout(model_config)
+    if any(window is not None for window in windows):  # hybrid: the two kinds of layer apart
+        sliding = [i for i, window in enumerate(windows) if window is not None]
+        assert report["sliding_tokens_stored"] == sum(cache.size(i) for i in sliding)
+        for key in ("allocated", "tokens_stored"):
+            assert report[f"global_{key}"] + report[f"sliding_{key}"] == report[key]
+    else:
+        assert "sliding_allocated" not in report
     slot = kv_slot_bytes(model_config)
     stored, window = report["tokens_stored"], report.get("residual_tokens", report["tokens_stored"])
     if row.bytes_per_token == MIXED:
