@@ -643,7 +643,8 @@ class KVCache(Cache):
         # sliding-window layers are never routed: every step reads what they hold (their window)
         unrouted = sum(layer.store.memory_report().used for layer in self.layers
                        if not self.routing.records(layer.store))
-        read, full = metrics["kv_bytes_read_per_step"] + unrouted, metrics["kv_bytes_full_per_step"] + unrouted
+        read = metrics["kv_bytes_read_per_step"] + unrouted
+        full = metrics["kv_bytes_full_per_step"] + unrouted
         return metrics | {"unrouted_kv_bytes_per_step": unrouted,
                           "model_read_fraction": read / full if full else float("nan")}
 

@@ -47,7 +47,8 @@ def plain(request):
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     ids = tokenizer(wikitext_excerpt(), return_tensors="pt").input_ids[:, :PROMPT_TOKENS]
     prompt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return model, prompt, generate(model, prompt, DynamicCache(config=model.config), max_new_tokens=NEW_TOKENS)
+    reference = generate(model, prompt, DynamicCache(config=model.config), max_new_tokens=NEW_TOKENS)
+    return model, prompt, reference
 
 
 @pytest.mark.parametrize("name", PRESETS)
