@@ -236,6 +236,9 @@ class KVLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.record_past = False
+        # a prefix cache names blocks once a write completes: a sliding layer gives its past back
+        # then (``restrict_to_window``), not while the forward writes (``KVCache.hold_window_until_written``)
+        self.hold_window = False
         self.seen = 0
         self.is_initialized = False
         # a store that evicts may rewrite memory a returned read still points at
@@ -300,14 +303,24 @@ class KVLayer(CacheLayerMixin):
 
     def _after_write(self, new_tokens: int) -> None:
         self.seen += new_tokens
-        if self.is_sliding and not self.record_past:
-            self._restrict_to_window()
+        if not self.hold_window:
+            self.restrict_to_window()
         self.store.retain()
 
-    def _restrict_to_window(self) -> None:
+    def restrict_to_window(self) -> None:
+        """A sliding layer gives back the tokens before its window (not while recording its past)."""
+        if not self.is_sliding or self.record_past:
+            return
         excess = self.store.size() - (self.sliding_window - 1)
         if excess > 0:
             self.store.drop_front(excess)
+
+    def adopt(self, ids: torch.Tensor, tokens: int, device: torch.device) -> None:
+        """Start from the sequence's first ``tokens`` tokens held in blocks ``ids [batch, blocks]`` of
+        this layer's pool, from the sequence's block 0: a sliding layer takes only its window's."""
+        first = tokens - min(tokens, self.sliding_window - 1) if self.is_sliding else 0
+        self.store.adopt(ids, tokens, first)
+        self.seen, self.is_initialized, self.device = tokens, True, device
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -343,8 +356,7 @@ class KVLayer(CacheLayerMixin):
                                f"{self.seen} tokens seen; evicted tokens cannot be rolled back")
         self.store.truncate(self.store.size() - removed)
         self.seen = max(0, self.seen - removed)
-        if self.is_sliding:
-            self._restrict_to_window()
+        self.restrict_to_window()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.store.select_rows(beam_idx)
@@ -464,9 +476,13 @@ class KVCache(Cache):
             self.hooks.truncated(self)
 
     def notify_written(self) -> None:
-        """A write (a forward, or a low-level append of one layer) completed: tell the hooks."""
+        """A write (a forward, or a low-level append of one layer) completed: tell the hooks, then let
+        sliding layers that held their past for them give it back."""
         if self.hooks is not None:
             self.hooks.written(self)
+        for layer in self.layers:
+            if layer.hold_window:
+                layer.restrict_to_window()
 
     def check_attention(self, decoder_config: Any) -> None:
         """After a forward of the decoder configured by ``decoder_config``: the cache handed K/V over in
@@ -516,8 +532,7 @@ class KVCache(Cache):
         if token_ids is not None and len(token_ids) != tokens:
             raise ShapeError(f"adopt_blocks: {len(token_ids)} token ids for {tokens} tokens")
         for layer, layer_ids in zip(self.layers, ids, strict=True):
-            layer.store.adopt(layer_ids, tokens)
-            layer.seen, layer.is_initialized, layer.device = tokens, True, device
+            layer.adopt(layer_ids, tokens, device)
         self.token_ids = None if token_ids is None else list(token_ids)
 
     # -- the block-table API of kvfactory.manager (``storage.paged.BlockTableStore``) --------------
@@ -528,16 +543,24 @@ class KVCache(Cache):
         return stores if all(type(store) is PagedStore for store in stores) else None
 
     def prefix_blocks(self) -> list[torch.Tensor] | None:
-        """Per layer, the pool blocks ``[blocks]`` of this one-row cache holding every token it has seen,
-        from token 0 (``PagedStore.block_ids``), else None."""
+        """Per layer, the pool blocks ``[blocks]`` of this one-row cache holding the tokens it has seen,
+        by their place from token 0 (``PagedStore.sequence_blocks``: ``-1`` where a sliding layer gave
+        its past back), else None."""
         stores, tokens = self.paged_stores(), self.get_seq_length()
         if stores is None:
             return None
-        ids = [store.block_ids() for store in stores]
-        if any(i is None or i.shape[0] != 1 or store.size() != tokens or layer.seen != tokens
+        ids = [store.sequence_blocks() for store in stores]
+        if any(i is None or i.shape[0] != 1 or layer.seen != tokens
+               or i.shape[1] != -(-tokens // store.page_size)
                for i, store, layer in zip(ids, stores, self.layers, strict=True)):
             return None
         return [i[0] for i in ids]
+
+    def hold_window_until_written(self) -> None:
+        """Sliding layers give their past back when a write completes (``notify_written``), not while
+        the forward writes, so a prefix cache can name every block of a prompt first."""
+        for layer in self.layers:
+            layer.hold_window = True
 
     def pages_from_start(self) -> bool:
         """Every layer is plain pages holding its stored tokens from its first block's start (the

@@ -27,6 +27,31 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def gemma3():
+    """``(model, tokenizer)`` of the packaged Gemma 3 270M (``kvfactory[gemma]``), fp32, eval mode."""
+    from kvfactory.models import load_model
+
+    return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_shared_prefix(gemma3) -> tuple[list[list[int]], list[list[int]]]:
+    """``(prompts, references)`` on Gemma 3: 8 prompts of one 1,024-token prefix of the shipped book
+    (with BOS) and a question of their own, and each one's 12 greedy tokens from ``model.generate``
+    alone, the tokens a lossless server answers with."""
+    from helpers import greedy_tokens
+
+    from kvfactory.texts import shipped_text
+
+    model, tokenizer = gemma3
+    prefix = tokenizer(shipped_text())["input_ids"][:1024]
+    words = ("Queen", "Hatter", "cat", "Duchess", "rabbit", "King", "baby", "Mouse")
+    prompts = [prefix + tokenizer(f" Question {i}: what happens next to the {word}?",
+                                  add_special_tokens=False)["input_ids"] for i, word in enumerate(words)]
+    return prompts, [greedy_tokens(model, prompt, 12) for prompt in prompts]
+
+
+@pytest.fixture(scope="session")
 def wikitext_ids(smollm2) -> torch.Tensor:
     """The first ~8k tokens of WikiText-2 test as a 1-D tensor of SmolLM2 token ids."""
     _, tokenizer = smollm2

@@ -122,16 +122,14 @@ class KVCacheManager:
         self.page_size = self.pool.page_size
         self.prefix_caching = plain if prefix_caching is None else prefix_caching
         if tiers is not None:
-            sliding = any(window is not None for window in attention_layout(model_config))
-            if not self.prefix_caching or sliding:
-                raise ConfigError("tiers", "given", "prefix caching on plain pages of a model whose layers "
-                                  "all attend to every token (a sliding layer does not keep a prompt's K/V)")
+            if not self.prefix_caching:
+                raise ConfigError("tiers", "given", "prefix caching on plain pages")
             if tiers.tokens % self.page_size:
                 raise ConfigError("chunk_tokens", tiers.tokens, f"a multiple of the page ({self.page_size})")
         self.tiers = tiers
         self.host_bytes = host_bytes
         self.warn_unused_prefix_cache = warn_unused_prefix_cache
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(attention_layout(model_config), self.page_size)
         self.pool.reclaimers.append(self._reclaim)
         self._sequences: dict[str, Sequence] = {}
         self._shared: dict[str, _Shared] = {}
@@ -147,6 +145,8 @@ class KVCacheManager:
         self._check_new(seq_id)
         cache = self.factory.create_cache(seq_id)
         record = Sequence(seq_id, cache)
+        if self.prefix_caching:
+            cache.hold_window_until_written()  # sliding layers' blocks are named before given back
         if prompt is not None and self.prefix_caching:
             tokens = torch.as_tensor(prompt).flatten().tolist()
             names = block_hashes(tokens[:-1], self.page_size)  # at least one token is left to prefill
@@ -364,12 +364,13 @@ class KVCacheManager:
             raise SequenceStateError(f"mark_as_shareable({seq_id!r}, {start}, {end}): a shared prefix is "
                                      f"[0, end) with 0 < end <= {stored} tokens held")
         held = cache.prefix_blocks()
-        if held is None:
+        blocks = -(-end // self.page_size)
+        if held is None or any(bool((layer_ids[:blocks] < 0).any()) for layer_ids in held):
             raise SequenceStateError(f"mark_as_shareable({seq_id!r}): some layer does not hold one row of "
-                                     f"the sequence's tokens from its first")
+                                     f"the sequence's tokens from its first (a sliding window gave "
+                                     f"them back)")
         if seq_id in self._shared:
             self.release_shared(seq_id)
-        blocks = -(-end // self.page_size)
         ids = [layer_ids[None, :blocks].clone() for layer_ids in held]
         for pool, layer_ids in zip(self._pools(), ids, strict=True):
             pool.incref(layer_ids)
@@ -489,10 +490,10 @@ class KVCacheManager:
         if blocks is None:
             return
         start = record.hashed_tokens // page
-        full = self.index.add_filled(tokens[:limit], page, self._pools(), blocks, start)
-        record.hashed_tokens = full * page
+        names = self.index.add_filled(tokens[:limit], page, self._pools(), blocks, start)
+        record.hashed_tokens = len(names) * page
         if self.tiers is not None:
-            self._store_chunks(record, tokens, blocks)
+            self._store_chunks(record, tokens, names)
 
     def _load_chunks(self, record: Sequence, tokens: list[int], cached: int) -> int:
         """Write into ``record``'s cache the prompt chunks after its ``cached`` tokens that the tiers
@@ -518,9 +519,11 @@ class KVCacheManager:
         record.tier_chunks = first + len(chunks)
         return end
 
-    def _store_chunks(self, record: Sequence, tokens: list[int], blocks: list[torch.Tensor]) -> None:
+    def _store_chunks(self, record: Sequence, tokens: list[int], names: list[bytes]) -> None:
         """Store the prompt chunks of ``record`` that its writes completed and the tiers do not hold,
-        read from its blocks (``blocks``: per layer pool, from token 0)."""
+        read from the cached blocks of their names (``names``: the prompt's full blocks; every layer's,
+        also those a sliding layer gave back since they were cached); a chunk whose blocks are no
+        longer all cached ends the store."""
         tiers, size = self.tiers, self.tiers.tokens
         done = min(len(tokens), record.prompt_tokens) // size
         if done <= record.tier_chunks:
@@ -528,7 +531,12 @@ class KVCacheManager:
         keys, per, pools = tiers.keys(tokens[:done * size]), size // self.page_size, self._pools()
         items = []
         for c in range(record.tier_chunks, done):
-            ids = [layer_ids[c * per:(c + 1) * per] for layer_ids in blocks]
+            entries = [self.index.entries.get(name) for name in names[c * per:(c + 1) * per]]
+            if any(entry is None or min(entry.ids) < 0 for entry in entries):
+                done = c
+                break
+            ids = [torch.tensor(layer_ids)
+                   for layer_ids in zip(*(entry.ids for entry in entries), strict=True)]
             pairs = list(zip(pools, ids, strict=True))
             k, v = (torch.stack([pool.tensors[name][:, i].flatten(1, 2) for pool, i in pairs])
                     for name in ("k", "v"))  # [layers, kv_heads, chunk tokens, head_dim]

@@ -36,8 +36,13 @@ class BlockTableStore(Protocol):
     def block_ids(self) -> torch.Tensor | None:
         """The blocks holding the stored tokens from the sequence's token 0, else None."""
 
-    def adopt(self, ids: torch.Tensor, tokens: int) -> None:
-        """Start an empty store from shared blocks of its layer's pool (referenced, copied on write)."""
+    def sequence_blocks(self) -> torch.Tensor | None:
+        """The blocks by their place in the sequence, from its block 0, ``-1`` for blocks given back
+        from the front (a sliding window's past), else None."""
+
+    def adopt(self, ids: torch.Tensor, tokens: int, first: int = 0) -> None:
+        """Start an empty store holding tokens ``[first, tokens)`` from shared blocks of its layer's pool
+        (referenced, copied on write)."""
 
     def drop_front(self, n: int) -> None:
         """Give back the blocks of the oldest ``n`` stored tokens."""
@@ -185,6 +190,16 @@ class PagedStore(LayerStore):
         table = self._table
         return None if table.ids is None or table.start or self._dropped or self._gapped else table.ids
 
+    def sequence_blocks(self) -> torch.Tensor | None:
+        """The blocks ``[batch, blocks]`` by their place in the sequence, from its block 0: ``-1`` for the
+        blocks given back from the front (a sliding window's past, a partial swap), whose tokens are no
+        longer stored, the held ones intact (None when empty or when ``keep`` left gaps)."""
+        table = self._table
+        if table.ids is None or self._gapped:
+            return None
+        gone = (self._dropped - table.start) // self.page_size
+        return torch.cat([table.ids.new_full((table.ids.shape[0], gone), -1), table.ids], 1)
+
     def next_slot(self, key: torch.Tensor, value: torch.Tensor) -> tuple[BlockPool, int]:
         """Room for one more token shaped like ``key`` / ``value`` ``[1, kv_heads, any, head_dim]``:
         the block pool and the slot to write it to (``append_one_each``), the token counted stored."""
@@ -200,17 +215,21 @@ class PagedStore(LayerStore):
             return None
         return table.pool, table.ids[0], table.start, table.length
 
-    def adopt(self, ids: torch.Tensor, tokens: int) -> None:
-        """Start from ``tokens`` tokens in blocks ``ids [batch, blocks]`` of this layer's pool, filled by
-        another store (a cached prefix); they are referenced, not copied."""
+    def adopt(self, ids: torch.Tensor, tokens: int, first: int = 0) -> None:
+        """Hold tokens ``[first, tokens)`` of a sequence from blocks ``ids [batch, blocks]`` of this layer's
+        pool, filled by another store (a cached prefix), by their place in the sequence from its block
+        0 (those before ``first``'s block are not read: ``-1`` where given back); the blocks are
+        referenced, not copied."""
         if self.size():
             raise ShapeError(f"layer {self.layer_idx}: adopt() into a store holding {self.size()} tokens")
         block_pool = self.ensure_pool().pools.get((self.kind, self.layer_idx))
-        if block_pool is None or tokens > ids.shape[1] * self.page_size:
-            raise ShapeError(f"layer {self.layer_idx}: {tokens} tokens in {ids.shape[1]} blocks of "
-                             f"{self.page_size} that this pool does not hold")
-        self._table.adopt(block_pool, ids, 0, tokens)
-        self._dropped, self._gapped = 0, False
+        held = ids[:, first // self.page_size:]
+        if (block_pool is None or not 0 <= first <= tokens <= ids.shape[1] * self.page_size
+                or bool((held < 0).any())):
+            raise ShapeError(f"layer {self.layer_idx}: tokens {first} to {tokens} in {ids.shape[1]} blocks "
+                             f"of {self.page_size} that this pool does not hold")
+        self._table.adopt(block_pool, held, first % self.page_size, tokens - first)
+        self._dropped, self._gapped = first, False
 
     def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
         if not self.size():

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.slow
 NAME = "gemma3-270m"
 
 
-@pytest.fixture(scope="module")
-def gemma3():
-    return models.load_model(NAME)
-
-
 def test_the_name_loads_the_hybrid_model(gemma3) -> None:
     model, tokenizer = gemma3
     config = model.config

@@ -1,6 +1,7 @@
 """The engine on tiny random models of every architecture the cache tests cover: greedy outputs
 equal ``model.generate`` with ``DynamicCache`` sequence by sequence, whatever shares the batch
-(prompts of different lengths, chunked prefills, a sliding window shorter than the prompts)."""
+(prompts of different lengths, chunked prefills, a sliding window shorter than the prompts), also
+when a shared prefix comes from the prefix cache or from another engine's tiers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from helpers import greedy_tokens
 from tiny_models import TINY_IDS, random_prompt, tiny_model
 
 from kvfactory.engine import Engine, SamplingParams
+from kvfactory.tiers import DiskTier, TierChain
 
 ENGINE_ARCHITECTURES = [name for name in TINY_IDS if name != "gpt2"]
 
@@ -178,3 +180,48 @@ def test_int4_pages_admit_more_sequences_in_one_byte_budget() -> None:
     factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 16, "quantization": "int4"})
     for prompt, tokens in list(zip(prompts, done["int4"], strict=True))[::13]:
         assert tokens == greedy_tokens(model, prompt, 16, factory.create_cache())
+
+
+@pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)
+@pytest.mark.parametrize("budget", [7, 64])
+def test_a_shared_prefix_is_computed_once(name: str, budget: int) -> None:
+    """Requests sharing a 40-token prefix, one first and then three together, answer as
+    ``model.generate`` and start from the first one's cached blocks: sliding-window layers (window 8)
+    keep the blocks of a prompt's last window for later prompts, as full-attention layers keep all."""
+    model = tiny_model(name)
+    prefix = random_prompt(40, seed=7)[0].tolist()
+    prompts = [prefix + random_prompt(3 + i, seed=20 + i)[0].tolist() for i in range(4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512,
+                    max_num_batched_tokens=budget)
+    outputs = engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, 6)
+    stats = engine.stats()
+    assert stats["prefix_hit_blocks"] >= 3 * 10, stats
+    assert stats["pool_blocks_held"] == 0
+
+
+@pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)
+def test_a_second_engine_loads_a_shared_prefix_from_the_tiers(name: str, tmp_path) -> None:
+    """A second engine (its own pool and prefix cache) loads the first one's 40-token prefix in
+    8-token chunks from a disk tier, for every layer of a hybrid model too, and answers as
+    ``model.generate``."""
+    model = tiny_model(name)
+    prefix = random_prompt(40, seed=7)[0].tolist()
+    prompts = [prefix + random_prompt(3 + i, seed=20 + i)[0].tolist() for i in range(3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def engine() -> Engine:
+        return Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512,
+                      tiers=TierChain([DiskTier(tmp_path, 1 << 26)]), chunk_tokens=8)
+
+    first = engine()
+    first.generate(prompts[:1], params)
+    assert first.stats()["tier_chunks_stored"] == 5
+    second = engine()
+    outputs = second.generate(prompts[1:], params)
+    for prompt, output in zip(prompts[1:], outputs, strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, 6)
+    stats = second.stats()
+    assert stats["tier_chunks_loaded"] == 2 * 5 and stats["pool_blocks_held"] == 0

@@ -9,33 +9,27 @@ greedy, compared with the same prompts without a connector.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from redis_server import RedisServer
+from vllm_process import require_vllm
+from vllm_process import run_vllm as run_process
 
-from kvfactory.integrations.vllm_run import launch
 from kvfactory.models import converted_model_dir
 from kvfactory.tiers import ChunkKey
 
-REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SYSTEM, OWN, QUESTIONS, NEW = 1024, 64, 4, 24
 
 pytestmark = pytest.mark.slow
-if not VLLM_PYTHON.exists():
-    if os.environ.get("KVFACTORY_REQUIRE_VLLM"):  # `make test` sets it after making the virtualenv
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
-    pytest.skip("vLLM's virtualenv is not made (`make vllm-venv`)", allow_module_level=True)
+require_vllm()
 
 
 def run_vllm(tmp: Path, name: str, **spec: Any) -> dict[str, Any]:
-    """One vLLM process on ``spec``: its result (its log stays in ``tmp``)."""
-    spec = {"model": str(converted_model_dir()), "max_tokens": NEW, "enforce_eager": True, **spec}
-    return launch(VLLM_PYTHON, spec, tmp / f"{name}.log")
+    """One vLLM process on ``spec`` with the embedded model."""
+    return run_process(tmp, name, converted_model_dir(), NEW, **spec)
 
 
 @pytest.fixture(scope="module")

@@ -492,7 +492,7 @@ def test_blocks_are_cached_under_the_tokens_written_not_the_prompt_declared() ->
     assert_same_generation(reference(model, written, 3), continued(model, c, written, 3))
 
 
-def test_a_sliding_window_that_dropped_whole_pages_never_offers_them_as_a_prefix() -> None:
+def test_a_sliding_window_offers_a_prompt_from_the_blocks_of_its_last_window() -> None:
     model = tiny_model("mistral-sw8")  # window 8 < prompt: whole 4-token pages leave the window
     manager = manager_for(model)
     prompt = random_prompt(21, seed=3)
@@ -500,7 +500,8 @@ def test_a_sliding_window_that_dropped_whole_pages_never_offers_them_as_a_prefix
     continued(model, a, prompt, 3)
     assert all(layer.store.block_ids() is None for layer in a.layers)  # no longer from token 0
     b = manager.create("b", prompt=prompt[0])
-    assert manager.cached_tokens("b") == 0 and manager.stats()["prefix_cached_blocks"] == 0
+    assert manager.cached_tokens("b") == 20 and manager.stats()["prefix_cached_blocks"] == 5
+    assert all(layer.store.size() == 7 for layer in b.layers)  # its window, from the cached blocks
     assert_same_generation(reference(model, prompt, 3), continued(model, b, prompt, 3))
 
 

@@ -163,3 +163,35 @@ def test_cached_free_blocks_wait_in_one_queue_in_release_order_and_are_evicted_f
     assert manager.pin_prefix(a[0, :8]) == 2 and list(manager.index.free_queue) == [b0]  # pinned: never
     manager.close()
     assert all(not p.refcount.any() and not p.cached.any() for p in manager.pool.block_pools(None))
+
+
+def test_a_sliding_layers_past_blocks_are_reclaimed_first_and_a_hit_needs_only_its_window() -> None:
+    """Gemma 3's layout (a sliding layer of window 8, then a full-attention layer): while a sequence
+    runs, the prompt blocks its sliding layer gave back stay cached but wait in ``window_queue`` and
+    are given back first (a chain's tail first); a later prompt then starts from the longest prefix
+    whose last window the sliding layer still has, and answers as without the cache."""
+    from helpers import greedy_tokens
+
+    model = tiny_model("gemma3")
+    manager = manager_for(model, pool_blocks=64)
+    a = random_prompt(25, seed=1)  # 24 tokens to cache: 6 blocks
+    names = block_hashes(a[0, :24].tolist(), PAGE)
+    prefill(model, manager.create("a", prompt=a[0]), a)  # 25 tokens seen: the window holds from token 18
+    index = manager.index
+    assert len(index) == 6 and all(min(index.entries[name].ids) >= 0 for name in names)
+    assert list(index.window_queue) == [(names[i], 1) for i in (3, 2, 1, 0)] and not index.free_queue
+    stats = manager.stats()
+    assert stats["pool_blocks_used"] - stats["pool_blocks_held"] == index.idle_blocks == 4
+    assert manager._reclaim() and index.entries[names[3]].ids[0] == -1  # the sliding layer's block only
+    assert index.entries[names[3]].ids[1] >= 0 and len(index) == 6
+    b = torch.cat([a[:, :16], random_prompt(5, seed=2)], 1)  # shares 4 blocks; block 3's window is gone
+    cache = manager.create("b", prompt=b[0])
+    assert manager.cached_tokens("b") == 12  # the hit of 3 blocks needs sliding blocks 1 and 2
+    assert cache.layers[0].store.size() == 7 and cache.layers[1].store.size() == 12
+    assert generate(model, {"input_ids": b}, cache, max_new_tokens=4).sequences[0, -4:].tolist() == \
+        greedy_tokens(model, b[0].tolist(), 4)
+    manager.free("a")
+    manager.free("b")
+    assert not index.window_queue and set(index.free_queue) >= set(names)
+    manager.close()
+    assert all(not p.refcount.any() and not p.cached.any() for p in manager.pool.block_pools(None))

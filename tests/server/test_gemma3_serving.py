@@ -1,19 +1,16 @@
 """The engine and ``kvfactory serve`` on Gemma 3 270M (sliding window 512 in 15 of 18 layers, one KV
-head): 8 concurrent requests sharing a 1,024-token prefix answer ``model.generate``'s greedy tokens,
-one request at a time. The prefix is not yet computed once: sliding-window layers give back a
-prompt's blocks before its last window, so a later request finds no whole prefix to reuse (an
-expected failure until prefix caching keeps, for those layers, the blocks of the last window)."""
+head): 8 requests sharing a 1,024-token prefix, the first alone and then 7 at once, answer
+``model.generate``'s greedy tokens one request at a time, and the 7 start from the first one's
+cached prefix (full-attention layers' blocks whole, sliding layers' over their last window)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 
 import pytest
-from servers import ServerProcess, greedy_reference
+from servers import ServerProcess
 
-from kvfactory import models
 from kvfactory.engine import Engine, SamplingParams
-from kvfactory.texts import shipped_text
 
 pytestmark = pytest.mark.slow
 
@@ -21,51 +18,31 @@ NAME, REQUESTS, PREFIX, NEW, PAGE = "gemma3-270m", 8, 1024, 12, 16
 
 
 @pytest.fixture(scope="module")
-def gemma3():
-    return models.load_model(NAME)
-
-
-@pytest.fixture(scope="module")
-def shared_prefix(gemma3) -> tuple[list[list[int]], list[list[int]]]:
-    """``(prompts, references)``: 8 prompts of one 1,024-token prefix (with BOS) and a question of
-    their own, and each one's greedy tokens from ``model.generate`` alone."""
-    model, tokenizer = gemma3
-    ids = tokenizer(shipped_text())["input_ids"]
-    prefix = ids[:PREFIX]
-    prompts = [prefix + tokenizer(f" Question {i}: what happens next to the {word}?",
-                                  add_special_tokens=False)["input_ids"]
-               for i, word in enumerate(("Queen", "Hatter", "cat", "Duchess", "rabbit", "King", "baby",
-                                         "Mouse"))]
-    return prompts, [greedy_reference(model, prompt, NEW) for prompt in prompts]
-
-
-@pytest.fixture(scope="module")
-def engine_run(gemma3, shared_prefix) -> tuple[list[list[int]], dict]:
+def engine_run(gemma3, gemma3_shared_prefix) -> tuple[list[list[int]], dict]:
     """The first request alone, then the other 7 together: their tokens and the engine's stats."""
     model, tokenizer = gemma3
-    prompts, _ = shared_prefix
+    prompts, _ = gemma3_shared_prefix
     engine = Engine(model, tokenizer, {"type": "paged", "page_size": PAGE}, pool_tokens=4 * 2048)
     outputs = engine.generate(prompts[:1], SamplingParams(max_tokens=NEW, ignore_eos=True))
     outputs += engine.generate(prompts[1:], SamplingParams(max_tokens=NEW, ignore_eos=True))
     return [output.token_ids for output in outputs], engine.stats()
 
 
-def test_the_engine_answers_as_generate(shared_prefix, engine_run) -> None:
+def test_the_engine_answers_as_generate(gemma3_shared_prefix, engine_run) -> None:
     tokens, stats = engine_run
-    assert tokens == shared_prefix[1]
+    assert tokens == gemma3_shared_prefix[1]
     assert stats["pool_blocks_held"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="sliding-window layers give back a finished prompt's early blocks, "
-                                        "so a later request finds no whole prefix in the prefix cache")
 def test_the_engine_computes_a_shared_prefix_once(engine_run) -> None:
     _, stats = engine_run
-    assert stats["prefix_hit_blocks"] >= (REQUESTS - 1) * (PREFIX // PAGE - 1), stats
+    assert stats["prefix_hit_blocks"] == (REQUESTS - 1) * PREFIX // PAGE, stats
 
 
-def test_kvfactory_serve_answers_concurrent_requests_as_generate(gemma3, shared_prefix, tmp_path) -> None:
+def test_kvfactory_serve_answers_concurrent_requests_as_generate(gemma3, gemma3_shared_prefix,
+                                                                 tmp_path) -> None:
     tokenizer = gemma3[1]
-    prompts, references = shared_prefix
+    prompts, references = gemma3_shared_prefix
     server = ServerProcess(tmp_path / "serve.log", "--model", NAME, "--cache", "paged16",
                            "--pool-tokens", str(4 * 2048))
     try:
@@ -80,5 +57,6 @@ def test_kvfactory_serve_answers_concurrent_requests_as_generate(gemma3, shared_
         with concurrent.futures.ThreadPoolExecutor(REQUESTS - 1) as pool:
             texts = [first, *pool.map(complete, prompts[1:])]
         assert texts == [tokenizer.decode(reference) for reference in references]
+        assert server.metric("kvfactory_prefix_cache_hit_tokens_total") == (REQUESTS - 1) * PREFIX
     finally:
         server.stop_clean()
