@@ -34,7 +34,8 @@ from transformers import DynamicCache
 
 from kvfactory import KVCacheFactory
 from kvfactory.eval.peers import is_peer, peer_footprint, peer_maker
-from kvfactory.models import load_model
+from kvfactory.measure import cpu_model
+from kvfactory.models import EMBEDDED, load_model
 from kvfactory.sizing import kv_bytes
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
@@ -87,7 +88,8 @@ def prefill(model, rows: torch.Tensor) -> Prefilled:
     hook = model.get_decoder().register_forward_hook(keep_last)
     try:
         for row in rows:
-            cache = DynamicCache(config=model.config)
+            # every layer keeps every token; a sliding layer filled from it keeps its window
+            cache = DynamicCache()
             out = model(row[None], past_key_values=cache, use_cache=True)
             per_row.append([(layer.keys, layer.values) for layer in cache.layers])
             first.append(out.logits[:, -1].argmax(-1))
@@ -213,6 +215,8 @@ def run(configs: dict[str, Config], name: str, argv: list[str] | None = None) ->
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--configs", help=f"comma-separated subset of {','.join(configs)}")
+    parser.add_argument("--model", default=EMBEDDED, help="a packaged model's short name (smollm2, "
+                        "gemma3-270m) or a local folder / hub id")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.configs:
@@ -221,14 +225,14 @@ def run(configs: dict[str, Config], name: str, argv: list[str] | None = None) ->
             sys.exit(f"--configs: unknown {sorted(unknown)}; choose from {','.join(configs)}")
         configs = {n: configs[n] for n in args.configs.split(",")}
 
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(args.model)
     results = []
     for length in map(int, args.lengths.split(",")):
         for batch in map(int, args.batches.split(",")):
             results.append(measure(model, tokenizer, configs, length, batch, args.runs, args.new_tokens))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    report = {"benchmark": name, "model": "SmolLM2-135M-Instruct (fp32, CPU)", "threads": 1,
-              "torch": torch.__version__, "machine": platform.machine(),
+    report = {"benchmark": name, "model": f"{args.model} (fp32, CPU)", "threads": 1,
+              "torch": torch.__version__, "machine": platform.machine(), "cpu": cpu_model(),
               "configs": {n: vars(c) if isinstance(c, WithAttention) else c for n, c in configs.items()},
               "results": results}
     text = json.dumps(report, indent=2)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,17 +26,11 @@ sys.path.insert(0, str(REPO / "tests"))
 from fuzzing import Steady, requests, send  # noqa: E402
 from servers import greedy_reference, text_prompts  # noqa: E402
 
+from kvfactory.measure import cpu_model  # noqa: E402
 from kvfactory.models import load_model  # noqa: E402
 
 MODEL = "smollm2"
 STEADY_TOKENS = 24
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

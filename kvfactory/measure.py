@@ -1,13 +1,28 @@
-"""Timing of ``generate()`` split into prefill and decode (the measurement protocol, docs/evaluation.md)."""
+"""Timing of ``generate()`` split into prefill and decode (the measurement protocol, docs/evaluation.md),
+and the CPU a measurement ran on (``cpu_model``: benchmarks name it beside their ratios)."""
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 class _StepClock(LogitsProcessor):
