@@ -551,7 +551,7 @@ class KVCache(Cache):
             return None
         ids = [store.sequence_blocks() for store in stores]
         if any(i is None or i.shape[0] != 1 or layer.seen != tokens
-               or i.shape[1] != -(-tokens // store.page_size)
+               or store.stored_from() + store.size() != tokens  # a window written back after a pause
                for i, store, layer in zip(ids, stores, self.layers, strict=True)):
             return None
         return [i[0] for i in ids]

@@ -40,6 +40,9 @@ class BlockTableStore(Protocol):
         """The blocks by their place in the sequence, from its block 0, ``-1`` for blocks given back
         from the front (a sliding window's past), else None."""
 
+    def stored_from(self) -> int:
+        """The place in the sequence of the first stored token, as far as this store knows."""
+
     def adopt(self, ids: torch.Tensor, tokens: int, first: int = 0) -> None:
         """Start an empty store holding tokens ``[first, tokens)`` from shared blocks of its layer's pool
         (referenced, copied on write)."""
@@ -199,6 +202,11 @@ class PagedStore(LayerStore):
             return None
         gone = (self._dropped - table.start) // self.page_size
         return torch.cat([table.ids.new_full((table.ids.shape[0], gone), -1), table.ids], 1)
+
+    def stored_from(self) -> int:
+        """The place in the sequence of the first stored token, as far as this store knows: the tokens
+        given back from its front (a window written back after a pause starts from 0 here)."""
+        return self._dropped
 
     def next_slot(self, key: torch.Tensor, value: torch.Tensor) -> tuple[BlockPool, int]:
         """Room for one more token shaped like ``key`` / ``value`` ``[1, kv_heads, any, head_dim]``:

@@ -195,3 +195,18 @@ def test_a_sliding_layers_past_blocks_are_reclaimed_first_and_a_hit_needs_only_i
     assert not index.window_queue and set(index.free_queue) >= set(names)
     manager.close()
     assert all(not p.refcount.any() and not p.cached.any() for p in manager.pool.block_pools(None))
+
+
+def test_a_window_written_back_after_a_pause_is_never_named_from_token_0() -> None:
+    """A sliding layer paused and resumed holds its window from the store's first slot: its blocks
+    are not offered to the prefix cache as the sequence's first ones (8 tokens seen, 7 held in 2
+    blocks, as many as 8 tokens from token 0 would take)."""
+    model = tiny_model("gemma3")
+    manager = manager_for(model, pool_blocks=64)
+    prompt = random_prompt(8, seed=3)
+    cache = manager.create("a", prompt=prompt[0])
+    prefill(model, cache, prompt)
+    assert cache.prefix_blocks() is not None  # the sliding layer gave token 0 back, still in its block
+    manager.pause("a")
+    manager.resume("a")
+    assert cache.layers[0].store.size() == 7 and cache.prefix_blocks() is None
