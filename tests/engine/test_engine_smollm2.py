@@ -23,6 +23,14 @@ def ids_of(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in prompts]
 
 
+@pytest.fixture(scope="module")
+def stories(smollm2) -> tuple[list[list[int]], list[list[int]]]:
+    """8 short prompts and each one's 24 greedy tokens alone: the preemption tests' requests."""
+    model, tokenizer = smollm2
+    prompts = ids_of(tokenizer, [f"Story {i}: " + PROMPTS[i % 4] for i in range(8)])
+    return prompts, [greedy_tokens(model, prompt, 24) for prompt in prompts]
+
+
 def assert_idle(engine: Engine) -> None:
     """No request holds a block: what is still used is idle prefix-cache blocks, reclaimable."""
     stats = engine.stats()
@@ -64,25 +72,24 @@ def test_every_config_equals_its_cache_alone(smollm2, preset: str) -> None:
 
 
 @pytest.mark.parametrize("preemption", ["swap", "recompute"])
-def test_preemption_keeps_outputs(smollm2, preemption: str) -> None:
+def test_preemption_keeps_outputs(smollm2, stories, preemption: str) -> None:
     model, tokenizer = smollm2
-    prompts = ids_of(tokenizer, [f"Story {i}: " + PROMPTS[i % 4] for i in range(8)])
+    prompts, references = stories
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     need = max(len(p) for p in prompts) + params.max_tokens
     engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=3 * need,
                     preemption=preemption, prefix_caching=False)
     outputs = engine.generate(prompts, params)
     assert engine.scheduler.preemptions > 0
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.token_ids == greedy_tokens(model, prompt, params.max_tokens)
+    assert [output.token_ids for output in outputs] == references
     assert_idle(engine)
 
 
-def test_prefill_first_steps_never_mix_and_keep_outputs(smollm2) -> None:
+def test_prefill_first_steps_never_mix_and_keep_outputs(smollm2, stories) -> None:
     """With ``prefill_first`` a step prefills or decodes, never both, through chunked prompts, new
     arrivals and preemption; outputs still equal each request alone."""
     model, tokenizer = smollm2
-    prompts = ids_of(tokenizer, [f"Story {i}: " + PROMPTS[i % 4] for i in range(8)])
+    prompts, references = stories
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     need = max(len(p) for p in prompts) + params.max_tokens
     engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=3 * need,
@@ -105,8 +112,7 @@ def test_prefill_first_steps_never_mix_and_keep_outputs(smollm2) -> None:
         done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
     assert all(len(step) == 1 for step in kinds if step)
     assert {True, False} <= set().union(*kinds) and engine.scheduler.preemptions > 0
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        assert done[request_id] == greedy_tokens(model, prompt, params.max_tokens)
+    assert [done[request_id] for request_id in ids] == references
     assert_idle(engine)
 
 
