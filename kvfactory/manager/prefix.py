@@ -58,7 +58,7 @@ class PrefixIndex:
         self.window_queue: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # idle sliding groups
         self.pools: list[BlockPool] = []  # every layer's block pool, set on the first insert
         self.page_size = page_size
-        self.windows = sorted({w for w in windows if w is not None})  # sliding group g + 1 has window g
+        self.windows = sorted({w for w in windows if w is not None})  # group g + 1: windows[g]
         group = {None: 0} | {w: g + 1 for g, w in enumerate(self.windows)}
         self.groups = [[i for i, w in enumerate(windows) if group[w] == g]
                        for g in range(len(self.windows) + 1)]  # layer positions of each group

@@ -115,9 +115,13 @@ class DenseStore(LayerStore):
         self.append(take_tokens(keys, index), take_tokens(values, index))
 
     def drop_front(self, n: int) -> None:
+        """Forget the oldest ``n`` tokens; a buffer left more than twice the size the rest needs (a
+        sliding window after a long prefill) moves them to a smaller one."""
         n = min(n, self._len)
         self._start += n
         self._len -= n
+        if self._k is not None and self._k.shape[2] > 2 * (self._len + self.reserve_tokens):
+            self._reallocate(self._len, like=(self._k, self._v))
 
     def truncate(self, n: int) -> None:
         self._len = max(0, min(n, self._len))

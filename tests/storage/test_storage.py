@@ -108,6 +108,18 @@ def test_drop_front(kind: str, n: int) -> None:
     assert_holds(store, torch.cat([keys[:, :, n:], k], 2), torch.cat([values[:, :, n:], v], 2))
 
 
+def test_a_dense_window_after_a_long_prompt_moves_to_a_buffer_its_size() -> None:
+    """A sliding layer's dense buffer, grown for a 600-token prompt, shrinks to the 7 tokens it keeps
+    plus its headroom when the window drops the rest (not at the next growth, hundreds of steps on)."""
+    store = DenseStore(reserve_tokens=16)
+    store.bind(0)
+    k, v = kv(600, seed=5)
+    store.append(k, v)
+    store.drop_front(593)
+    assert_holds(store, k[:, :, 593:], v[:, :, 593:])
+    assert store.memory_report().allocated == 2 * k[:, :, :7 + 16].nbytes
+
+
 @store_kinds
 @pytest.mark.parametrize("n", [1, 6, 16, 30])
 def test_truncate(kind: str, n: int) -> None:
