@@ -297,37 +297,45 @@ class KVFactoryConnector(KVConnectorBase_V1):
         return kv.view(kv.shape[0], heads, size, 2, dim).transpose(2, 3)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Load this step's chunks into their blocks: each distinct chunk is read and decoded once,
+        however many requests of the step share it (a common system prompt)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVFactoryMetadata) or not meta.loads:
             return
         began = time.perf_counter()
-        values = self.tiers.get_many([move.key for move in meta.loads])
+        keys = list(dict.fromkeys(move.key for move in meta.loads))
+        chunks: dict[str, tuple[torch.Tensor, torch.Tensor] | ChunkError] = {}
+        for key, data in zip(keys, self.tiers.get_many(keys), strict=True):
+            try:
+                if data is None:
+                    raise ChunkError(f"chunk {key[-12:]} is no longer in the tiers")
+                chunks[key] = decode_chunk(data, ChunkKey.parse(key))
+                self._stats.data["bytes_loaded"] += len(data)
+            except ChunkError as exc:
+                if data is not None:  # corrupted: forget it, so that a later request stores it anew
+                    self.tiers.discard_many([key])
+                chunks[key] = exc
         failed: set[str] = set()
-        for move, data in zip(meta.loads, values, strict=True):
+        for move in meta.loads:
+            chunk = chunks[move.key]
             if move.request_id in failed:  # a later chunk of a request whose earlier chunk failed
                 self._load_errors.update(move.blocks[move.skip:])
                 continue
-            try:
-                if data is None:
-                    raise ChunkError(f"chunk {move.key[-12:]} is no longer in the tiers")
-                keys, vals = decode_chunk(data, ChunkKey.parse(move.key))
-            except ChunkError as exc:
-                logger.warning("request %s: %s; its blocks are recomputed", move.request_id, exc)
-                if data is not None:  # corrupted: forget it, so that a later request stores it anew
-                    self.tiers.discard_many([move.key])
+            if isinstance(chunk, ChunkError):
+                logger.warning("request %s: %s; its blocks are recomputed", move.request_id, chunk)
                 failed.add(move.request_id)
                 self._load_errors.update(move.blocks[move.skip:])
                 self._stats.data["load_errors"] += 1
                 continue
+            key_rows, value_rows = chunk
             ids = torch.tensor(move.blocks[move.skip:])
             first = move.skip * self.block_size
             for layer, name in enumerate(self._layers):
                 pages = self._pages(name)
-                for side, x in ((0, keys), (1, vals)):  # [kv_heads, tokens, head_dim] -> per block
+                for side, x in ((0, key_rows), (1, value_rows)):  # [kv_heads, tokens, head_dim] -> per block
                     blocks = x[layer, :, first:].unflatten(1, (len(ids), self.block_size)).transpose(0, 1)
                     pages[ids, :, side] = blocks.to(pages.dtype)
             self._stats.data["chunks_loaded"] += 1
-            self._stats.data["bytes_loaded"] += len(data)
         self._stats.data["load_s"].append(time.perf_counter() - began)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -136,11 +136,16 @@ def build(name: str, compiler: str) -> Path:
     return target
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @cache
 def load(name: str) -> ctypes.CDLL | None:
     """``NAME.c`` built and loaded (once per process) with its ``SIGNATURES`` bound; None, with a
     warning, if it cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         warnings.warn(f"kvfactory: no C compiler found for the {name} kernels; using the torch code path "
                       "instead", stacklevel=3)

@@ -19,20 +19,23 @@ class RedisTier(Tier):
 
     The server's own ``maxmemory`` policy evicts (run it with ``allkeys-lru``); a write it refuses
     (out of memory under ``noeviction``) is dropped. When the server cannot be reached within
-    ``timeout_s``, every read is a miss and every write is dropped for ``retry_s`` seconds, then the
-    tier tries again: requests recompute meanwhile and reuse comes back with the server.
+    ``timeout_s``, or a reply stalls for ``read_timeout_s`` (a large batch from a busy server takes
+    longer than a connection), every read is a miss and every write is dropped for ``retry_s``
+    seconds, then the tier tries again: requests recompute meanwhile and reuse comes back with the
+    server.
     """
 
     name = "redis"
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", *, ttl_s: float | None = None,
-                 timeout_s: float = 1.0, retry_s: float = 1.0) -> None:
+                 timeout_s: float = 1.0, read_timeout_s: float = 5.0, retry_s: float = 1.0) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ConfigError("ttl_s", ttl_s, "seconds > 0, or None for no expiry")
         super().__init__()
         self.url, self.retry_s = url, retry_s
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = redis.Redis.from_url(url, socket_timeout=read_timeout_s,
+                                             socket_connect_timeout=timeout_s)
         self._down_until = 0.0
 
     @property

@@ -76,11 +76,14 @@ def test_second_process_reuses_the_system_prompt_through_redis(runs, references)
     # the ratio is measured by benchmarks/connector.py; here only its direction, which a loaded machine
     # cannot turn (about 5x on this CPU)
     assert warm < cold, f"time to first token {warm:.3f} s with the prompt's chunks, {cold:.3f} s cold"
+    chunks = SYSTEM // 256
+    assert runs["second"]["metrics"]["vllm:kvfactory_chunks_loaded_total"] == 7 * chunks  # 3 timed + 4
+    # a step reads each chunk once, however many of its requests share it: the 4 prompts' chunks
+    # are read once if vLLM schedules them in one step
     redis_stats = runs["second"]["stats"]["redis"]
-    assert redis_stats["hits"] == 7 * SYSTEM // 256 and redis_stats["errors"] == 0  # 3 timed + 4 prompts
-    assert runs["second"]["metrics"]["vllm:kvfactory_chunks_loaded_total"] == 7 * SYSTEM // 256
+    assert 4 * chunks <= redis_stats["hits"] <= 7 * chunks and redis_stats["errors"] == 0
     redis_hits = runs["second"]["metrics"]['vllm:kvfactory_tier_total{stat="hits",tier="redis"}']
-    assert redis_hits == 7 * SYSTEM // 256
+    assert redis_hits == redis_stats["hits"]
 
 
 def test_the_connector_imports_none_of_the_transformers_adapter(runs):

@@ -48,8 +48,8 @@ def test_a_second_process_answers_as_generate_from_the_first_ones_chunks(gemma3_
     assert runs["second"]["outputs"] == references[1:]
     loaded = 7 * PREFIX // CHUNK  # each of the 7 requests loads the prefix's 4 chunks
     assert runs["second"]["metrics"]["vllm:kvfactory_chunks_loaded_total"] == loaded
-    redis_stats = runs["second"]["stats"]["redis"]
-    assert redis_stats["hits"] == loaded and redis_stats["errors"] == 0
+    redis_stats = runs["second"]["stats"]["redis"]  # each step reads a chunk its requests share once
+    assert PREFIX // CHUNK <= redis_stats["hits"] <= loaded and redis_stats["errors"] == 0
     assert runs["second"]["metrics"]["vllm:kvfactory_chunks_saved_total"] == 0  # it computed no chunk anew
 
 

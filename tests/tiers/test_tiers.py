@@ -5,6 +5,7 @@ and its death costs misses (never an exception) until it returns, and a chain pr
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -78,6 +79,21 @@ def test_redis_tier_expires_values_after_their_ttl(redis_url: str) -> None:
     tier = RedisTier(redis_url, ttl_s=0.05)
     tier.put("key0", b"v")
     assert tier.client.pttl("key0") > 0
+
+
+def test_a_stalled_redis_costs_a_miss_after_the_read_timeout(redis_server: RedisServer) -> None:
+    redis_server.flush()
+    tier = RedisTier(redis_server.url, read_timeout_s=0.3, retry_s=0.2)
+    tier.put("key0", b"before")
+    redis_server.process.send_signal(signal.SIGSTOP)  # alive, connected, never answering
+    try:
+        began = time.monotonic()
+        assert tier.get("key0") is None
+        assert 0.3 <= time.monotonic() - began < 3 and tier.stats.errors == 1
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+    time.sleep(0.2)  # retry_s
+    assert tier.get("key0") == b"before"
 
 
 def test_a_dead_redis_costs_misses_until_it_returns(redis_server: RedisServer) -> None:
