@@ -145,9 +145,8 @@ class KVCacheManager:
         self._check_new(seq_id)
         cache = self.factory.create_cache(seq_id)
         record = Sequence(seq_id, cache)
-        if self.prefix_caching:
-            cache.hold_window_until_written()  # sliding layers' blocks are named before given back
         if prompt is not None and self.prefix_caching:
+            cache.hold_window_until_written()  # sliding layers' blocks are named before given back
             tokens = torch.as_tensor(prompt).flatten().tolist()
             names = block_hashes(tokens[:-1], self.page_size)  # at least one token is left to prefill
             found = self.index.match(names)
@@ -490,7 +489,7 @@ class KVCacheManager:
         if blocks is None:
             return
         start = record.hashed_tokens // page
-        names = self.index.add_filled(tokens[:limit], page, self._pools(), blocks, start)
+        names = self.index.add_filled(tokens[:limit], self._pools(), blocks, start)
         record.hashed_tokens = len(names) * page
         if self.tiers is not None:
             self._store_chunks(record, tokens, names)

@@ -52,7 +52,7 @@ class PrefixIndex:
     ``windows`` gives each layer pool's sliding window (None: full attention), in pool order;
     ``page_size`` is the tokens per block."""
 
-    def __init__(self, windows: Sequence[int | None] = (), page_size: int = 16) -> None:
+    def __init__(self, windows: Sequence[int | None], page_size: int) -> None:
         self.entries: dict[bytes, CachedBlock] = {}
         self.free_queue: OrderedDict[bytes, None] = OrderedDict()  # idle entries, next to evict first
         self.window_queue: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # idle sliding groups
@@ -101,12 +101,12 @@ class PrefixIndex:
         self.missed_blocks += len(names) - usable
         return found[:usable]
 
-    def add_filled(self, tokens: Sequence[int], page_size: int, pools: list[BlockPool],
-                   blocks: list[torch.Tensor], start: int) -> list[bytes]:
+    def add_filled(self, tokens: Sequence[int], pools: list[BlockPool], blocks: list[torch.Tensor],
+                   start: int) -> list[bytes]:
         """Cache the full blocks of ``tokens`` from block ``start`` on, held in ``blocks`` (per layer pool,
         ``[blocks]`` from block 0, ``-1`` where not held): the fill point. Returns the names of every full
         block of ``tokens``."""
-        names = block_hashes(tokens, page_size)
+        names = block_hashes(tokens, self.page_size)
         ids = [layer_ids[:len(names)].tolist() for layer_ids in blocks]
         for i in range(start, len(names)):
             self.insert(names[i], pools, [layer_ids[i] for layer_ids in ids], i)
@@ -116,8 +116,6 @@ class PrefixIndex:
         """Cache block ``ids`` (one per layer pool, ``-1`` where not held) under ``name``, or the groups
         an entry of that name lacks; the index takes a reference to each block it keeps. Blocks of
         full-attention layers must all be held."""
-        if not self.groups[0] and not self.windows:  # no layout given: every layer attends to all
-            self.groups = [list(range(len(ids)))]
         self.pools = pools
         entry = self.entries.get(name)
         if entry is None:
