@@ -30,7 +30,7 @@ from kvfactory import attention
 from kvfactory.errors import ConfigError, LayerIndexError, SequenceStateError, ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
 from kvfactory.storage.forward_lock import ForwardLock
-from kvfactory.storage.paged import BlockTableStore, PagedStore
+from kvfactory.storage.paged import BlockTableStore
 
 if TYPE_CHECKING:
     from kvfactory.config import CacheConfig
@@ -540,7 +540,7 @@ class KVCache(Cache):
         """Every layer's store when each is plain paged pages (blocks a manager may share with other
         sequences and swap out in part), else None (quantized pages, eviction policies, dense)."""
         stores = [layer.store for layer in self.layers]
-        return stores if all(type(store) is PagedStore for store in stores) else None
+        return stores if all(store.plain_pages for store in stores) else None
 
     def prefix_blocks(self) -> list[torch.Tensor] | None:
         """Per layer, the pool blocks ``[blocks]`` of this one-row cache holding the tokens it has seen,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -39,6 +40,8 @@ class Codec(ABC):
     name: str  # the registry name (``kvfactory.codecs.CODECS``)
     bits: int  # bits per element of the codes: 8, 4, 2; 32 or 16 for the identity codec
     dtype: torch.dtype | None  # compute dtype: decode's output; None until the first encode
+    #: the encoded layout kvfactory's C kernels read in place (``kivi-keys``, ``kivi-values``), if any
+    kernel_layout: ClassVar[str | None] = None
 
     @property
     def unit(self) -> int:

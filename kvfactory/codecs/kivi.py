@@ -83,6 +83,8 @@ class KiviKeyCodec(_Kivi):
     ``[B, H, T / G, 1, D]``.
     """
 
+    kernel_layout = "kivi-keys"
+
     @property
     def unit(self) -> int:
         return self.group_size
@@ -126,6 +128,7 @@ class KiviValueCodec(_Kivi):
     or fixed by the first encode (or read from ``out``).
     """
 
+    kernel_layout = "kivi-values"
     zero_dtype: torch.dtype = torch.float8_e4m3fn
     head_dim: int | None = None
 

@@ -30,7 +30,6 @@ import torch
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
 from kvfactory.quantization.ragged import in_place, quantized_decode
-from kvfactory.selectors.sparse import SparseStore
 from kvfactory.storage.paged import PagedStore, append_one_each
 from kvfactory.storage.ragged import block_tables, paged_decode
 
@@ -79,13 +78,13 @@ class _StepRead(attention.BatchRead):
             k, v = self.key[:, :, span], self.value[:, :, span]
             layer = segment.cache.layers[self.layer_idx]
             if self.batch.in_place and segment.tokens == 1 and not layer.is_sliding:
-                if type(layer.store) is PagedStore:
+                if layer.store.plain_pages:
                     paged.append((segment.start, layer))
                     continue
                 if in_place(layer.store, query.shape[1]):
                     quantized.append((segment.start, layer))
                     continue
-                if type(layer.store) is SparseStore and layer.store.reads_blocks():
+                if layer.store.reads_blocks():
                     sparse.append((segment.start, layer))
                     continue
             keys, values = segment.cache.update(k, v, self.layer_idx)

@@ -17,9 +17,7 @@ import torch
 
 from kvfactory import kernels
 from kvfactory.codecs import native
-from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
 from kvfactory.quantization.store import PagedRuns, QuantizedStore
-from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import block_tables, paged_decode
 
 MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
@@ -29,10 +27,10 @@ def in_place(store: object, query_heads: int) -> bool:
     """Whether ``quantized_decode`` reads ``store``: a one-row ``QuantizedStore`` over paged storage
     with KIVI keys and values of one bit width, its packed tokens from the start of their first block,
     sizes the kernel takes, on the CPU with the C kernels built."""
-    if type(store) is not QuantizedStore or type(store.inner) is not PagedStore:
+    if not isinstance(store, QuantizedStore) or not store.inner.plain_pages:
         return False
     keys, values, like = store.key_codec, store.value_codec, store.like
-    if type(keys) is not KiviKeyCodec or type(values) is not KiviValueCodec or keys.bits != values.bits:
+    if (keys.kernel_layout, values.kernel_layout) != ("kivi-keys", "kivi-values") or keys.bits != values.bits:
         return False
     if like is None or like[0].shape[0] != 1 or like[0].device.type != "cpu" or not native.available():
         return False

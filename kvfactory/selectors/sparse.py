@@ -149,7 +149,7 @@ class SparseStore(WrappedStore):
         first token, and no shadow measurement due: that needs the step's attention call)."""
         every = self.spec.shadow_every
         shadow = self.routed and every and (self.steps + 1) % every == 0
-        return type(self.inner) is PagedStore and not shadow and self.inner.pageable() == self.size() > 0
+        return self.inner.plain_pages and not shadow and self.inner.pageable() == self.size() > 0
 
     def decode_blocks(self, query: torch.Tensor) -> tuple[torch.Tensor, int]:
         """For a one-row decode step whose token is stored (``reads_blocks`` held before the write),

@@ -98,6 +98,10 @@ class LayerStore(ABC):
     #: an observer whose ``attention_mask`` returns transformers' mask unchanged (it only records it):
     #: a causal prefill chunk may attend without building the mask (the engine's ``causal_chunk``)
     keeps_causal_mask: ClassVar[bool] = False
+    #: its tokens are plain K/V in blocks of a shared pool, one block table per row: the paged
+    #: kernel reads them in place and a manager shares, swaps and adopts its blocks
+    #: (``storage.paged.BlockTableStore``); a wrapper that changes what is read is not
+    plain_pages: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -200,6 +204,11 @@ class LayerStore(ABC):
 
     def end_prefill(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """The prompt is complete (``KVCache.end_prefill``): what comes next is not prompt."""
+
+    def reads_blocks(self) -> bool:
+        """Whether the next one-row decode step reads a subset of pool blocks chosen per KV head
+        (``decode_blocks``, a page selector over plain pages), in the engine's block kernel."""
+        return False
 
     # -- optional reports: None where the store has nothing to report -----------------------
     def peak_bytes(self) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -62,6 +62,8 @@ class PagedStore(LayerStore):
     when it holds the full-precision window in front of quantized pages (``kvfactory.compose`` sets
     it; it is not a config option).
     """
+
+    plain_pages: ClassVar[bool] = True
 
     page_size: int = 16
     pool_tokens: int | None = None
