@@ -23,12 +23,16 @@ def ids_of(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in prompts]
 
 
+STORY_TOKENS = 24
+
+
 @pytest.fixture(scope="module")
 def stories(smollm2) -> tuple[list[list[int]], list[list[int]]]:
-    """8 short prompts and each one's 24 greedy tokens alone: the preemption tests' requests."""
+    """8 short prompts and each one's ``STORY_TOKENS`` greedy tokens alone: the preemption tests'
+    requests."""
     model, tokenizer = smollm2
     prompts = ids_of(tokenizer, [f"Story {i}: " + PROMPTS[i % 4] for i in range(8)])
-    return prompts, [greedy_tokens(model, prompt, 24) for prompt in prompts]
+    return prompts, [greedy_tokens(model, prompt, STORY_TOKENS) for prompt in prompts]
 
 
 def assert_idle(engine: Engine) -> None:
@@ -75,7 +79,7 @@ def test_every_config_equals_its_cache_alone(smollm2, preset: str) -> None:
 def test_preemption_keeps_outputs(smollm2, stories, preemption: str) -> None:
     model, tokenizer = smollm2
     prompts, references = stories
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=STORY_TOKENS, ignore_eos=True)
     need = max(len(p) for p in prompts) + params.max_tokens
     engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=3 * need,
                     preemption=preemption, prefix_caching=False)
@@ -90,7 +94,7 @@ def test_prefill_first_steps_never_mix_and_keep_outputs(smollm2, stories) -> Non
     arrivals and preemption; outputs still equal each request alone."""
     model, tokenizer = smollm2
     prompts, references = stories
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=STORY_TOKENS, ignore_eos=True)
     need = max(len(p) for p in prompts) + params.max_tokens
     engine = Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=3 * need,
                     max_num_batched_tokens=8, prefix_caching=False, prefill_first=True)

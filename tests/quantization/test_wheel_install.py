@@ -1,10 +1,10 @@
 """The built wheel carries what the C kernels need: installed into a fresh virtualenv, kvfactory builds
 and loads every kernel library from its own files (``kivi.c``, ``pages.c``, ``ragged.c`` and
-``common.h``), not the torch fallback; ``kivi``, a minute's compile, is found in a cache seeded with
-this environment's build under its sources' key. The new environment reaches torch and the other dependencies
-through a ``.pth`` line naming the running environment's site-packages (nothing is downloaded); a
-path line does not run that directory's ``.pth`` files, so the running environment's editable
-kvfactory stays out."""
+``common.h``), not the torch fallback; ``kivi``, a minute's compile, is found in a cache seeded
+with this environment's build under its sources' key. The new environment reaches torch and the
+other dependencies through a ``.pth`` line naming the running environment's site-packages (nothing
+is downloaded); a path line does not run that directory's ``.pth`` files, so the running
+environment's editable kvfactory stays out."""
 
 from __future__ import annotations
 
