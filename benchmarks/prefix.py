@@ -55,8 +55,7 @@ def run(model, batch: list[torch.Tensor], shared: bool, new_tokens: int, label: 
         model(input_ids=ids[:, start:-1], past_key_values=cache, use_cache=True)
         prefill_s.append(time.perf_counter() - began)
         cached.append(start)
-    used = manager.stats()["pool_blocks_used"]
-    block_bytes = manager.pool.pools[("kv", 0)].block_bytes
+    used = manager.pool.memory_report().used
     generated = []
     for i, ids in enumerate(batch):  # greedy continuation of each prompt through its cache
         out = model.generate(ids, past_key_values=manager.get(f"s{i}"), max_new_tokens=new_tokens,
@@ -65,7 +64,7 @@ def run(model, batch: list[torch.Tensor], shared: bool, new_tokens: int, label: 
         generated.append(out)
     stats = manager.stats()
     manager.close()
-    return {"prefill_s": prefill_s, "cached_tokens": cached, "kv_bytes": used * block_bytes,
+    return {"prefill_s": prefill_s, "cached_tokens": cached, "kv_bytes": used,
             "generated": generated, "stats": stats}
 
 

@@ -128,8 +128,7 @@ def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]]
             else:
                 ttft.append(now - start)
             last[output.request_id] = now
-        used = sum((pool.num_blocks - len(pool.free)) * pool.block_bytes
-                   for pool in engine.manager.pool.pools.values())
+        used = engine.manager.pool.memory_report().used
         peak = max(peak, used)
     wall = time.perf_counter() - start
     result = summary(wall, generated, ttft, itl, (prefill[0], prefill[1]), (decode[0], decode[1]), peak)

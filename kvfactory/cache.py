@@ -401,8 +401,11 @@ class KVCache(Cache):
     def __init__(self, layers: list[KVLayer], shared: PagedPool | None = None, seq_id: str | None = None,
                  config: CacheConfig | None = None, workspace: ReadWorkspace | None = None,
                  model_config: Any = None, routing: RoutingMetrics | None = None,
-                 routing_context: RoutingContext | None = None, forward_lock: ForwardLock | None = None):
+                 routing_context: RoutingContext | None = None, forward_lock: ForwardLock | None = None,
+                 groups: list[tuple[int, ...]] | None = None):
         super().__init__(layers=layers)
+        # the layers that share blocks, in the order of the pool's block pools (``KVCacheFactory.groups``)
+        self.groups = groups if groups is not None else [(i,) for i in range(len(layers))]
         self.forward_lock = forward_lock or ForwardLock()  # shared with the factory's other caches
         self.shared: PagedPool | None = shared  # the pool of paged storage, shared with the factory
         self.seq_id = seq_id
@@ -518,21 +521,22 @@ class KVCache(Cache):
             layers.append(twin)
         forked = KVCache(layers, shared=self.shared, seq_id=seq_id, config=self.config,
                          workspace=self.workspace, model_config=self.model_config,
-                         forward_lock=self.forward_lock)
+                         forward_lock=self.forward_lock, groups=self.groups)
         forked.token_ids = None if self.token_ids is None else list(self.token_ids)
         return forked
 
     def adopt_blocks(self, ids: list[torch.Tensor], tokens: int, device: torch.device,
                      token_ids: list[int] | None = None) -> None:
-        """Start this empty cache from ``tokens`` tokens already in the pool: blocks ``ids`` (per layer
-        ``[batch, blocks]``), referenced and copied on write (a cached or shared prefix of the tokens
-        ``token_ids``, None if unknown)."""
+        """Start this empty cache from ``tokens`` tokens already in the pool: blocks ``ids`` (per layer group,
+        ``groups``, ``[batch, blocks]``), referenced and copied on write (a cached or shared prefix of the
+        tokens ``token_ids``, None if unknown)."""
         if self.get_seq_length():
             raise SequenceStateError(f"adopt_blocks into a cache holding {self.get_seq_length()} tokens")
         if token_ids is not None and len(token_ids) != tokens:
             raise ShapeError(f"adopt_blocks: {len(token_ids)} token ids for {tokens} tokens")
-        for layer, layer_ids in zip(self.layers, ids, strict=True):
-            layer.adopt(layer_ids, tokens, device)
+        for group, group_ids in zip(self.groups, ids, strict=True):
+            for layer in group:
+                self.layers[layer].adopt(group_ids, tokens, device)
         self.token_ids = None if token_ids is None else list(token_ids)
 
     # -- the block-table API of kvfactory.manager (``storage.paged.BlockTableStore``) --------------
@@ -543,9 +547,9 @@ class KVCache(Cache):
         return stores if all(store.plain_pages for store in stores) else None
 
     def prefix_blocks(self) -> list[torch.Tensor] | None:
-        """Per layer, the pool blocks ``[blocks]`` of this one-row cache holding the tokens it has seen,
-        by their place from token 0 (``PagedStore.sequence_blocks``: ``-1`` where a sliding layer gave
-        its past back), else None."""
+        """Per layer group (``groups``), the pool blocks ``[blocks]`` of this one-row cache holding the tokens
+        it has seen, by their place from token 0 (``PagedStore.sequence_blocks``: ``-1`` where a sliding
+        layer gave its past back), else None."""
         stores, tokens = self.paged_stores(), self.get_seq_length()
         if stores is None:
             return None
@@ -554,7 +558,7 @@ class KVCache(Cache):
                or store.stored_from() + store.size() != tokens  # a window written back after a pause
                for i, store, layer in zip(ids, stores, self.layers, strict=True)):
             return None
-        return [i[0] for i in ids]
+        return [ids[group[0]][0] for group in self.groups]
 
     def hold_window_until_written(self) -> None:
         """Sliding layers give their past back when a write completes (``notify_written``), not while

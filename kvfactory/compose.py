@@ -23,7 +23,7 @@ from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.sparse import SparseStore
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import LayerStore
-from kvfactory.storage.blocks import PagedPool
+from kvfactory.storage.blocks import BlockIds, PagedPool
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
@@ -42,6 +42,8 @@ class LayerContext:
     selector: SelectorSpec | None = None  # this layer's selector spec (its share of the read budget)
     routing: RoutingMetrics | None = None
     routing_context: RoutingContext | None = None
+    group: tuple[int, ...] = ()  # the layers whose paged storage shares its blocks (``blocks``)
+    blocks: BlockIds | None = None  # the cache's block table of that group, None for a layer alone
 
 
 def storage_options(config: CacheConfig, unit: int | None) -> dict[str, Any]:
@@ -77,6 +79,8 @@ def compose_layer(config: CacheConfig, layer: LayerContext) -> LayerStore:
     codecs = quantization.codecs(layer.layer_idx, layer.num_layers) if quantization is not None else None
     unit = None if codecs is None else math.lcm(codecs[0].unit, codecs[1].unit)
     store = config.storage.cls(**storage_options(config, unit))
+    if layer.blocks is not None:
+        store.share_blocks(layer.group, layer.blocks)
     if codecs is not None:
         residual = quantization.residual_for(quantization.codec_name(layer.layer_idx, layer.num_layers))
         store = QuantizedStore(store, *codecs, residual, layer.workspace)

@@ -18,7 +18,7 @@ from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.sizing import KVShape, bytes_per_token_per_layer
-from kvfactory.storage.blocks import PagedPool
+from kvfactory.storage.blocks import BlockIds, PagedPool
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
@@ -54,6 +54,11 @@ class KVCacheFactory:
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
         # caches of a factory (or of one pool) share memory: their forwards take turns
         self.forward_lock = pool.forward_lock if pool is not None else ForwardLock()
+        # layers that hold the same tokens share blocks and one block table per sequence; eviction and
+        # quantized pages keep each layer's own
+        groupable = (pool is not None and not storage.cls.evicts and self.config.eviction is None
+                     and self.config.quantization is None)
+        self.groups = layer_groups(self.windows) if groupable else [(i,) for i in range(len(self.windows))]
         selector = self.config.selector
         self.layer_selectors = {} if selector is None else selector.per_layer(model_config, [
             i for i, window in enumerate(self.windows) if window is None and i >= selector.dense_layers])
@@ -69,13 +74,26 @@ class KVCacheFactory:
         use_kvfactory_attention(self.model_config, config)
         context = RoutingContext() if config.selector is not None else None
         routing = RoutingMetrics() if config.selector is not None else None
-        layers = []
+        layers, shared = [], {}
+        for group in self.groups:
+            blocks = BlockIds(self.pool.page_size) if len(group) > 1 else None
+            shared.update({layer_idx: (group, blocks) for layer_idx in group})
         for layer_idx, window in enumerate(self.windows):
             layer = LayerContext(layer_idx, len(self.windows), window, self.pool, self.workspace,
-                                 self.layer_selectors.get(layer_idx, config.selector), routing, context)
+                                 self.layer_selectors.get(layer_idx, config.selector), routing, context,
+                                 *shared[layer_idx])
             layers.append(KVLayer(compose_layer(config, layer), sliding_window=window))
         cache = KVCache(layers, shared=self.pool, seq_id=seq_id, config=config, workspace=self.workspace,
                         model_config=self.model_config, routing=routing, routing_context=context,
-                        forward_lock=self.forward_lock)
+                        forward_lock=self.forward_lock, groups=self.groups)
         await_first_forward(cache)  # hooks the model it runs with (tokens written, OVAL's hidden state)
         return cache
+
+
+def layer_groups(windows: list[int | None]) -> list[tuple[int, ...]]:
+    """Layers that hold the same tokens, by their first layer: full attention (``None``) together,
+    sliding layers by window size, as vLLM's KV-cache groups."""
+    groups: dict[int | None, list[int]] = {}
+    for layer_idx, window in enumerate(windows):
+        groups.setdefault(window, []).append(layer_idx)
+    return sorted(tuple(layers) for layers in groups.values())

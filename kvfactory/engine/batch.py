@@ -4,9 +4,11 @@ A step feeds every scheduled sequence's new tokens back to back (``input_ids [1,
 ``StepBatch.write`` is called by each layer with the layer's new K/V ``[1, Hkv, T, D]`` and stores
 each sequence's slice in that sequence's own cache. Its attention then runs per sequence:
 
-- decode tokens of plain paged layers are attended to in one call over the pool's blocks in place
-  (``kvfactory.storage.ragged.paged_decode``: no per-step copy of each sequence into a padded
-  tensor; vLLM's PagedAttention, Kwon et al. 2023);
+- decode tokens of plain paged layers, sliding ones included, are attended to in one call over the
+  pool's blocks in place (``kvfactory.storage.ragged.paged_decode``: no per-step copy of each sequence
+  into a padded tensor; vLLM's PagedAttention, Kwon et al. 2023). Where each token goes and what each
+  sequence reads is planned once per step and layer group (``DecodePlan``): the layers of a group share
+  one block table per sequence, so the group's first layer plans and the others reuse it;
 - decode tokens of KIVI pages likewise, over their packed blocks and full-precision windows in place
   (``kvfactory.quantization.ragged.quantized_decode``);
 - decode tokens of sparse layers over plain pages (Quest, OVAL) likewise, each KV head over the
@@ -16,21 +18,22 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
   cache and attends causally over its stored tokens (decoded, for quantized ones) and itself
   (``kvfactory.attention.causal_chunk``), a page selector then seeing the chunk's queries;
 - everything else (int8 and FP8 pages, eviction policies, sparse reads over quantized pages and
-  their shadow steps, sliding layers) goes
+  their shadow steps, sliding layers that are not plain pages) goes
   through the sequence's own cache and kvfactory's attention, exactly as ``model.generate`` would
   run it, with a causal mask aligned to the chunk's end.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
 from kvfactory.quantization.ragged import in_place, quantized_decode
-from kvfactory.storage.paged import PagedStore, append_one_each
+from kvfactory.storage.blocks import BlockIds
+from kvfactory.storage.paged import PagedStore, append_one_each, write_slots
 from kvfactory.storage.ragged import block_tables, paged_decode
 
 
@@ -47,12 +50,26 @@ class Segment:
         return self.end - self.start
 
 
+@dataclass
+class DecodePlan:
+    """Where one decode token of each sequence goes in a layer group's blocks and what each then reads
+    (``paged_decode``'s tables, starts and lengths): built by the first layer of the group in a step,
+    reused by the others standing at the same ``places``."""
+
+    places: list[tuple[BlockIds, int, int]]  # each sequence's blocks and the layer's span, before the write
+    slots: torch.Tensor  # [S]: the new token's slot in a layer's [heads, blocks * page_size] view
+    tables: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass
 class StepBatch:
     """The segments of one step; ``write`` is ``kvfactory.cache.PackedBatch``'s per-layer callback."""
 
-    def __init__(self, segments: list[Segment], in_place: bool = True) -> None:
-        self.segments = segments
-        self.in_place = in_place  # decode paged layers with the ragged kernels (False: through each cache)
+    segments: list[Segment]
+    in_place: bool = True  # decode paged layers with the ragged kernels (False: through each cache)
+    plans: dict[tuple[BlockIds, ...], DecodePlan] = field(default_factory=dict)  # by the sequences' blocks
 
     def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> attention.BatchRead:
         return _StepRead(self, layer_idx, key, value)
@@ -77,10 +94,11 @@ class _StepRead(attention.BatchRead):
             span = slice(segment.start, segment.end)
             k, v = self.key[:, :, span], self.value[:, :, span]
             layer = segment.cache.layers[self.layer_idx]
-            if self.batch.in_place and segment.tokens == 1 and not layer.is_sliding:
+            if self.batch.in_place and segment.tokens == 1:
                 if layer.store.plain_pages:
                     paged.append((segment.start, layer))
                     continue
+            if self.batch.in_place and segment.tokens == 1 and not layer.is_sliding:
                 if in_place(layer.store, query.shape[1]):
                     quantized.append((segment.start, layer))
                     continue
@@ -117,16 +135,47 @@ class _StepRead(attention.BatchRead):
 
     def _paged(self, paged: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                out: torch.Tensor) -> None:
-        """Write every decode token of plain pages with one copy, then attend in one kernel call."""
+        """Write every decode token of plain pages with one copy, then attend in one kernel call (a
+        sliding layer over its window's last tokens, before it gives the oldest back)."""
         at = torch.tensor([start for start, _ in paged], device=query.device)
-        self._write_each([layer for _, layer in paged], [layer.store for _, layer in paged], at)
-        views = [layer.store.pages_in_place() for _, layer in paged]
-        pool = views[0][0]
-        tables = block_tables([ids for _, ids, _, _ in views])
-        starts = torch.tensor([start for _, _, start, _ in views])
-        lengths = torch.tensor([length for _, _, _, length in views])
+        layers = [layer for _, layer in paged]
+        stores = [layer.store for layer in layers]
+        keys, values = (x[0, :, at].transpose(0, 1)[:, :, None] for x in (self.key, self.value))
+        plan = self._plan(stores, layers[0].sliding_window, keys, values)
+        blocks = stores[0].blocks
+        write_slots(blocks, plan.slots, keys, values)
+        for i, layer in enumerate(layers):
+            layer.written(keys[i:i + 1])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
-        out[0, at] = paged_decode(q, pool.k, pool.v, tables, starts, lengths, scaling, check=False)
+        out[0, at] = paged_decode(q, blocks.k, blocks.v, plan.tables, plan.starts, plan.lengths, scaling,
+                                  check=False)
+
+    def _plan(self, stores: list[PagedStore], window: int | None, keys: torch.Tensor,
+              values: torch.Tensor) -> DecodePlan:
+        """This step's ``DecodePlan`` for the stores' layer group: the one an earlier layer of the group
+        made when the stores stand where it stood (their tokens then counted written), else a new one
+        (room made for each token; a sliding layer reads its last ``window`` tokens)."""
+        places = [store.place() for store in stores]
+        key = tuple(shared for shared, _, _ in places)
+        plan = self.batch.plans.get(key)
+        if plan is not None and plan.places == places:
+            for store in stores:
+                store.count_written(1)
+            return plan
+        slots = torch.tensor([store.next_slot(keys[i:i + 1], values[i:i + 1])[1]
+                              for i, store in enumerate(stores)], device=keys.device)
+        rows, starts, lengths = [], [], []
+        for store in stores:
+            _, ids, start, length = store.pages_in_place()
+            if window is not None and length > window:
+                start, length = start + length - window, window
+                ids, start = ids[start // store.page_size:], start % store.page_size
+            rows.append(ids)
+            starts.append(start)
+            lengths.append(length)
+        plan = DecodePlan(places, slots, block_tables(rows), torch.tensor(starts), torch.tensor(lengths))
+        self.batch.plans[key] = plan
+        return plan
 
     def _quantized(self, quantized: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                    out: torch.Tensor) -> None:

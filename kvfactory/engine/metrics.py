@@ -31,13 +31,14 @@ class EngineMetrics:
         self.running = gauge("kvfactory_requests_running", "Requests holding K/V in the pool")
         self.waiting = gauge("kvfactory_requests_waiting", "Requests waiting to be scheduled")
         self.swapped = gauge("kvfactory_requests_swapped", "Preempted requests whose K/V is on the host tier")
-        self.pool_used = gauge("kvfactory_pool_blocks_used", "Pool blocks allocated (all layers): held by "
-                               "requests plus idle prefix-cache blocks")
-        self.pool_held = gauge("kvfactory_pool_blocks_held", "Pool blocks held by requests (all layers); "
-                               "0 with no request in flight")
+        self.pool_used = gauge("kvfactory_pool_blocks_used", "Pool blocks allocated (all layer groups): "
+                               "held by requests plus idle prefix-cache blocks")
+        self.pool_held = gauge("kvfactory_pool_blocks_held", "Pool blocks held by requests (all layer "
+                               "groups); 0 with no request in flight")
         self.prefix_idle = gauge("kvfactory_prefix_cache_idle_blocks", "Pool blocks only the prefix cache "
                                  "keeps for later prompts (evicted when the pool needs room)")
-        self.pool_total = gauge("kvfactory_pool_blocks_total", "Pool blocks (all layers)")
+        self.pool_total = gauge("kvfactory_pool_blocks_total", "Pool blocks (all layer groups; a block holds "
+                                "one page of each layer of its group)")
         self.pool_usage = gauge("kvfactory_pool_usage", "Fraction of the pool's blocks held by requests")
         self.prefix_queried = counter("kvfactory_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the prefix cache")

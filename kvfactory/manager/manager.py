@@ -76,9 +76,9 @@ SILENT_LOOKUPS = 8  # prompts looked up without a single cached block before the
 
 @dataclass
 class _Shared:
-    """A prefix marked shareable: its blocks in every layer, referenced by the manager."""
+    """A prefix marked shareable: its blocks in every layer group, referenced by the manager."""
 
-    ids: list[torch.Tensor]  # per layer: [1, blocks]
+    ids: list[torch.Tensor]  # per layer group: [1, blocks]
     tokens: int
     token_ids: list[int] | None  # their ids, if the sequence's were known
 
@@ -129,7 +129,8 @@ class KVCacheManager:
         self.tiers = tiers
         self.host_bytes = host_bytes
         self.warn_unused_prefix_cache = warn_unused_prefix_cache
-        self.index = PrefixIndex(attention_layout(model_config), self.page_size)
+        windows = attention_layout(model_config)
+        self.index = PrefixIndex([windows[group[0]] for group in self.factory.groups], self.page_size)
         self.pool.reclaimers.append(self._reclaim)
         self._sequences: dict[str, Sequence] = {}
         self._shared: dict[str, _Shared] = {}
@@ -152,7 +153,7 @@ class KVCacheManager:
             found = self.index.match(names)
             cached = len(found) * self.page_size
             if found:
-                ids = torch.tensor([entry.ids for entry in found]).T  # [layers, blocks]
+                ids = torch.tensor([entry.ids for entry in found]).T  # [layer groups, blocks]
                 cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached])
                 record.cached_tokens = record.hashed_tokens = cached
             if self.tiers is not None:
@@ -337,7 +338,7 @@ class KVCacheManager:
 
     def load(self, path: str | Path, seq_id: str | None = None) -> KVCache:
         """A new sequence from a saved file (its saved id unless ``seq_id``)."""
-        in_use = next((pool.k.dtype for pool in self._pools() if pool.refcount.any()), None)
+        in_use = next((pool.dtype for pool in self._pools() if pool.refcount.any()), None)
         state, saved_id = load_state(path, self.factory.model_config, self.factory.config.raw, in_use,
                                      evicts=self.factory.config.eviction is not None)
         seq_id = seq_id or saved_id
@@ -465,12 +466,12 @@ class KVCacheManager:
             raise SequenceStateError(f"sequence {seq_id!r} exists already; free it or choose another id")
 
     def _pools(self, kind: str | None = "kv") -> list[BlockPool]:
-        """The block pools of ``kind`` (plain pages; None: every kind), by layer."""
+        """The block pools of ``kind`` (plain pages; None: every kind), by layer group."""
         return self.pool.block_pools(kind)
 
     def _device(self) -> torch.device:
         pools = self._pools()
-        return pools[0].k.device if pools else torch.device("cpu")
+        return pools[0].device if pools else torch.device("cpu")
 
     def _host_bytes(self) -> int:
         return sum(r.host.nbytes for r in self._sequences.values() if r.host is not None)
@@ -505,7 +506,7 @@ class KVCacheManager:
         if not chunks:
             return cached
         end, skip = (first + len(chunks)) * size, cached - first * size
-        device = self._pools()[0].k.device if self._pools() else tiers.device
+        device = self._pools()[0].device if self._pools() else tiers.device
         per_layer = [tuple(torch.cat([c[side][layer] for c in chunks], dim=1)[None, :, skip:].to(device)
                            for side in (0, 1)) for layer in range(tiers.layout.layers)]
         try:
@@ -527,17 +528,18 @@ class KVCacheManager:
         done = min(len(tokens), record.prompt_tokens) // size
         if done <= record.tier_chunks:
             return
-        keys, per, pools = tiers.keys(tokens[:done * size]), size // self.page_size, self._pools()
+        keys, per = tiers.keys(tokens[:done * size]), size // self.page_size
+        views = sorted((layer, g, pool.layer(layer))  # every layer's tensors, with its group's place
+                       for g, pool in enumerate(self._pools()) for layer in pool.layers)
         items = []
         for c in range(record.tier_chunks, done):
             entries = [self.index.entries.get(name) for name in names[c * per:(c + 1) * per]]
             if any(entry is None or min(entry.ids) < 0 for entry in entries):
                 done = c
                 break
-            ids = [torch.tensor(layer_ids)
-                   for layer_ids in zip(*(entry.ids for entry in entries), strict=True)]
-            pairs = list(zip(pools, ids, strict=True))
-            k, v = (torch.stack([pool.tensors[name][:, i].flatten(1, 2) for pool, i in pairs])
+            ids = [torch.tensor(group_ids)
+                   for group_ids in zip(*(entry.ids for entry in entries), strict=True)]
+            k, v = (torch.stack([view.tensors[name][:, ids[g]].flatten(1, 2) for _, g, view in views])
                     for name in ("k", "v"))  # [layers, kv_heads, chunk tokens, head_dim]
             items.append((keys[c], k.cpu(), v.cpu()))
         tiers.store(items)

@@ -70,7 +70,7 @@ def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], packed: li
     """The packed part: output ``[S, Hq, D]`` and log-sum-exp ``[S, Hq]`` (float32; ``-inf`` where a
     sequence has no packed tokens yet)."""
     first = next(runs for runs in packed if runs is not None)
-    pool = first.table.pool.tensors
+    pool = first.table.blocks.tensors
     keys, values = stores[0].key_codec, stores[0].value_codec
     empty = torch.zeros(0, dtype=torch.long)
     tables = block_tables([empty if runs is None else runs.table.ids[0] for runs in packed])

@@ -127,18 +127,18 @@ class PagedRuns:
         return self._spec
 
     def append(self, ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.table.append(self.pool.block_pool(self.spec(like)), _streams(ek, ev), ek.tokens)
+        self.table.append(self.pool.layer_blocks(self.spec(like)), _streams(ek, ev), ek.tokens)
 
     def encoded(self) -> tuple[Encoded, Encoded]:
         """Everything stored: views for one row in consecutive blocks, else gathered copies. The views
         are kept until the table or the pool's tensors change (a decode step adds a group of tokens
         only every ``block_tokens`` steps), so most steps do not rebuild them."""
         table = self.table
-        key = (table.start, table.length, table.ids, *table.pool.tensors.values())
+        key = (table.start, table.length, table.ids, *table.blocks.tensors.values())
         if self._views is not None and key[:2] == self._views[0][:2] and len(key) == len(self._views[0]) \
                 and all(a is b for a, b in zip(key[2:], self._views[0][2:], strict=True)):
             return self._views[1]
-        names = [name for name, _, _ in table.pool.spec.tensors]
+        names = [name for name, _, _ in table.blocks.spec.tensors]
         encoded = _split({name: table.read(name, self.pool) for name in names}, self.tokens)
         self._views = (key, encoded) if table.run_start is not None else None
         return encoded
@@ -349,9 +349,7 @@ class QuantizedStore(LayerStore):
         twin._flushes, twin._error, twin._like = self._flushes, self._error.clone(), self._like
         if isinstance(self._packed, PagedRuns):
             twin._packed = PagedRuns(self.key_codec, self.value_codec, self.layer_idx, self._packed.pool)
-            table = self._packed.table
-            if table.ids is not None:
-                twin._packed.table.adopt(table.pool, table.ids, table.start, table.length)
+            self._packed.table.fork_into(twin._packed.table)
         elif self._packed is not None:
             raise self._unsupported("forked over dense storage")
         return twin
@@ -413,7 +411,7 @@ class QuantizedStore(LayerStore):
     def _decode_blocks(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed blocks ``index [B, H, m]`` (each row's block positions) decoded: ``[B, H, m * bt, D]``."""
         table = self._packed.table
-        block_pool = table.pool
+        block_pool = table.blocks
         b, h, m = index.shape
         blocks = table.ids.gather(1, index.flatten(1).cpu()).view(b, h, m)
         streams = {}

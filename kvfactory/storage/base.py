@@ -105,7 +105,7 @@ class LayerStore(ABC):
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        if "retain" in cls.__dict__ and "evicts" not in cls.__dict__:
+        if cls.retain is not LayerStore.retain and "evicts" not in cls.__dict__:  # a mixin's counts too
             cls.evicts = True
 
     layer_idx: int = 0

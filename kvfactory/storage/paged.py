@@ -1,8 +1,9 @@
 """Paged storage: K/V in fixed-size blocks of a pool shared by many caches.
 
-Each cache keeps a block table per batch row over its layer's block pool
-(``kvfactory.storage.blocks``); blocks are shared between rows or caches by refcount and copied
-on write (as in vLLM's block manager and nano-vllm's ``block_manager.py``).
+Each cache keeps a block table per batch row over its layer group's block pool
+(``kvfactory.storage.blocks``): layers that hold the same tokens share one table per sequence, so
+a block is allocated once for all of them. Blocks are shared between rows or caches by refcount
+and copied on write (as in vLLM's block manager and nano-vllm's ``block_manager.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from kvfactory.errors import ConfigError, ShapeError
+from kvfactory.errors import ConfigError, ShapeError, UnsupportedError
 from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
-from kvfactory.storage.blocks import BlockPool, BlockTable, PagedPool, PoolSpec, raw
+from kvfactory.storage.blocks import BlockIds, BlockTable, LayerBlocks, PagedPool, PoolSpec, raw
 
 MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
 
@@ -72,6 +73,7 @@ class PagedStore(LayerStore):
 
     pool: PagedPool | None = field(default=None, init=False, repr=False)
     kind: str = field(default="kv", repr=False, metadata={"option": False})
+    group: tuple[int, ...] = field(default=(), init=False, repr=False)  # ``share_blocks``
     _table: BlockTable = field(init=False, repr=False)
     # tokens dropped from the front (windows, partial swaps) and whether ``keep`` left gaps: blocks
     # that do not hold the sequence from its first token are never offered as a prefix (``block_ids``)
@@ -95,6 +97,12 @@ class PagedStore(LayerStore):
                          blocks=options.get("pool_blocks"), bytes=options.get("pool_bytes"),
                          num_layers=num_layers)
 
+    def share_blocks(self, group: tuple[int, ...], blocks: BlockIds) -> None:
+        """Allocate together with the other layers of ``group`` (layers that hold the same tokens):
+        this sequence's blocks in the group's pool are ``blocks``, one table for all of them."""
+        self.group = group
+        self._table.join(blocks)
+
     def attach(self, pool: PagedPool) -> None:
         if pool.page_size != self.page_size:
             raise ConfigError("page_size", self.page_size, f"the pool's page size {pool.page_size}")
@@ -111,17 +119,21 @@ class PagedStore(LayerStore):
         return self._table.ids
 
     def _spec(self, key: torch.Tensor, value: torch.Tensor) -> PoolSpec:
-        return PoolSpec.for_kv(self.kind, self.layer_idx, self.page_size, key, value)
+        return PoolSpec.for_kv(self.kind, self.layer_idx, self.page_size, key, value, self.group)
 
     def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor,
                        value: torch.Tensor) -> list[tuple[PoolSpec, int]]:
+        """The blocks of the next write; asked of a group's first layer only, which allocates them
+        for all."""
+        if not self._table.leader:
+            return []
         return [(self._spec(key, value), self._table.blocks_needed(new_tokens, batch))]
 
     # -- LayerStore -----------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         check_kv(key, value)
-        block_pool = self.ensure_pool().block_pool(self._spec(key, value))  # ShapeError before any write
-        self._table.append(block_pool, {"k": key, "v": value}, key.shape[2])
+        blocks = self.ensure_pool().layer_blocks(self._spec(key, value))  # ShapeError before any write
+        self._table.append(blocks, {"k": key, "v": value}, key.shape[2])
 
     def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._ids is None:
@@ -151,6 +163,9 @@ class PagedStore(LayerStore):
                              f"{table.length} tokens are stored")
         if self._ids is None:
             return
+        if len(table.shared.tables) > 1:
+            raise UnsupportedError(f"layer {self.layer_idx}: keep() in a layer that shares its blocks with "
+                                   f"layers {list(self.group)}; eviction keeps each layer's own blocks")
         block_pool, kept_blocks = table.pool, table.blocks_for(kept)
         if block_pool.any_shared and kept_blocks:
             shared = torch.from_numpy(block_pool.refcount[self._ids[:, :kept_blocks].numpy()] > 1)
@@ -158,14 +173,14 @@ class PagedStore(LayerStore):
             if rows.numel():
                 block_pool.check(rows.numel())
                 table.unshare(rows, cols)
-        b, heads = self._ids.shape[0], block_pool.k.shape[0]
+        b, heads = self._ids.shape[0], table.blocks.k.shape[0]
         src = table.start + index.expand(b, heads, kept)  # [B, H, n] token positions
         src_slots = self._ids.gather(1, (src // ps).flatten(1)).view_as(src) * ps + src % ps
         dst = torch.arange(kept)
         dst_slots = (self._ids[:, dst // ps] * ps + dst % ps)[:, None].expand(b, heads, kept)
         head = torch.arange(heads)[:, None]  # per head: its slots in every batch row
         src_slots, dst_slots = (s.transpose(0, 1).reshape(heads, b * kept) for s in (src_slots, dst_slots))
-        for pool_tensor in block_pool.tensors.values():
+        for pool_tensor in table.blocks.tensors.values():
             flat = pool_tensor.view(heads, -1, pool_tensor.shape[3])
             flat[head, dst_slots.to(flat.device)] = flat[head, src_slots.to(flat.device)]
         table.start, table.length = 0, kept
@@ -178,10 +193,8 @@ class PagedStore(LayerStore):
         into a shared block first gets its own copy (copy-on-write)."""
         twin = dataclasses.replace(self)
         twin.bind(self.layer_idx)
-        twin.kind, twin.pool = self.kind, self.pool
-        table = self._table
-        if table.ids is not None:
-            twin._table.adopt(table.pool, table.ids, table.start, table.length)
+        twin.kind, twin.pool, twin.group = self.kind, self.pool, self.group
+        self._table.fork_into(twin._table)
         twin._dropped, twin._gapped = self._dropped, self._gapped
         return twin
 
@@ -210,20 +223,41 @@ class PagedStore(LayerStore):
         given back from its front (a window written back after a pause starts from 0 here)."""
         return self._dropped
 
-    def next_slot(self, key: torch.Tensor, value: torch.Tensor) -> tuple[BlockPool, int]:
+    def next_slot(self, key: torch.Tensor, value: torch.Tensor) -> tuple[LayerBlocks, int]:
         """Room for one more token shaped like ``key`` / ``value`` ``[1, kv_heads, any, head_dim]``:
-        the block pool and the slot to write it to (``append_one_each``), the token counted stored."""
-        block_pool = self.ensure_pool().block_pool(self._spec(key, value))
-        return block_pool, self._table.next_slot(block_pool)
+        the layer's blocks and the slot to write it to (``append_one_each``), the token counted stored."""
+        blocks = self.ensure_pool().layer_blocks(self._spec(key, value))
+        return blocks, self._table.next_slot(blocks)
 
-    def pages_in_place(self) -> tuple[BlockPool, torch.Tensor, int, int] | None:
-        """What a paged attention kernel reads in place (``kvfactory.storage.ragged``): the block pool,
-        this one-row store's block ids ``[blocks]``, and its stored tokens' offset in the first block and
-        count; None when empty or holding several rows."""
+    def place(self) -> tuple[BlockIds, int, int]:
+        """This sequence's blocks in the layer's group (shared by the group's layers) and where this layer's
+        tokens lie in them (start, length): what a decode step planned for one layer of a group reuses
+        for the others standing at the same place (``count_written``)."""
+        table = self._table
+        return table.shared, table.start, table.length
+
+    @property
+    def blocks(self) -> LayerBlocks | None:
+        """This layer's tensors of its group's blocks (None before the first write)."""
+        return self._table.blocks
+
+    def count_written(self, tokens: int) -> None:
+        """Count ``tokens`` written into slots another layer of the group made room for (the same
+        ``place``): the caller wrote them into this layer's ``blocks``."""
+        table = self._table
+        if table.blocks is None:  # the layer's first tokens
+            table.blocks = table.pool.layer(self.layer_idx)
+        table.length += tokens
+
+    def pages_in_place(self) -> tuple[LayerBlocks, torch.Tensor, int, int] | None:
+        """What a paged attention kernel reads in place (``kvfactory.storage.ragged``): the layer's blocks,
+        this one-row store's block ids ``[blocks]`` from the one holding its first stored token, that
+        token's offset in it and the stored tokens' count; None when empty or holding several rows."""
         table = self._table
         if table.ids is None or table.batch_size != 1 or not table.length:
             return None
-        return table.pool, table.ids[0], table.start, table.length
+        first = table.start // self.page_size
+        return table.blocks, table.ids[0, first:], table.start - first * self.page_size, table.length
 
     def adopt(self, ids: torch.Tensor, tokens: int, first: int = 0) -> None:
         """Hold tokens ``[first, tokens)`` of a sequence from blocks ``ids [batch, blocks]`` of this layer's
@@ -232,13 +266,13 @@ class PagedStore(LayerStore):
         referenced, not copied."""
         if self.size():
             raise ShapeError(f"layer {self.layer_idx}: adopt() into a store holding {self.size()} tokens")
-        block_pool = self.ensure_pool().pools.get((self.kind, self.layer_idx))
+        block_pool = self.ensure_pool().pools.get((self.kind, self.group or (self.layer_idx,)))
         held = ids[:, first // self.page_size:]
         if (block_pool is None or not 0 <= first <= tokens <= ids.shape[1] * self.page_size
                 or bool((held < 0).any())):
             raise ShapeError(f"layer {self.layer_idx}: tokens {first} to {tokens} in {ids.shape[1]} blocks "
                              f"of {self.page_size} that this pool does not hold")
-        self._table.adopt(block_pool, held, first % self.page_size, tokens - first)
+        self._table.adopt(block_pool.layer(self.layer_idx), held, first % self.page_size, tokens - first)
         self._dropped, self._gapped = first, False
 
     def export_state(self, tokens: int | None = None) -> dict[str, torch.Tensor]:
@@ -252,18 +286,32 @@ class PagedStore(LayerStore):
 
     def prepend(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Put whole blocks of tokens back in front of the stored ones (a partial swap coming back from
-        the host tier, after ``drop_front`` of the same number of tokens)."""
+        the host tier, after ``drop_front`` of the same number of tokens). The group's first layer to
+        do it puts the blocks back for all; the others write into them."""
         check_kv(key, value)
         table, n = self._table, key.shape[2]
-        if n % self.page_size or table.start or (table.ids is not None and key.shape[0] != table.batch_size):
+        ahead = table.start >= n and table.ids is not None  # another layer of the group put them back
+        if n % self.page_size or (table.start and not ahead) or (
+                table.ids is not None and key.shape[0] != table.batch_size):
             raise ShapeError(f"layer {self.layer_idx}: prepend {n} tokens of batch {key.shape[0]} to a store "
                              f"of batch {table.batch_size} starting at {table.start}: whole pages of "
                              f"{self.page_size} tokens in front of a store that starts at a page")
-        front = BlockTable(self.page_size)
-        front.append(self.ensure_pool().block_pool(self._spec(key, value)), {"k": key, "v": value}, n)
-        ids = front.ids if table.ids is None else torch.cat([front.ids, table.ids], 1)
-        front.ids = None  # the blocks now belong to this store's table
-        table.pool, table.ids, table.length = front.pool, ids, table.length + n
+        blocks = self.ensure_pool().layer_blocks(self._spec(key, value))
+        if not ahead:
+            pool, front = blocks.pool, n // self.page_size
+            pool.check(key.shape[0] * front)
+            new = pool.allocate(key.shape[0] * front).view(key.shape[0], front)
+            table.shared.pool = pool
+            table.ids = new if table.ids is None else torch.cat([new, table.ids], 1)
+            for other in table.shared.tables:
+                if other is not table and other.length:
+                    other.start += n
+            table.start += n
+        length = table.length
+        table.start -= n
+        table.length = 0
+        table.append(blocks, {"k": key, "v": value}, n)
+        table.length = length + n
         self._dropped = max(0, self._dropped - n)
 
     # -- page reads (sparse decode, ``kvfactory.selectors``) -----------------------------------
@@ -276,7 +324,7 @@ class PagedStore(LayerStore):
         from page ``tail_page`` on: ``[B, H, k * page_size + size() - tail_page * page_size, D]``, one row
         copy per block read."""
         table, ps = self._table, self.page_size
-        block_pool = table.pool
+        block_pool = table.blocks
         b, h, k = pages.shape
         tail = torch.arange(tail_page, table.blocks_for(table.length), device=pages.device).expand(b, h, -1)
         device = block_pool.k.device
@@ -296,21 +344,12 @@ class PagedStore(LayerStore):
         self._dropped += n
         table.start += n
         table.length -= n
-        dead = table.start // self.page_size
-        if dead and self._ids is not None:
-            table.pool.decref(self._ids[:, :dead])
-            table.ids = self._ids[:, dead:]
-            table.start -= dead * self.page_size
+        table.shared.trim()
 
     def truncate(self, n: int) -> None:
         table = self._table
         table.length = max(0, min(n, table.length))
-        if self._ids is None:
-            return
-        keep = table.blocks_for(table.start + table.length)
-        if keep < self._ids.shape[1]:
-            table.pool.decref(self._ids[:, keep:])
-            table.ids = self._ids[:, :keep]
+        table.shared.trim()
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._table.select_rows(rows)
@@ -320,16 +359,24 @@ class PagedStore(LayerStore):
         return self._table.memory_report()
 
 
-def append_one_each(stores: list[PagedStore], key: torch.Tensor, value: torch.Tensor) -> None:
+def append_one_each(stores: list[PagedStore], key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Store one new token ``key[i]`` / ``value[i]`` (``[S, kv_heads, 1, head_dim]``) in each one-row
-    store ``stores[i]`` of one layer's pool, with one copy per tensor: a batched decode step's write."""
+    store ``stores[i]`` of one layer's pool, with one copy per tensor: a batched decode step's write.
+    Returns the slots written (``write_slots``)."""
     places = [store.next_slot(key[i:i + 1], value[i:i + 1]) for i, store in enumerate(stores)]
-    block_pool = places[0][0]
-    if any(pool is not block_pool for pool, _ in places):
+    blocks = places[0][0]
+    if any(other is not blocks for other, _ in places):
         raise ShapeError("append_one_each: the stores write into different block pools")
     slots = torch.tensor([slot for _, slot in places], device=key.device)
+    write_slots(blocks, slots, key, value)
+    return slots
+
+
+def write_slots(blocks: LayerBlocks, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write token ``key[i]`` / ``value[i]`` (``[S, kv_heads, 1, head_dim]``) into slot ``slots[i]`` of the
+    layer's ``[heads, blocks * page_size]`` view of its blocks, one copy per tensor."""
     for name, x in (("k", key), ("v", value)):
-        pool_tensor = block_pool.tensors[name]
+        pool_tensor = blocks.tensors[name]
         h, num_blocks, page = pool_tensor.shape[:3]
         flat = raw(pool_tensor).view(h, num_blocks * page, *pool_tensor.shape[3:])
         flat.index_copy_(1, slots, raw(x)[:, :, 0].transpose(0, 1))

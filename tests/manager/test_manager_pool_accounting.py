@@ -129,16 +129,16 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def refcounts_equal_references(self) -> None:
         manager = self.manager
-        for layer, pool in enumerate(manager._pools()):
+        for group, pool in enumerate(manager._pools()):  # the layers of a group share one block table
             held = Counter()
             for seq_id in manager.sequences():
-                ids = manager.get(seq_id).layers[layer].store.held_blocks()
+                ids = manager.get(seq_id).layers[pool.layer_idx].store.held_blocks()
                 if ids is not None:
                     held.update(ids.flatten().tolist())
             for entry in manager.index.entries.values():
-                held[entry.ids[layer]] += 1
+                held[entry.ids[group]] += 1
             refcount = pool.refcount.tolist()
-            assert {i: c for i, c in enumerate(refcount) if c} == dict(held), f"layer {layer}"
+            assert {i: c for i, c in enumerate(refcount) if c} == dict(held), f"layers {pool.layers}"
             free = list(pool.free)
             assert len(free) == len(set(free)) and set(free) == {i for i, c in enumerate(refcount) if c == 0}
 
@@ -149,8 +149,8 @@ class PoolMachine(RuleBasedStateMachine):
         idle = {name for name, entry in index.entries.items() if not entry.pinned and all(
             pool.refcount[block] == 1 for pool, block in zip(pools, entry.ids, strict=True))}
         assert set(index.free_queue) == idle
-        for layer, pool in enumerate(pools):
-            assert set(pool.cached.nonzero()[0].tolist()) == {e.ids[layer] for e in index.entries.values()}
+        for group, pool in enumerate(pools):
+            assert set(pool.cached.nonzero()[0].tolist()) == {e.ids[group] for e in index.entries.values()}
 
     @invariant()
     def cached_blocks_hold_their_tokens_kv(self) -> None:
@@ -159,9 +159,11 @@ class PoolMachine(RuleBasedStateMachine):
         for name, entry in self.manager.index.entries.items():
             assert name in self.blocks, "a cached block under a name no written tokens have"
             index, tokens = self.blocks[name]
-            for layer, (pool, block) in enumerate(zip(pools, entry.ids, strict=True)):
-                expected = kv(layer, tokens, index * PAGE)[0]
-                assert torch.equal(pool.k[:, block], expected) and torch.equal(pool.v[:, block], expected)
+            for pool, block in zip(pools, entry.ids, strict=True):
+                for layer in pool.layers:  # a block holds a page of every layer of its group
+                    expected, blocks = kv(layer, tokens, index * PAGE)[0], pool.layer(layer)
+                    assert torch.equal(blocks.k[:, block], expected)
+                    assert torch.equal(blocks.v[:, block], expected)
 
     @invariant()
     def live_sequences_hold_their_own_kv(self) -> None:

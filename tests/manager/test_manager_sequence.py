@@ -136,7 +136,6 @@ def test_stats_only_reads_and_prompt_blocks_are_cached_when_they_fill() -> None:
 
 def test_cached_free_blocks_wait_in_one_queue_in_release_order_and_are_evicted_from_its_head() -> None:
     model = tiny_model("llama")
-    layers = model.config.num_hidden_layers
     manager = manager_for(model, pool_blocks=8)
     a, b = random_prompt(9, seed=1), random_prompt(9, seed=2)  # 8 tokens to cache each: 2 blocks
     names = {key: block_hashes(ids[0, :8].tolist(), PAGE) for key, ids in (("a", a), ("b", b))}
@@ -150,11 +149,11 @@ def test_cached_free_blocks_wait_in_one_queue_in_release_order_and_are_evicted_f
     assert list(manager.index.free_queue) == [b1, b0, a1, a0]  # released first, a chain's tail first
     manager.create("c", prompt=a[0])  # a prefix hit takes a's blocks out of the queue
     assert manager.cached_tokens("c") == 8 and list(manager.index.free_queue) == [b1, b0]
-    assert manager.stats()["pool_blocks_free"] == layers * 4
+    assert manager.stats()["pool_blocks_free"] == 4  # a block holds a page of every layer
     d = manager.create("d")
     config = model.config
     shape = (1, config.num_key_value_heads, 17, config.hidden_size // config.num_attention_heads)
-    for layer in range(layers):  # 5 blocks a layer: the pool evicts the head of the queue, b's tail
+    for layer in range(config.num_hidden_layers):  # 5 blocks: the pool evicts the queue's head, b's tail
         d.append(layer, torch.randn(shape), torch.randn(shape))
     assert list(manager.index.free_queue) == [b0] and b1 not in manager.index.entries
     assert manager.stats()["prefix_evicted_blocks"] == 1

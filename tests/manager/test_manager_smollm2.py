@@ -27,6 +27,6 @@ def test_prompts_behind_one_system_prompt_share_its_blocks_and_answer_as_alone(s
         assert torch.equal(out, alone), i
         assert manager.cached_tokens(str(i)) == (0 if i == 0 else 256)
     stats = manager.stats()
-    per_layer = stats["pool_blocks_used"] // model.config.num_hidden_layers
-    assert per_layer == 16 + 3 * 2  # the system prompt's 16 blocks once, each question and answer 2
+    # the system prompt's 16 blocks once, each question and answer 2 (a block holds a page of every layer)
+    assert stats["pool_blocks_used"] == 16 + 3 * 2
     manager.close()

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers import FirstLastRetain, assert_same_generation, generate, kv_slot_bytes, layer_sizes
-from tiny_models import TINY_IDS, left_padded_batch, random_prompt, tiny_config, tiny_model
+from tiny_models import (
+    GEMMA3_LAYERS,
+    TINY_IDS,
+    left_padded_batch,
+    random_prompt,
+    tiny_config,
+    tiny_model,
+)
 from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from kvfactory import CacheFullError, KVCacheFactory, PagedStore, register_cache_strategy
@@ -233,3 +240,61 @@ def test_blocks_come_back_when_a_cache_is_collected_during_fake_tensor_tracing()
         del store
         gc.collect()
     assert int((block_pool.refcount > 0).sum()) == 0
+
+
+# -- one block table per sequence and layer group ------------------------------------------------
+
+
+
+def test_the_layers_of_a_group_share_one_block_table_and_each_block_is_allocated_once() -> None:
+    """Gemma 3's layout: the full-attention layers share one block table per sequence, the sliding
+    layers another; a block is allocated, refcounted and asked for once per group, and generation is
+    unchanged."""
+    torch.manual_seed(0)  # sliding, full, sliding, full
+    config = tiny_config("gemma3", num_hidden_layers=4, layer_types=list(GEMMA3_LAYERS * 2))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 4})
+    assert factory.groups == [(0, 2), (1, 3)]
+    cache, prompt = factory.create_cache(), random_prompt(10)
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    out = generate(model, inputs, cache, max_new_tokens=5)
+    assert_same_generation(generate(model, inputs, DynamicCache(config=model.config), max_new_tokens=5), out)
+    sliding, full = factory.pool.block_pools()
+    assert (sliding.layers, full.layers) == ((0, 2), (1, 3))
+    stored = 10 + 4  # generate feeds the last token back without storing its successor
+    assert full.num_blocks - len(full.free) == -(-stored // 4)
+    assert set(full.refcount[full.refcount > 0]) == {1}
+    for group in factory.groups:  # one table: the same blocks, the same tensor
+        first, second = (cache.layers[layer].store.held_blocks() for layer in group)
+        assert first is second
+    key, value = torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16)
+    requests = cache.block_requests(4, key, value)  # 14 stored, 4 more: a block per group
+    assert [(spec.layers, blocks) for spec, blocks in requests] == [((0, 2), 1), ((1, 3), 1)]
+
+
+def test_a_fork_copies_a_shared_block_once_per_group_on_write() -> None:
+    model = tiny_model("llama")
+    factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 4})
+    cache = factory.create_cache()
+    with torch.no_grad():
+        model(input_ids=random_prompt(10), past_key_values=cache, use_cache=True)
+    (pool_of,) = factory.pool.block_pools()
+    assert pool_of.num_blocks - len(pool_of.free) == 3
+    twin = cache.fork()
+    assert twin.layers[0].store.held_blocks() is twin.layers[1].store.held_blocks()
+    with torch.no_grad():
+        model(input_ids=random_prompt(1, seed=1), past_key_values=twin, use_cache=True)
+        assert pool_of.num_blocks - len(pool_of.free) == 4  # the third block, copied once for both layers
+        expected = DynamicCache(config=model.config)
+        model(input_ids=torch.cat([random_prompt(10), random_prompt(1, seed=1)], 1), past_key_values=expected)
+    for layer in range(2):
+        torch.testing.assert_close(twin.gather(layer)[0], expected.layers[layer].keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(cache.gather(layer)[0], expected.layers[layer].keys[:, :, :10],
+                                   atol=1e-6, rtol=0)
+
+
+def test_layers_that_evict_keep_their_own_blocks() -> None:
+    """Eviction keeps different tokens in each layer: no layer shares a block table."""
+    model = tiny_model("llama")
+    factory = KVCacheFactory(model.config, {"type": "test_paged_first_last", "page_size": 4})
+    assert factory.groups == [(0,), (1,)]
