@@ -600,6 +600,10 @@ class BlockTable:
 
     @property
     def batch_size(self) -> int:
+        """Rows held; a layer yet to take part in a rearrangement its group began sees them as before."""
+        pending = self.shared._rounds.get("select")
+        if pending is not None and self not in pending[1]:
+            return pending[0][1]
         return 0 if self.ids is None else self.ids.shape[0]
 
     def release(self) -> None:
@@ -760,10 +764,10 @@ class BlockTable:
         group's blocks, the others find them rearranged."""
         if self.ids is None:
             return
-        rows = rows.cpu()
+        rows, before = rows.cpu(), self.ids.shape[0]
         first, _ = self.shared._round("select", self, rows)
         if first:
-            self.shared.begin("select", (rows,))
+            self.shared.begin("select", (rows, before))
             self._select(rows)
 
     def _select(self, rows: torch.Tensor) -> None:

@@ -223,9 +223,10 @@ def test_paged_quantization_keeps_packed_bytes_in_pool_blocks() -> None:
     keys, values = kv(200)
     s.append(keys, values)
     pool = s.inner.pool
-    packed, window = pool.pools[("packed", 0)], pool.pools[("window", 0)]
+    packed, window = pool.pools[("packed", (0,))], pool.pools[("window", (0,))]
     assert packed.page_size == 32  # lcm of the 16-token page and KIVI's 32-token key groups
-    assert packed.tensors["k.codes"].dtype == torch.uint8 and packed.tensors["k.codes"].shape[-1] == D // 2
+    codes = packed.layer(0).tensors["k.codes"]
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == D // 2
     used = packed.num_blocks - len(packed.free)
     assert used == B * 192 // 32 and s.quantized_tokens == 192
     assert window.num_blocks - len(window.free) == B * 1  # the 8 exact tokens: one 16-token page per row
@@ -258,7 +259,7 @@ def test_forked_rows_share_quantized_pages_and_copy_on_write() -> None:
     keys, values = kv(40, batch=1)
     s.append(keys, values)  # 40 tokens encoded: one full 32-token page and one partial page
     s.select_rows(torch.tensor([0, 0]))
-    packed = s.inner.pool.pools[("packed", 0)]
+    packed = s.inner.pool.pools[("packed", (0,))]
     assert packed.num_blocks - len(packed.free) == 2  # both rows share both pages
     k2, v2 = kv(8, batch=2, seed=5)
     s.append(k2, v2)  # writes into the shared partial page: each row gets its own copy first
