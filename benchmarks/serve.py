@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -49,6 +48,7 @@ from transformers import DynamicCache, GenerationConfig
 from kvfactory.cache import dynamic_cache_bytes
 from kvfactory.engine import Engine, SamplingParams
 from kvfactory.eval.runner import resolve_cache
+from kvfactory.measure import cpu_model
 from kvfactory.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))  # serve_http.py beside this file
@@ -244,7 +244,7 @@ def main() -> None:
     model, tokenizer = load_model()
     tokens = tokenizer(DATA.read_text()[:400_000])["input_ids"]
     report: dict[str, Any] = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "threads": 1,
-                              "machine": platform.processor() or platform.machine(), "scale": args.scale,
+                              "cpu": cpu_model(), "scale": args.scale,
                               "workloads": {}}
     for name in args.workloads.split(","):
         prompts, new = prompts_for(name, tokens, args.scale, args.new_tokens)

@@ -546,11 +546,17 @@ class KVCache(Cache):
         stores = [layer.store for layer in self.layers]
         return stores if all(store.plain_pages for store in stores) else None
 
+    def prefix_stores(self) -> list[LayerStore] | None:
+        """Every layer's store when each holds plain pages a prefix cache may name and another sequence
+        adopt (``LayerStore.holds_plain_pages``: plain pages, also under a page selector), else None."""
+        stores = [layer.store for layer in self.layers]
+        return stores if all(store.holds_plain_pages() for store in stores) else None
+
     def prefix_blocks(self) -> list[torch.Tensor] | None:
         """Per layer group (``groups``), the pool blocks ``[blocks]`` of this one-row cache holding the tokens
         it has seen, by their place from token 0 (``PagedStore.sequence_blocks``: ``-1`` where a sliding
         layer gave its past back), else None."""
-        stores, tokens = self.paged_stores(), self.get_seq_length()
+        stores, tokens = self.prefix_stores(), self.get_seq_length()
         if stores is None:
             return None
         ids = [store.sequence_blocks() for store in stores]

@@ -31,7 +31,8 @@ state. The manager reaches the stores only through the cache's block-table metho
 
 Quantized pages and eviction policies are managed too: forks share the pages, pauses and saves keep
 quantized pages packed (never decoded) and a policy's bookkeeping with its tokens; prefixes are
-shared and partial swaps made between plain pages only.
+shared between plain pages (also under a page selector) and partial swaps made between plain pages
+only.
 
 Errors are specific (``UnknownSequenceError``, ``SequenceStateError``, ``SequenceFileError``,
 ``CacheFullError``) and leave the manager as it was.
@@ -114,16 +115,18 @@ class KVCacheManager:
         if not issubclass(config.storage.cls, PagedStore):
             raise ConfigError("kv_cache_config", config.raw, "paged storage (plain, quantized, with an "
                               "eviction policy or a page selector) for a KVCacheManager")
-        plain = config.quantization is None and config.eviction is None and config.selector is None
+        # prefixes are shared between plain pages, also under a page selector (its page summaries are
+        # made from the adopted keys)
+        plain = config.quantization is None and config.eviction is None
         if prefix_caching and not plain:
-            raise ConfigError("prefix_caching", True, "False with quantized pages, an eviction policy or a "
-                              "page selector (prefixes are shared between plain pages only)")
+            raise ConfigError("prefix_caching", True, "False with quantized pages or an eviction policy "
+                              "(prefixes are shared between plain pages, also under a page selector)")
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
         self.prefix_caching = plain if prefix_caching is None else prefix_caching
         if tiers is not None:
-            if not self.prefix_caching:
-                raise ConfigError("tiers", "given", "prefix caching on plain pages")
+            if not self.prefix_caching or config.selector is not None:
+                raise ConfigError("tiers", "given", "prefix caching on plain pages without a page selector")
             if tiers.tokens % self.page_size:
                 raise ConfigError("chunk_tokens", tiers.tokens, f"a multiple of the page ({self.page_size})")
         self.tiers = tiers
@@ -260,7 +263,7 @@ class KVCacheManager:
         return state.nbytes
 
     def swap_out(self, blocks: int, keep: abc.Sequence[str] = ()) -> dict[str, int]:
-        """Free ``blocks`` pool blocks in every layer by swapping out the oldest pages of the least
+        """Free ``blocks`` pool blocks in every layer group by swapping out the oldest pages of the least
         recently used live sequences (``pause(seq_id, blocks=...)``), sparing ``keep``; returns the
         pages moved per sequence. ``CacheFullError`` when even that is not enough (what was moved stays
         paused)."""
@@ -356,7 +359,7 @@ class KVCacheManager:
         """Keep tokens ``[start, end)`` of the sequence (``start`` 0: K/V hold absolute positions) for
         ``attach_shared_cache``, pinned until ``release_shared``; returns the shared id (``seq_id``)."""
         cache = self._live(seq_id, "mark_as_shareable").cache
-        if cache.paged_stores() is None:
+        if cache.prefix_stores() is None:
             raise UnsupportedError(f"mark_as_shareable({seq_id!r}): prefixes are shared between plain pages")
         stored = cache.get_seq_length()
         end = stored if end is None else end

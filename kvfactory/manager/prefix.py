@@ -4,7 +4,7 @@ As in vLLM's automatic prefix caching, block ``i`` of a prompt is named by a has
 name and its own ``page_size`` tokens (``kvfactory.hashing.block_hashes``), so a name stands for the
 whole prefix up to it and equal names mean equal K/V. Blocks are hashed in one place, when they
 fill (``PrefixIndex.add_filled``, called when a sequence's write completes). The index keeps, per
-name, the block holding those tokens in every layer's pool and one reference to each, so blocks
+name, the block holding those tokens in every layer group's pool and one reference to each, so blocks
 stay cached after their sequences are freed.
 
 Models with sliding-window layers (Gemma 3, Mistral) are cached as vLLM's hybrid allocator does:
@@ -36,9 +36,9 @@ from kvfactory.storage.blocks import BlockPool
 
 @dataclass
 class CachedBlock:
-    """One prompt block's id in each layer's pool (in the order of ``PrefixIndex.pools``; ``-1`` where a
-    sliding group's block is not held), its place in its chain and which layers' blocks only the
-    index still references."""
+    """One prompt block's id in each layer group's pool (in the order of ``PrefixIndex.pools``; ``-1``
+    where a sliding group's block is not held), its place in its chain and which pools' blocks only
+    the index still references."""
 
     ids: list[int]
     position: int = 0
@@ -49,20 +49,21 @@ class CachedBlock:
 class PrefixIndex:
     """Cached prompt blocks by chained name, and the queues of those no sequence uses.
 
-    ``windows`` gives each layer pool's sliding window (None: full attention), in pool order;
+    ``windows`` gives each block pool's sliding window (None: full attention), in pool order (a pool
+    per layer group: ``KVCacheFactory.groups``);
     ``page_size`` is the tokens per block."""
 
     def __init__(self, windows: Sequence[int | None], page_size: int) -> None:
         self.entries: dict[bytes, CachedBlock] = {}
         self.free_queue: OrderedDict[bytes, None] = OrderedDict()  # idle entries, next to evict first
         self.window_queue: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # idle sliding groups
-        self.pools: list[BlockPool] = []  # every layer's block pool, set on the first insert
+        self.pools: list[BlockPool] = []  # every layer group's block pool, set on the first insert
         self.page_size = page_size
         self.windows = sorted({w for w in windows if w is not None})  # group g + 1: windows[g]
         group = {None: 0} | {w: g + 1 for g, w in enumerate(self.windows)}
         self.groups = [[i for i, w in enumerate(windows) if group[w] == g]
-                       for g in range(len(self.windows) + 1)]  # layer positions of each group
-        self._names: dict[tuple[int, int], bytes] = {}  # (layer position, block id) -> name
+                       for g in range(len(self.windows) + 1)]  # pool positions of each window group
+        self._names: dict[tuple[int, int], bytes] = {}  # (pool position, block id) -> name
         self.hit_blocks = self.missed_blocks = self.lookups = self.evicted = 0
 
     def __len__(self) -> int:
@@ -72,7 +73,7 @@ class PrefixIndex:
     def idle_blocks(self) -> int:
         """Pool blocks only this index holds (those of idle entries and idle sliding groups), given
         back when the pool needs room."""
-        if not self.windows:  # every entry holds a block in every layer
+        if not self.windows:  # every entry holds a block in every pool
             return len(self.free_queue) * len(self.pools)
         whole = sum(sum(i >= 0 for i in self.entries[name].ids) for name in self.free_queue)
         return whole + sum(len(self.groups[g]) for _, g in self.window_queue)
@@ -103,7 +104,7 @@ class PrefixIndex:
 
     def add_filled(self, tokens: Sequence[int], pools: list[BlockPool], blocks: list[torch.Tensor],
                    start: int) -> list[bytes]:
-        """Cache the full blocks of ``tokens`` from block ``start`` on, held in ``blocks`` (per layer pool,
+        """Cache the full blocks of ``tokens`` from block ``start`` on, held in ``blocks`` (per block pool,
         ``[blocks]`` from block 0, ``-1`` where not held): the fill point. Returns the names of every full
         block of ``tokens``."""
         names = block_hashes(tokens, self.page_size)
@@ -113,7 +114,7 @@ class PrefixIndex:
         return names
 
     def insert(self, name: bytes, pools: list[BlockPool], ids: list[int], position: int = 0) -> None:
-        """Cache block ``ids`` (one per layer pool, ``-1`` where not held) under ``name``, or the groups
+        """Cache block ``ids`` (one per block pool, ``-1`` where not held) under ``name``, or the groups
         an entry of that name lacks; the index takes a reference to each block it keeps. Blocks of
         full-attention layers must all be held."""
         self.pools = pools

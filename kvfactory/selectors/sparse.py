@@ -97,6 +97,24 @@ class SparseStore(WrappedStore):
         self.inner.keep(index)
         self._rebuild()
 
+    # -- prefix sharing (``KVCache.prefix_blocks``): the pages are ``inner``'s, the summaries its own --
+    def holds_plain_pages(self) -> bool:
+        return self.inner.holds_plain_pages()
+
+    def sequence_blocks(self) -> torch.Tensor | None:
+        return self.inner.sequence_blocks()
+
+    def stored_from(self) -> int:
+        return self.inner.stored_from()
+
+    def adopt(self, ids: torch.Tensor, tokens: int, first: int = 0) -> None:
+        """Start from a cached prefix's blocks (``PagedStore.adopt``); their page summaries are made from
+        their keys, as writing them would have made them."""
+        self.inner.adopt(ids, tokens, first)
+        keys = self.inner.gather()[0]
+        self._heads = keys.shape[1]
+        self._rebuild()
+
     def drop_front(self, n: int) -> None:
         self.inner.drop_front(n)
         self._rebuild()

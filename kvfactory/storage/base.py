@@ -205,6 +205,12 @@ class LayerStore(ABC):
     def end_prefill(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """The prompt is complete (``KVCache.end_prefill``): what comes next is not prompt."""
 
+    def holds_plain_pages(self) -> bool:
+        """Whether its tokens are plain K/V pages of a shared pool in a block table: a prefix cache may
+        name its blocks and another sequence adopt them (``KVCache.prefix_blocks``, ``adopt``), though
+        a wrapper may read them its own way (a page selector)."""
+        return self.plain_pages
+
     def reads_blocks(self) -> bool:
         """Whether the next one-row decode step reads a subset of pool blocks chosen per KV head
         (``decode_blocks``, a page selector over plain pages), in the engine's block kernel."""

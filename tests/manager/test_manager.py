@@ -88,9 +88,9 @@ def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None
     model = tiny_model("llama")
     with pytest.raises(ConfigError, match="paged storage"):
         KVCacheManager(model.config, {"type": "dense"})
-    with pytest.raises(ConfigError, match="prefix_caching"):  # sparse caches are managed, prefixes not shared
-        KVCacheManager(model.config, SPARSE, prefix_caching=True)
-    assert not KVCacheManager(model.config, SPARSE).prefix_caching
+    assert KVCacheManager(model.config, SPARSE).prefix_caching  # plain pages under a selector share prefixes
+    with pytest.raises(ConfigError, match="prefix_caching"):
+        KVCacheManager(model.config, EVICTION, prefix_caching=True)
     with pytest.raises(ConfigError, match="prefix_caching"):
         KVCacheManager(model.config, PAGED | {"quantization": "int8"}, prefix_caching=True)
     with attn_implementation(model, "kvfactory"):
@@ -648,3 +648,4 @@ def test_saves_and_loads_remove_only_temporaries_of_writers_that_no_longer_run(t
     stale.write_bytes(b"half a save")
     manager.save("a", path)
     assert sorted(tmp_path.iterdir()) == sorted([path, *kept])
+

@@ -12,7 +12,7 @@ from helpers import assert_same_generation, attn_implementation, generate, tiny_
 from tiny_models import TINY_HIDDEN, left_padded_batch, random_prompt, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvfactory import ConfigError, KVCacheFactory, models
+from kvfactory import ConfigError, KVCacheFactory, KVCacheManager, models
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors import SELECTORS, PageSummaries, register_selector
@@ -635,3 +635,24 @@ def test_row_rearrangements_move_the_routed_hidden_state() -> None:
     assert cache.routing_context.hidden[:, 0].tolist() == [2, 2, 2, 2, 0, 0]
     cache.batch_select_indices(torch.tensor([0, 5]))
     assert cache.routing_context.hidden[:, 0].tolist() == [2, 0] and cache.batch_size == 2
+
+
+@pytest.mark.parametrize("selector", SPARSE)
+def test_a_page_selector_shares_cached_prefixes_and_reads_as_if_computed(selector: str) -> None:
+    """Under a page selector a prompt reuses a cached prefix's blocks; the page summaries are made from
+    the adopted keys, so the sparse decode picks and generates exactly what computing the prompt does."""
+    model = tiny_model("llama")
+    config = sparse(selector, read_budget=0.25)
+    with attn_implementation(model, "kvfactory"):
+        manager = KVCacheManager(model.config, config)
+        assert manager.prefix_caching
+        system = random_prompt(24, seed=1)
+        # the uncached part holds the prompt's last PROMPT_WINDOW queries, whose page mass the ranking takes
+        prompts = [torch.cat([system, random_prompt(PROMPT_WINDOW + 4, seed=s)], 1) for s in (2, 3)]
+        outputs = [generate(model, {"input_ids": ids}, manager.create(f"s{i}", prompt=ids[0]),
+                            max_new_tokens=6) for i, ids in enumerate(prompts)]
+        assert [manager.cached_tokens(f"s{i}") for i in range(2)] == [0, 24]
+        alone = KVCacheFactory(model.config, config).create_cache()  # the same prompt, computed whole
+        expected = generate(model, {"input_ids": prompts[1]}, alone, max_new_tokens=6)
+        manager.close()
+    assert_same_generation(expected, outputs[1])
