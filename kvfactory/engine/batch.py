@@ -95,14 +95,13 @@ class _StepRead(attention.BatchRead):
             k, v = self.key[:, :, span], self.value[:, :, span]
             layer = segment.cache.layers[self.layer_idx]
             if self.batch.in_place and segment.tokens == 1:
-                if layer.store.plain_pages:
+                if layer.store.plain_pages:  # sliding layers too: the plan reads their window
                     paged.append((segment.start, layer))
                     continue
-            if self.batch.in_place and segment.tokens == 1 and not layer.is_sliding:
-                if in_place(layer.store, query.shape[1]):
+                if not layer.is_sliding and in_place(layer.store, query.shape[1]):
                     quantized.append((segment.start, layer))
                     continue
-                if layer.store.reads_blocks():
+                if not layer.is_sliding and layer.store.reads_blocks():
                     sparse.append((segment.start, layer))
                     continue
             keys, values = segment.cache.update(k, v, self.layer_idx)

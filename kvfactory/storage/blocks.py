@@ -139,11 +139,6 @@ class BlockPool:
         return view
 
     @property
-    def views(self) -> list[LayerBlocks]:
-        """The layers' tensors made so far, by layer."""
-        return [self._views[i] for i in sorted(self._views)]
-
-    @property
     def num_blocks(self) -> int:
         return self.refcount.size
 
