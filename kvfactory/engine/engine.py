@@ -136,17 +136,19 @@ class EngineMemory:
 class Engine:
     """Continuous batching over ``model`` (a transformers causal LM) with kvfactory caches.
 
-    ``cache_config`` is any paged kvfactory config (default: plain pages); ``pool_tokens`` sizes the
-    shared pool (tokens per layer), else the config's own pool options do. ``max_num_batched_tokens``
-    caps the tokens of one forward, ``max_num_seqs`` the sequences holding K/V, ``max_waiting`` the
-    queue (``EngineFullError`` beyond it: a server answers 503). ``preemption``: ``swap`` (default)
-    or ``recompute``; ``host_bytes`` bounds the host tier swapped sequences wait in.
+    ``cache_config`` is any paged kvfactory config (default: plain pages); ``pool_tokens`` (tokens per
+    layer) or ``pool_bytes`` (in all) sizes the shared pool, else the config's own pool options do.
+    ``max_num_batched_tokens`` caps the tokens of one forward, ``max_num_seqs`` the sequences holding
+    K/V, ``max_waiting`` the queue (``EngineFullError`` beyond it: a server answers 503).
+    ``preemption``: ``swap`` (default) or ``recompute``; ``host_bytes`` bounds the host tier swapped
+    sequences wait in.
     ``prefill_first``: steps that prefill carry no decode tokens (``scheduler``: wider decode
     batches, decodes paused while a prompt prefills); default: mixed steps.
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_config: dict[str, Any] | None = None, *,
-                 pool_tokens: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 16,
+                 pool_tokens: int | None = None, pool_bytes: int | None = None,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 16,
                  max_waiting: int = 256, preemption: str = "swap", prefix_caching: bool | None = None,
                  host_bytes: int | None = None, in_place_decode: bool = True,
                  prefill_first: bool = False, tiers: Tier | None = None, tier_codec: str = "identity",
@@ -159,8 +161,11 @@ class Engine:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, value, "an integer >= 1")
         config = dict(cache_config or {"type": "paged"})
-        if pool_tokens is not None:
-            config = _with_pool(config, pool_tokens)
+        if pool_tokens is not None and pool_bytes is not None:
+            raise ConfigError("pool_bytes", pool_bytes, "unset when pool_tokens is given (one pool size)")
+        for key, size in (("pool_tokens", pool_tokens), ("pool_bytes", pool_bytes)):
+            if size is not None:
+                config = _with_pool(config, key, size)
         self.model, self.tokenizer = model, tokenizer
         use_engine_attention(model)
         weight = next(model.parameters())
@@ -420,16 +425,16 @@ class EngineFullError(KVFactoryError, RuntimeError):
         super().__init__(f"the engine's queue is full: {waiting} requests wait (max_waiting={limit})")
 
 
-def _with_pool(config: dict[str, Any], pool_tokens: int) -> dict[str, Any]:
-    """``config`` with its paged storage sized to ``pool_tokens`` tokens per layer."""
+def _with_pool(config: dict[str, Any], key: str, size: int) -> dict[str, Any]:
+    """``config`` with its paged storage sized by ``key`` (``pool_tokens`` or ``pool_bytes``) = ``size``."""
     if config.get("type") != "composite":
-        return {**config, "pool_tokens": pool_tokens}
+        return {**config, key: size}
     strategies = [dict(entry) for entry in config.get("strategies", [])]
     storage = [entry for entry in strategies if entry.get("name") in ("paged", "dense")]
     if storage:
-        storage[0]["pool_tokens"] = pool_tokens
+        storage[0][key] = size
     else:
-        strategies.insert(0, {"name": "paged", "pool_tokens": pool_tokens})
+        strategies.insert(0, {"name": "paged", key: size})
     return {**config, "strategies": strategies}
 
 

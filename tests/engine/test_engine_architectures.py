@@ -9,6 +9,7 @@ import pytest
 from helpers import greedy_tokens
 from tiny_models import TINY_IDS, random_prompt, tiny_model
 
+from kvfactory import ConfigError
 from kvfactory.engine import Engine, SamplingParams
 from kvfactory.tiers import DiskTier, TierChain
 
@@ -165,8 +166,8 @@ def test_int4_pages_admit_more_sequences_in_one_byte_budget() -> None:
     running, done = {}, {}
     for name, config in (("plain", {"type": "paged", "page_size": 16}),
                          ("int4", {"type": "paged", "page_size": 16, "quantization": "int4"})):
-        pool = {"pool_bytes": 6 * 416 * 2 * 2 * 16 * 4 * 2}  # 6 plain sequences of 416 tokens, 2 layers
-        engine = Engine(model, None, config | pool, max_num_batched_tokens=100_000, max_num_seqs=64,
+        pool = 6 * 416 * 2 * 2 * 16 * 4 * 2  # 6 plain sequences of 416 tokens, 2 layers
+        engine = Engine(model, None, config, pool_bytes=pool, max_num_batched_tokens=100_000, max_num_seqs=64,
                         prefix_caching=False)
         ids = [engine.add_request(prompt, params) for prompt in prompts]
         outputs = {o.request_id: o for o in engine.step() if o.finished}
@@ -176,6 +177,8 @@ def test_int4_pages_admit_more_sequences_in_one_byte_budget() -> None:
         done[name] = [outputs[i].token_ids for i in ids]
         assert engine.stats()["sequences"] == 0
     assert running["plain"] == 6 and running["int4"] >= 3 * running["plain"]
+    with pytest.raises(ConfigError, match="pool_bytes"):  # one pool size
+        Engine(model, None, pool_tokens=512, pool_bytes=pool)
     assert all(len(tokens) == 16 for tokens in done["int4"])
     factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 16, "quantization": "int4"})
     for prompt, tokens in list(zip(prompts, done["int4"], strict=True))[::13]:
