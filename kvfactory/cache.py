@@ -28,7 +28,7 @@ from transformers.modeling_utils import PreTrainedModel
 
 from kvfactory import attention
 from kvfactory.errors import ConfigError, LayerIndexError, SequenceStateError, ShapeError
-from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
+from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import BlockTableStore
 
@@ -285,7 +285,7 @@ class KVLayer(CacheLayerMixin):
         if deferred:  # with no read, this drops what an earlier update left pending
             observer = self.store if self.store.observes_attention and not self.is_sliding else None
             attention.defer(read, keys, self.store.layer_idx, observer)
-        if self.is_sliding and self.record_past:
+        if self.is_sliding:  # what the mask covers, also when the past is recorded or was adopted whole
             visible = self.sliding_window - 1 + key_states.shape[-2]
             keys, values = keys[:, :, -visible:], values[:, :, -visible:]
         if self._copy_reads:
@@ -547,15 +547,16 @@ class KVCache(Cache):
         return stores if all(store.plain_pages for store in stores) else None
 
     def prefix_stores(self) -> list[LayerStore] | None:
-        """Every layer's store when each holds plain pages a prefix cache may name and another sequence
-        adopt (``LayerStore.holds_plain_pages``: plain pages, also under a page selector), else None."""
+        """Every layer's store when all hold blocks of one layout a prefix cache may name and another
+        sequence adopt (``LayerStore.prefix_layout``: plain or quantized pages, also under a page
+        selector), else None."""
         stores = [layer.store for layer in self.layers]
-        return stores if all(store.holds_plain_pages() for store in stores) else None
+        return stores if PrefixLayout.common([store.prefix_layout() for store in stores]) else None
 
     def prefix_blocks(self) -> list[torch.Tensor] | None:
         """Per layer group (``groups``), the pool blocks ``[blocks]`` of this one-row cache holding the tokens
         it has seen, by their place from token 0 (``PagedStore.sequence_blocks``: ``-1`` where a sliding
-        layer gave its past back), else None."""
+        layer gave its past back; quantized pages: the full ones), else None."""
         stores, tokens = self.prefix_stores(), self.get_seq_length()
         if stores is None:
             return None

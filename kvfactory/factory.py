@@ -18,6 +18,7 @@ from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.sizing import KVShape, bytes_per_token_per_layer
+from kvfactory.storage.base import LayerStore, PrefixLayout
 from kvfactory.storage.blocks import BlockIds, PagedPool
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import PagedStore
@@ -74,20 +75,30 @@ class KVCacheFactory:
         use_kvfactory_attention(self.model_config, config)
         context = RoutingContext() if config.selector is not None else None
         routing = RoutingMetrics() if config.selector is not None else None
-        layers, shared = [], {}
-        for group in self.groups:
-            blocks = BlockIds(self.pool.page_size) if len(group) > 1 else None
-            shared.update({layer_idx: (group, blocks) for layer_idx in group})
-        for layer_idx, window in enumerate(self.windows):
-            layer = LayerContext(layer_idx, len(self.windows), window, self.pool, self.workspace,
-                                 self.layer_selectors.get(layer_idx, config.selector), routing, context,
-                                 *shared[layer_idx])
-            layers.append(KVLayer(compose_layer(config, layer), sliding_window=window))
+        layers = [KVLayer(store, sliding_window=window)
+                  for store, window in zip(self._stores(routing, context), self.windows, strict=True)]
         cache = KVCache(layers, shared=self.pool, seq_id=seq_id, config=config, workspace=self.workspace,
                         model_config=self.model_config, routing=routing, routing_context=context,
                         forward_lock=self.forward_lock, groups=self.groups)
         await_first_forward(cache)  # hooks the model it runs with (tokens written, OVAL's hidden state)
         return cache
+
+    def prefix_layout(self) -> PrefixLayout | None:
+        """How a prefix cache shares this config's blocks between sequences (``LayerStore.prefix_layout``),
+        None where it cannot (dense storage, eviction, layers whose blocks differ)."""
+        stores = self._stores(RoutingMetrics(), RoutingContext()) if self.pool is not None else []
+        return PrefixLayout.common([store.prefix_layout() for store in stores])
+
+    def _stores(self, routing: RoutingMetrics | None, context: RoutingContext | None) -> list[LayerStore]:
+        """A new store per layer (``kvfactory.compose.compose_layer``); a group's share one block table."""
+        shared = {}
+        for group in self.groups:
+            blocks = BlockIds(self.pool.page_size) if len(group) > 1 else None
+            shared.update({layer_idx: (group, blocks) for layer_idx in group})
+        return [compose_layer(self.config, LayerContext(
+            layer_idx, len(self.windows), window, self.pool, self.workspace,
+            self.layer_selectors.get(layer_idx, self.config.selector), routing, context, *shared[layer_idx]))
+            for layer_idx, window in enumerate(self.windows)]
 
 
 def layer_groups(windows: list[int | None]) -> list[tuple[int, ...]]:

@@ -67,6 +67,7 @@ from kvfactory.manager.prefix import PrefixIndex, block_hashes
 from kvfactory.manager.sequence import Sequence, SequenceStatus
 from kvfactory.manager.state import SequenceState
 from kvfactory.manager.tiered import PrefixTiers
+from kvfactory.storage.base import PrefixLayout
 from kvfactory.storage.blocks import BlockPool, PagedPool
 from kvfactory.storage.paged import PagedStore
 
@@ -115,25 +116,28 @@ class KVCacheManager:
         if not issubclass(config.storage.cls, PagedStore):
             raise ConfigError("kv_cache_config", config.raw, "paged storage (plain, quantized, with an "
                               "eviction policy or a page selector) for a KVCacheManager")
-        # prefixes are shared between plain pages, also under a page selector (its page summaries are
-        # made from the adopted keys)
-        plain = config.quantization is None and config.eviction is None
-        if prefix_caching and not plain:
-            raise ConfigError("prefix_caching", True, "False with quantized pages or an eviction policy "
-                              "(prefixes are shared between plain pages, also under a page selector)")
+        # prefixes are shared between plain pages and between quantized pages, also under a page selector
+        # (its page summaries are made from the adopted keys); not under eviction
+        layout = self.factory.prefix_layout()
+        if prefix_caching and layout is None:
+            raise ConfigError("prefix_caching", True, "False with an eviction policy or with layers whose "
+                              "quantized pages differ in size (prefixes are shared between plain or "
+                              "quantized pages, also under a page selector)")
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
-        self.prefix_caching = plain if prefix_caching is None else prefix_caching
+        self.prefix_caching = layout is not None if prefix_caching is None else prefix_caching
+        self.layout = layout or PrefixLayout(self.page_size)
         if tiers is not None:
-            if not self.prefix_caching or config.selector is not None:
+            if not self.prefix_caching or config.selector is not None or config.quantization is not None:
                 raise ConfigError("tiers", "given", "prefix caching on plain pages without a page selector")
             if tiers.tokens % self.page_size:
                 raise ConfigError("chunk_tokens", tiers.tokens, f"a multiple of the page ({self.page_size})")
         self.tiers = tiers
         self.host_bytes = host_bytes
         self.warn_unused_prefix_cache = warn_unused_prefix_cache
-        windows = attention_layout(model_config)
-        self.index = PrefixIndex([windows[group[0]] for group in self.factory.groups], self.page_size)
+        windows = attention_layout(model_config)  # layers adopting from token 0 are cached as full attention
+        self.index = PrefixIndex([None if self.layout.from_start else windows[group[0]]
+                                  for group in self.factory.groups], self.layout.block_tokens)
         self.pool.reclaimers.append(self._reclaim)
         self._sequences: dict[str, Sequence] = {}
         self._shared: dict[str, _Shared] = {}
@@ -152,9 +156,11 @@ class KVCacheManager:
         if prompt is not None and self.prefix_caching:
             cache.hold_window_until_written()  # sliding layers' blocks are named before given back
             tokens = torch.as_tensor(prompt).flatten().tolist()
-            names = block_hashes(tokens[:-1], self.page_size)  # at least one token is left to prefill
+            # at least one token is left to prefill, and a quantized layer's full-precision window
+            shareable = tokens[:len(tokens) - max(1, self.layout.recompute)]
+            names = block_hashes(shareable, self.layout.block_tokens)
             found = self.index.match(names)
-            cached = len(found) * self.page_size
+            cached = len(found) * self.layout.block_tokens
             if found:
                 ids = torch.tensor([entry.ids for entry in found]).T  # [layer groups, blocks]
                 cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached])
@@ -359,8 +365,9 @@ class KVCacheManager:
         """Keep tokens ``[start, end)`` of the sequence (``start`` 0: K/V hold absolute positions) for
         ``attach_shared_cache``, pinned until ``release_shared``; returns the shared id (``seq_id``)."""
         cache = self._live(seq_id, "mark_as_shareable").cache
-        if cache.prefix_stores() is None:
-            raise UnsupportedError(f"mark_as_shareable({seq_id!r}): prefixes are shared between plain pages")
+        if cache.prefix_stores() is None or self.layout.kind != "kv":
+            raise UnsupportedError(f"mark_as_shareable({seq_id!r}): marked prefixes are shared between plain "
+                                   f"pages (quantized pages share whole ones through prefix caching)")
         stored = cache.get_seq_length()
         end = stored if end is None else end
         if start != 0 or not 0 < end <= stored:
@@ -402,7 +409,8 @@ class KVCacheManager:
     def pin_prefix(self, prompt: Prompt) -> int:
         """Never reclaim the cached blocks of ``prompt`` (a system prompt); returns how many are pinned."""
         self._check_open()
-        return self.index.pin(block_hashes(torch.as_tensor(prompt).flatten().tolist(), self.page_size))
+        tokens = torch.as_tensor(prompt).flatten().tolist()
+        return self.index.pin(block_hashes(tokens, self.layout.block_tokens))
 
     def cached_tokens(self, seq_id: str) -> int:
         """Tokens the sequence started with from cached or shared blocks at ``create``/``attach``."""
@@ -473,7 +481,7 @@ class KVCacheManager:
         return self.pool.block_pools(kind)
 
     def _device(self) -> torch.device:
-        pools = self._pools()
+        pools = self._pools(None)
         return pools[0].device if pools else torch.device("cpu")
 
     def _host_bytes(self) -> int:
@@ -483,7 +491,7 @@ class KVCacheManager:
         """The fill point: cache the prompt blocks of ``record`` filled since the last call, named by the
         tokens really written into them (``KVCache.written_tokens``), while every layer still holds the
         sequence from token 0 in one row (``KVCache.prefix_blocks``)."""
-        cache, limit, page = record.cache, record.prompt_tokens, self.page_size
+        cache, limit, page = record.cache, record.prompt_tokens, self.layout.block_tokens
         if limit is None or record.paused:
             return
         tokens = cache.written_tokens()
@@ -493,7 +501,7 @@ class KVCacheManager:
         if blocks is None:
             return
         start = record.hashed_tokens // page
-        names = self.index.add_filled(tokens[:limit], self._pools(), blocks, start)
+        names = self.index.add_filled(tokens[:limit], self._pools(self.layout.kind), blocks, start)
         record.hashed_tokens = len(names) * page
         if self.tiers is not None:
             self._store_chunks(record, tokens, names)

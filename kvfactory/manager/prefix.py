@@ -106,8 +106,9 @@ class PrefixIndex:
                    start: int) -> list[bytes]:
         """Cache the full blocks of ``tokens`` from block ``start`` on, held in ``blocks`` (per block pool,
         ``[blocks]`` from block 0, ``-1`` where not held): the fill point. Returns the names of every full
-        block of ``tokens``."""
+        block of ``tokens`` that ``blocks`` cover."""
         names = block_hashes(tokens, self.page_size)
+        names = names[:min(len(layer_ids) for layer_ids in blocks)]
         ids = [layer_ids[:len(names)].tolist() for layer_ids in blocks]
         for i in range(start, len(names)):
             self.insert(names[i], pools, [layer_ids[i] for layer_ids in ids], i)

@@ -27,7 +27,7 @@ import torch
 from kvfactory.attention import DeferredRead
 from kvfactory.codecs import Codec, Encoded, fused, native
 from kvfactory.errors import ShapeError
-from kvfactory.storage.base import LayerStore, MemoryReport, check_kv, take_tokens
+from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv, take_tokens
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
@@ -122,12 +122,29 @@ class PagedRuns:
         if self._spec is None:
             blank = [x.new_zeros((1, x.shape[1], self.block_tokens, x.shape[3])) for x in like]
             streams = _streams(self.key_codec.encode(blank[0]), self.value_codec.encode(blank[1]))
+            k, v = like
+            encodes = ((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), k.dtype)
             self._spec = PoolSpec("packed", self.layer_idx, self.block_tokens, tuple(
-                (name, tuple(t.shape[1:]), t.dtype) for name, t in streams.items()), like[0].device)
+                (name, tuple(t.shape[1:]), t.dtype) for name, t in streams.items()), like[0].device,
+                encodes=encodes)
         return self._spec
 
     def append(self, ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.table.append(self.pool.layer_blocks(self.spec(like)), _streams(ek, ev), ek.tokens)
+
+    def adopt(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the whole blocks ``ids [batch, blocks]`` of this layer's packed pool, filled by another
+        sequence (referenced, copied on write); returns empty K and V of the shapes they encode."""
+        block_pool = self.pool.pools.get(("packed", (self.layer_idx,)))
+        if block_pool is None or block_pool.spec.encodes is None or bool((ids < 0).any()):
+            raise ShapeError(f"layer {self.layer_idx}: {ids.shape[1]} quantized pages this pool does not "
+                             f"hold")
+        self._spec = block_pool.spec
+        (hk, dk), (hv, dv), dtype = self._spec.encodes
+        self.table.adopt(block_pool.layer(self.layer_idx), ids, 0, ids.shape[1] * self.block_tokens)
+        with torch.inference_mode(False):  # shape/dtype witnesses that hold no tokens
+            return (torch.empty((ids.shape[0], hk, 0, dk), dtype=dtype, device=self._spec.device),
+                    torch.empty((ids.shape[0], hv, 0, dv), dtype=dtype, device=self._spec.device))
 
     def encoded(self) -> tuple[Encoded, Encoded]:
         """Everything stored: views for one row in consecutive blocks, else gathered copies. The views
@@ -171,6 +188,7 @@ class QuantizedStore(LayerStore):
         self.unit = math.lcm(key_codec.unit, value_codec.unit)
         self._packed: PackedRuns | PagedRuns | None = None  # made on first use (paged: once a pool is known)
         self._like: tuple[torch.Tensor, torch.Tensor] | None = None  # empty [B, H, 0, D] K and V
+        self._realigned = False  # codes no longer start at the sequence's token 0 (a drop, an eviction)
 
     def bind(self, layer_idx: int) -> None:
         super().bind(layer_idx)
@@ -305,7 +323,7 @@ class QuantizedStore(LayerStore):
         if self._packed is not None:
             self._packed.clear()
         self.inner.clear()
-        self._like = None
+        self._like, self._realigned = None, False
 
     def keep(self, index: torch.Tensor) -> None:
         """Decode, keep ``index``, encode again (near-lossless, see the module doc)."""
@@ -313,7 +331,7 @@ class QuantizedStore(LayerStore):
         keys, values = take_tokens(keys, index), take_tokens(values, index)
         like = self._like
         self.clear()
-        self._like = like
+        self._like, self._realigned = like, True
         if keys.shape[2]:
             self.append(keys, values)
 
@@ -323,6 +341,7 @@ class QuantizedStore(LayerStore):
         before the drop still holds them, as the attention that follows it expects. Else ``keep``."""
         if self.quantized_tokens == 0:
             self.inner.drop_front(n)
+            self._realigned = self._realigned or n > 0
         else:
             self.keep(torch.arange(min(n, self.size()), self.size()))
 
@@ -347,6 +366,7 @@ class QuantizedStore(LayerStore):
                               self.workspace, self.sample_every)
         twin.bind(self.layer_idx)
         twin._flushes, twin._error, twin._like = self._flushes, self._error.clone(), self._like
+        twin._realigned = self._realigned
         if isinstance(self._packed, PagedRuns):
             twin._packed = PagedRuns(self.key_codec, self.value_codec, self.layer_idx, self._packed.pool)
             self._packed.table.fork_into(twin._packed.table)
@@ -378,6 +398,39 @@ class QuantizedStore(LayerStore):
             self.packed.append(*_split(streams, tokens), self._like)
         if window_k.shape[2]:
             self.inner.append(window_k, window_v)
+
+    # -- prefix sharing (``KVCache.prefix_blocks``): whole quantized pages, codes aligned at token 0 ----
+    def prefix_layout(self) -> PrefixLayout | None:
+        """Quantized pages are shared whole: a block's codes (KIVI's groups aligned at token 0) depend only
+        on the prefix up to it. A hit leaves the full-precision window's tokens to compute, so the codes
+        after it are those computing the prompt makes."""
+        if not isinstance(self.inner, PagedStore):
+            return None
+        block_tokens = math.lcm(self.inner.page_size, self.key_codec.unit, self.value_codec.unit)
+        return PrefixLayout(block_tokens, "packed", self.residual, from_start=True)
+
+    def sequence_blocks(self) -> torch.Tensor | None:
+        """The full quantized pages ``[batch, blocks]`` from the sequence's token 0 (None when there are
+        none, or when the codes start elsewhere)."""
+        runs = self._packed
+        if not isinstance(runs, PagedRuns) or runs.table.ids is None or runs.table.start or self._realigned:
+            return None
+        return runs.table.ids[:, :self.quantized_tokens // runs.block_tokens]
+
+    def stored_from(self) -> int:
+        return 0
+
+    def adopt(self, ids: torch.Tensor, tokens: int, first: int = 0) -> None:
+        """Start from a cached prefix's quantized pages ``ids [batch, blocks]`` holding tokens ``[0, tokens)``
+        (referenced, copied on write), from token 0 also in a sliding layer (``PrefixLayout.from_start``:
+        ``first`` is not used); the full-precision window starts empty."""
+        if self.size():
+            raise ShapeError(f"layer {self.layer_idx}: adopt() into a store holding {self.size()} tokens")
+        runs = self.packed
+        if not isinstance(runs, PagedRuns) or tokens != ids.shape[1] * runs.block_tokens:
+            raise ShapeError(f"layer {self.layer_idx}: {tokens} tokens are not {ids.shape[1]} whole "
+                             f"quantized pages of this store")
+        self._like, self._realigned = runs.adopt(ids), False
 
     # -- page reads (sparse decode over quantized pages, ``kvfactory.selectors``) ------------------
     def pageable(self) -> int:

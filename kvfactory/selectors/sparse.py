@@ -26,7 +26,7 @@ from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.pages import PageSummaries, top_pages
 from kvfactory.selectors.spec import SelectorSpec
-from kvfactory.storage.base import MemoryReport, WrappedStore
+from kvfactory.storage.base import MemoryReport, PrefixLayout, WrappedStore
 from kvfactory.storage.paged import PagedStore
 
 PROMPT_WINDOW = 32  # the prompt's last queries whose attention the prompt term keeps (SnapKV's window)
@@ -98,8 +98,8 @@ class SparseStore(WrappedStore):
         self._rebuild()
 
     # -- prefix sharing (``KVCache.prefix_blocks``): the pages are ``inner``'s, the summaries its own --
-    def holds_plain_pages(self) -> bool:
-        return self.inner.holds_plain_pages()
+    def prefix_layout(self) -> PrefixLayout | None:
+        return self.inner.prefix_layout()
 
     def sequence_blocks(self) -> torch.Tensor | None:
         return self.inner.sequence_blocks()

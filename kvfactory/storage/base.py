@@ -50,6 +50,34 @@ class MemoryReport:
                 "tokens": self.tokens, "bytes_per_token": self.bytes_per_token}
 
 
+@dataclass(frozen=True)
+class PrefixLayout:
+    """How a store's tokens can be shared with another sequence by a prefix cache: ``block_tokens`` per
+    block of kind ``kind`` (a block's contents depend only on the prefix up to it); ``recompute``, the
+    newest prompt tokens a hit leaves to compute (quantized pages: the full-precision window, so the
+    codes after a hit are those computing the prompt makes); ``from_start``: the store adopts every
+    block from token 0, also in a sliding-window layer (codes aligned there), which gives its past back
+    after the next write."""
+
+    block_tokens: int
+    kind: str = "kv"
+    recompute: int = 0
+    from_start: bool = False
+
+    @staticmethod
+    def common(layouts: list[PrefixLayout | None]) -> PrefixLayout | None:
+        """The layout every layer shares (the largest ``recompute``), None if any layer cannot share or
+        layers' blocks differ."""
+        if not layouts or any(layout is None for layout in layouts):
+            return None
+        first = layouts[0]
+        if any((layout.block_tokens, layout.kind, layout.from_start)
+               != (first.block_tokens, first.kind, first.from_start) for layout in layouts):
+            return None
+        return PrefixLayout(first.block_tokens, first.kind, max(layout.recompute for layout in layouts),
+                            first.from_start)
+
+
 def take_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[:, :, index]`` of ``[B, H, T, D]`` for a 1-D or per row and head ``[B, H, n]`` ``index``."""
     index = index.to(x.device)
@@ -205,11 +233,11 @@ class LayerStore(ABC):
     def end_prefill(self) -> None:  # noqa: B027 - an optional hook, not abstract
         """The prompt is complete (``KVCache.end_prefill``): what comes next is not prompt."""
 
-    def holds_plain_pages(self) -> bool:
-        """Whether its tokens are plain K/V pages of a shared pool in a block table: a prefix cache may
-        name its blocks and another sequence adopt them (``KVCache.prefix_blocks``, ``adopt``), though
-        a wrapper may read them its own way (a page selector)."""
-        return self.plain_pages
+    def prefix_layout(self) -> PrefixLayout | None:
+        """How a prefix cache may name its blocks and another sequence adopt them (``KVCache.prefix_blocks``,
+        ``adopt``): plain pages, quantized pages, also under a page selector; None for a store whose
+        blocks do not depend on the prefix alone (eviction) or that has no blocks (dense)."""
+        return None
 
     def reads_blocks(self) -> bool:
         """Whether the next one-row decode step reads a subset of pool blocks chosen per KV head

@@ -61,6 +61,8 @@ class PoolSpec:
     tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
     device: torch.device
     group: tuple[int, ...] = ()
+    encodes: tuple[tuple[int, int], tuple[int, int], torch.dtype] | None = None  # packed: K's and V's
+    # (kv_heads, head_dim) and dtype, so a sequence adopting its blocks knows what they decode to
 
     @property
     def layers(self) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from kvfactory.errors import ConfigError, ShapeError, UnsupportedError
-from kvfactory.storage.base import LayerStore, MemoryReport, check_kv
+from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv
 from kvfactory.storage.blocks import BlockIds, BlockTable, LayerBlocks, PagedPool, PoolSpec, raw
 
 MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
@@ -207,6 +207,10 @@ class PagedStore(LayerStore):
         (None when empty, or when tokens were dropped from the front or evicted)."""
         table = self._table
         return None if table.ids is None or table.start or self._dropped or self._gapped else table.ids
+
+    def prefix_layout(self) -> PrefixLayout | None:
+        """Plain pages are shared page by page (the full-precision window of quantized storage is not)."""
+        return PrefixLayout(self.page_size) if self.kind == "kv" else None
 
     def sequence_blocks(self) -> torch.Tensor | None:
         """The blocks ``[batch, blocks]`` by their place in the sequence, from its block 0: ``-1`` for the

@@ -91,8 +91,10 @@ def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None
     assert KVCacheManager(model.config, SPARSE).prefix_caching  # plain pages under a selector share prefixes
     with pytest.raises(ConfigError, match="prefix_caching"):
         KVCacheManager(model.config, EVICTION, prefix_caching=True)
+    assert KVCacheManager(model.config, PAGED | {"quantization": "int8"}).prefix_caching  # whole quantized pages
+    mixed = {"layers": ["int8", "int4"], "residual": 8, "group_size": 8}  # quantized pages of 4 and 8 tokens
     with pytest.raises(ConfigError, match="prefix_caching"):
-        KVCacheManager(model.config, PAGED | {"quantization": "int8"}, prefix_caching=True)
+        KVCacheManager(model.config, PAGED | {"quantization": mixed}, prefix_caching=True)
     with attn_implementation(model, "kvfactory"):
         cache = KVCacheFactory(model.config, SPARSE).create_cache()
         generate(model, {"input_ids": random_prompt(9)}, cache, max_new_tokens=2)
@@ -448,12 +450,38 @@ def test_swap_out_pauses_the_least_recently_used_sequences_first() -> None:
     assert manager.stats()["pool_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("quantization", [{"codec": "int8", "residual": 8},
+                                          {"codec": "int4", "residual": 8, "group_size": 8}])
+def test_quantized_pages_share_cached_prefixes_and_generate_as_if_computed(arch: str, quantization) -> None:
+    """A prompt adopts a cached prefix's whole quantized pages (codes are shared, the full-precision window
+    is computed again), so it generates exactly what computing the prompt does; a hybrid model's
+    sliding layers adopt from token 0 and give their past back after the prompt."""
+    model = tiny_model(arch)
+    config = PAGED | {"quantization": quantization}
+    manager = KVCacheManager(model.config, config)
+    assert manager.prefix_caching
+    unit = manager.layout.block_tokens  # a packed page: the page, or KIVI's 8-token groups
+    assert manager.layout.kind == "packed" and unit == max(PAGE, quantization.get("group_size", 1))
+    system = random_prompt(42, seed=1)
+    prompts = [torch.cat([system, random_prompt(12, seed=s)], 1) for s in (2, 3, 4)]
+    prompts[2] = prompts[2][:, :46]  # 4 tokens after the system prompt: the window leaves 38 to share
+    outputs = [generate(model, {"input_ids": ids}, manager.create(f"s{i}", prompt=ids[0]), max_new_tokens=6)
+               for i, ids in enumerate(prompts)]
+    assert [manager.cached_tokens(f"s{i}") for i in range(3)] == [0, 42 // unit * unit, (46 - 8) // unit * unit]
+    assert manager.stats()["pool_blocks_used"] > 0
+    for i in (1, 2):
+        alone = KVCacheFactory(model.config, config).create_cache()  # the same prompt, computed whole
+        assert_same_generation(generate(model, {"input_ids": prompts[i]}, alone, max_new_tokens=6), outputs[i])
+    manager.close()
+    assert manager.stats()["pool_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
 def test_quantized_pages_fork_pause_and_save_packed(codec: str, tmp_path: Path) -> None:
     model = tiny_model("llama")
     options = {"quantization": {"codec": codec, "residual": 8, "group_size": 8} if codec == "int4" else codec}
     manager = manager_for(model, **options)
-    assert not manager.prefix_caching
     ids = random_prompt(40)
     cache, uninterrupted = manager.create("a"), manager.create("u")
     first = continued(model, cache, ids, 3).sequences
