@@ -91,7 +91,7 @@ def test_a_manager_needs_paged_storage_and_other_caches_refuse_to_fork() -> None
     assert KVCacheManager(model.config, SPARSE).prefix_caching  # plain pages under a selector share prefixes
     with pytest.raises(ConfigError, match="prefix_caching"):
         KVCacheManager(model.config, EVICTION, prefix_caching=True)
-    assert KVCacheManager(model.config, PAGED | {"quantization": "int8"}).prefix_caching  # whole quantized pages
+    assert KVCacheManager(model.config, PAGED | {"quantization": "int8"}).prefix_caching  # whole packed pages
     mixed = {"layers": ["int8", "int4"], "residual": 8, "group_size": 8}  # quantized pages of 4 and 8 tokens
     with pytest.raises(ConfigError, match="prefix_caching"):
         KVCacheManager(model.config, PAGED | {"quantization": mixed}, prefix_caching=True)
@@ -468,11 +468,13 @@ def test_quantized_pages_share_cached_prefixes_and_generate_as_if_computed(arch:
     prompts[2] = prompts[2][:, :46]  # 4 tokens after the system prompt: the window leaves 38 to share
     outputs = [generate(model, {"input_ids": ids}, manager.create(f"s{i}", prompt=ids[0]), max_new_tokens=6)
                for i, ids in enumerate(prompts)]
-    assert [manager.cached_tokens(f"s{i}") for i in range(3)] == [0, 42 // unit * unit, (46 - 8) // unit * unit]
+    cached = [manager.cached_tokens(f"s{i}") for i in range(3)]
+    assert cached == [0, 42 // unit * unit, (46 - 8) // unit * unit]
     assert manager.stats()["pool_blocks_used"] > 0
     for i in (1, 2):
         alone = KVCacheFactory(model.config, config).create_cache()  # the same prompt, computed whole
-        assert_same_generation(generate(model, {"input_ids": prompts[i]}, alone, max_new_tokens=6), outputs[i])
+        expected = generate(model, {"input_ids": prompts[i]}, alone, max_new_tokens=6)
+        assert_same_generation(expected, outputs[i])
     manager.close()
     assert manager.stats()["pool_blocks_used"] == 0
 
