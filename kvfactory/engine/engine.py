@@ -36,6 +36,7 @@ from kvfactory.engine.params import SamplingParams
 from kvfactory.engine.request import Request, RequestOutput, RequestStatus
 from kvfactory.engine.sampler import Sampler
 from kvfactory.engine.scheduler import Plan, RequestFailed, Scheduler
+from kvfactory.engine.weights import pack_linear_weights
 from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError
 from kvfactory.manager import KVCacheManager
 from kvfactory.manager.tiered import PrefixTiers
@@ -144,6 +145,9 @@ class Engine:
     sequences wait in.
     ``prefill_first``: steps that prefill carry no decode tokens (``scheduler``: wider decode
     batches, decodes paused while a prompt prefills); default: mixed steps.
+    ``pack_weights``: give the model's linear layers a copy of their weights in MKL's packed layout for
+    steps of a few rows (``weights``: decode reads weights about 1.6x faster, for about twice the
+    weights' bytes more memory); the model keeps it after the engine.
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_config: dict[str, Any] | None = None, *,
@@ -152,7 +156,7 @@ class Engine:
                  max_waiting: int = 256, preemption: str = "swap", prefix_caching: bool | None = None,
                  host_bytes: int | None = None, in_place_decode: bool = True,
                  prefill_first: bool = False, tiers: Tier | None = None, tier_codec: str = "identity",
-                 chunk_tokens: int = 256) -> None:
+                 chunk_tokens: int = 256, pack_weights: bool = True) -> None:
         if preemption not in PREEMPTION:
             raise ConfigError("preemption", preemption, f"one of {PREEMPTION}")
         limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
@@ -168,6 +172,8 @@ class Engine:
                 config = _with_pool(config, key, size)
         self.model, self.tokenizer = model, tokenizer
         use_engine_attention(model)
+        if pack_weights:
+            pack_linear_weights(model)
         weight = next(model.parameters())
         prefix_tiers = None if tiers is None else PrefixTiers(tiers, model.config, weight.dtype, tier_codec,
                                                               chunk_tokens, weight.device)

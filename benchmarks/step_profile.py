@@ -1,0 +1,95 @@
+"""Where an engine decode step's time goes: linear layers, the attention kernel, the rest.
+
+``--sequences`` prompts of ``--tokens`` tokens each (the shipped WikiText excerpt), prefilled first,
+then ``--steps`` decode steps of all of them at once, profiled with ``torch.profiler`` on one thread, with the
+engine's packed weights (``Engine(pack_weights=True)``, the default) and without them. Linear
+layers are the time in ``aten::mm`` and MKL's packed GEMM; the attention kernel is the engine's
+``paged_decode`` / ``quantized_decode`` calls (wrapped in a ``record_function`` here); the rest is
+the model's other operations and the engine's Python. Also prints the bytes a step must read
+(weights and K/V) and the rate that implies. Prints JSON.
+
+    python benchmarks/step_profile.py [--sequences 8] [--tokens 2048] [--steps 10] [--config paged16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from kvfactory.engine import Engine, SamplingParams, batch
+from kvfactory.measure import cpu_model
+from kvfactory.models import load_model
+from kvfactory.presets import load_preset
+from kvfactory.texts import shipped_text
+
+LINEAR_OPS = ("aten::mm", "aten::addmm", "mkl::_mkl_linear")
+
+
+def _recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with record_function(name):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[int]], steps: int,
+                  pack_weights: bool) -> dict[str, float]:
+    engine = Engine(model, tokenizer, config, max_num_batched_tokens=512, max_num_seqs=len(prompts),
+                    prefill_first=True, prefix_caching=False, pack_weights=pack_weights)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    while any(not request.decoding for request in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step = (time.perf_counter() - start) / steps
+    events = {e.key: e for e in prof.key_averages()}
+    linear = sum(events[k].self_cpu_time_total for k in LINEAR_OPS if k in events) / 1e3 / steps
+    kernel = sum(events[k].cpu_time_total for k in ("paged_decode", "quantized_decode") if k in events)
+    return {"step_ms": round(step * 1e3, 1), "linear_ms": round(linear, 1),
+            "attention_kernel_ms": round(kernel / 1e3 / steps, 1),
+            "profiled_step_ms": round(sum(e.self_cpu_time_total for e in events.values()) / 1e3 / steps, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--config", default="paged16")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    batch.paged_decode = _recorded("paged_decode", batch.paged_decode)
+    batch.quantized_decode = _recorded("quantized_decode", batch.quantized_decode)
+    model, tokenizer = load_model()
+    ids = tokenizer(shipped_text())["input_ids"]
+    n, length = args.sequences, args.tokens
+    if n * length > len(ids):
+        raise SystemExit(f"the shipped text holds {len(ids)} tokens, fewer than {n} x {length}")
+    prompts = [ids[i * length:(i + 1) * length] for i in range(n)]
+    config = load_preset(args.config)
+    weights = sum(p.nbytes for p in model.parameters())
+    kv_heads = model.config.num_key_value_heads
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    kv = 2 * model.config.num_hidden_layers * kv_heads * head_dim * 4 * n * length
+    runs = {"model_weights": profile_steps(model, tokenizer, config, prompts, args.steps, False),
+            "packed_weights": profile_steps(model, tokenizer, config, prompts, args.steps, True)}
+    for run in runs.values():
+        run["read_gb_per_s"] = round((weights + kv) / run["step_ms"] / 1e6, 2)
+    print(json.dumps({"cpu": cpu_model(), "threads": 1, "sequences": n, "tokens": length,
+                      "config": args.config, "weights_mb": round(weights / 1e6, 1),
+                      "kv_mb_per_step": round(kv / 1e6, 1), **runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
