@@ -121,8 +121,9 @@ class KVCacheManager:
         layout = self.factory.prefix_layout()
         if prefix_caching and layout is None:
             raise ConfigError("prefix_caching", True, "False with an eviction policy or with layers whose "
-                              "quantized pages differ in size (prefixes are shared between plain or "
-                              "quantized pages, also under a page selector)")
+                              "blocks differ (quantized pages of different sizes, full-precision layers "
+                              "beside quantized ones); prefixes are shared between plain or quantized "
+                              "pages, also under a page selector")
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
         self.prefix_caching = layout is not None if prefix_caching is None else prefix_caching
