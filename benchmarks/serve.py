@@ -20,6 +20,7 @@ file such as ``benchmarks/configs/oval_true_8.yaml``; mixed steps, the default) 
 ``engine-prefill-first:CONFIG`` (the engine's ``prefill_first`` scheduling: steps that prefill carry no
 decode tokens, so decodes run as one batch), either with ``-no-prefix-cache`` after the kind
 (``engine-prefill-first-no-prefix-cache:paged16``: every prompt token computed, as sequential computes them),
+and either with ``-compiled`` last (the engine's ``compile_step``, compiled before the clock starts),
 ``sequential`` (``model.generate`` with ``DynamicCache``, one request after another) and
 ``generate_batch`` (transformers' continuous batching). Each reports wall time, throughput
 (generated tokens / wall), time to first token p50/p99 (all requests arrive at t=0), inter-token
@@ -98,8 +99,10 @@ def summary(wall: float, generated: int, ttft: list[float], itl: list[float], pr
 
 def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]], new: int,
                prefill_first: bool = False, prefix_caching: bool | None = None,
-               kv_gib: int | None = None) -> dict[str, Any]:
-    """The engine over every prompt at t=0: a pool of ``kv_gib`` GiB, else one that holds them all."""
+               kv_gib: int | None = None, compile_step: bool = False) -> dict[str, Any]:
+    """The engine over every prompt at t=0: a pool of ``kv_gib`` GiB, else one that holds them all.
+    ``compile_step``: the compiled decode step, compiled when the engine is made, before the clock
+    starts (as vLLM compiles and warms up before it serves)."""
     spec = resolve_cache(config)
     if spec.config is None:
         raise SystemExit(f"engine:{config}: the engine takes a kvfactory config, not {spec.source}")
@@ -107,7 +110,7 @@ def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]]
     size = {"pool_tokens": total + 64 * len(prompts)} if kv_gib is None else {"pool_bytes": kv_gib * 2**30}
     engine = Engine(model, tokenizer, spec.config, **size,
                     max_num_batched_tokens=512, max_num_seqs=len(prompts), prefill_first=prefill_first,
-                    prefix_caching=prefix_caching)
+                    prefix_caching=prefix_caching, compile_step=compile_step)
     params = SamplingParams(max_tokens=new, ignore_eos=True)
     start = time.perf_counter()
     for prompt in prompts:
@@ -265,12 +268,14 @@ def main() -> None:
                     # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
                 if system.startswith("engine"):
                     kind, config = system.split(":", 1)
-                    if kind.removesuffix("-no-prefix-cache") not in ("engine", "engine-prefill-first"):
+                    base = kind.removesuffix("-compiled").removesuffix("-no-prefix-cache")
+                    if base not in ("engine", "engine-prefill-first"):
                         raise SystemExit(f"unknown system {system!r}")
                     result = run_engine(model, tokenizer, config, prompts, new,
-                                        prefill_first=kind.startswith("engine-prefill-first"),
-                                        prefix_caching=False if kind.endswith("-no-prefix-cache") else None,
-                                        kv_gib=WORKLOADS[name].get("kv_gib"))
+                                        prefill_first=base == "engine-prefill-first",
+                                        prefix_caching=False if "-no-prefix-cache" in kind else None,
+                                        kv_gib=WORKLOADS[name].get("kv_gib"),
+                                        compile_step=kind.endswith("-compiled"))
                 elif system == "sequential":
                     result = run_sequential(model, prompts, new, WORKLOADS[name].get("rate"))
                 elif system == "generate_batch" and args.generate_batch_limit:

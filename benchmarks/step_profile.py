@@ -2,13 +2,15 @@
 
 ``--sequences`` prompts of ``--tokens`` tokens each (the shipped WikiText excerpt), prefilled first,
 then ``--steps`` decode steps of all of them at once, profiled with ``torch.profiler`` on one thread, with the
-engine's packed weights (``Engine(pack_weights=True)``, the default) and without them. Linear
+engine's packed weights (``Engine(pack_weights=True)``, the default) and without them, and with
+``--compiled`` the compiled step too (``Engine(compile_step=True)``). Linear
 layers are the time in ``aten::mm`` and MKL's packed GEMM; the attention kernel is the engine's
-``paged_decode`` / ``quantized_decode`` calls (wrapped in a ``record_function`` here); the rest is
+``paged_decode`` / ``quantized_decode`` calls (wrapped in a ``record_function`` here) or the compiled
+step's ``kvfactory::paged_decode_step`` op (with its write); the rest is
 the model's other operations and the engine's Python. Also prints the bytes a step must read
 (weights and K/V) and the rate that implies. Prints JSON.
 
-    python benchmarks/step_profile.py [--sequences 8] [--tokens 2048] [--steps 10] [--config paged16]
+    python benchmarks/step_profile.py [--sequences 8] [--tokens 2048] [--steps 10] [--compiled]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvfactory.presets import load_preset
 from kvfactory.texts import shipped_text
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "mkl::_mkl_linear")
+KERNEL_OPS = ("paged_decode", "quantized_decode", "kvfactory::paged_decode_step")  # the last: compiled
 
 
 def _recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -39,9 +42,10 @@ def _recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[int]], steps: int,
-                  pack_weights: bool) -> dict[str, float]:
+                  pack_weights: bool, compile_step: bool = False) -> dict[str, float]:
     engine = Engine(model, tokenizer, config, max_num_batched_tokens=512, max_num_seqs=len(prompts),
-                    prefill_first=True, prefix_caching=False, pack_weights=pack_weights)
+                    prefill_first=True, prefix_caching=False, pack_weights=pack_weights,
+                    compile_step=compile_step)
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     while any(not request.decoding for request in engine.requests.values()):
@@ -55,7 +59,7 @@ def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[i
         step = (time.perf_counter() - start) / steps
     events = {e.key: e for e in prof.key_averages()}
     linear = sum(events[k].self_cpu_time_total for k in LINEAR_OPS if k in events) / 1e3 / steps
-    kernel = sum(events[k].cpu_time_total for k in ("paged_decode", "quantized_decode") if k in events)
+    kernel = sum(events[k].cpu_time_total for k in KERNEL_OPS if k in events)
     return {"step_ms": round(step * 1e3, 1), "linear_ms": round(linear, 1),
             "attention_kernel_ms": round(kernel / 1e3 / steps, 1),
             "profiled_step_ms": round(sum(e.self_cpu_time_total for e in events.values()) / 1e3 / steps, 1)}
@@ -67,6 +71,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--config", default="paged16")
+    parser.add_argument("--compiled", action="store_true", help="also the compiled step (compile_step)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     batch.paged_decode = _recorded("paged_decode", batch.paged_decode)
@@ -84,6 +89,8 @@ def main() -> None:
     kv = 2 * model.config.num_hidden_layers * kv_heads * head_dim * 4 * n * length
     runs = {"model_weights": profile_steps(model, tokenizer, config, prompts, args.steps, False),
             "packed_weights": profile_steps(model, tokenizer, config, prompts, args.steps, True)}
+    if args.compiled:
+        runs["compiled_step"] = profile_steps(model, tokenizer, config, prompts, args.steps, True, True)
     for run in runs.values():
         run["read_gb_per_s"] = round((weights + kv) / run["step_ms"] / 1e6, 2)
     print(json.dumps({"cpu": cpu_model(), "threads": 1, "sequences": n, "tokens": length,

@@ -87,6 +87,20 @@ class BatchRead(ABC):
         """Attention of the packed ``query [1, Hq, T, D]``: ``[1, T, Hq, Dv]``."""
 
 
+STEP = "kvfactory_step"  # the forward keyword that carries a compiled engine step (``CompiledStep``)
+
+
+class CompiledStep(Protocol):
+    """An engine step whose every layer writes and reads in one traceable call
+    (``kvfactory.engine.compiled``): passed to the model's forward as ``kvfactory_step=``, it reaches
+    each attention call untouched."""
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """Store the layer's new ``key`` / ``value [1, Hkv, T, D]`` and return the attention of
+        ``query [1, Hq, T, D]``: ``[1, T, Hq, Dv]``."""
+
+
 class Observer(Protocol):
     """A layer store that takes part in its attention call (an eviction store, ``kvfactory.eviction``)."""
 

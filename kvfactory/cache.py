@@ -48,6 +48,10 @@ def kvfactory_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
                         value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                         scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: chunked attention over a deferred read, else SDPA."""
+    step = kwargs.get(attention.STEP)
+    if step is not None:  # a compiled engine step: no cache update ran, the step stores and reads
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return step.attend(module, query, key, value, scale), None
     read, observer = attention.take(key, getattr(module, "layer_idx", None))
     if isinstance(read, attention.BatchRead):  # an engine step: every sequence attends to its own K/V
         return read.attend(module, query, scaling if scaling is not None else query.shape[-1] ** -0.5,

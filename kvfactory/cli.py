@@ -308,6 +308,10 @@ def serve(
         "--prefill-first/--mixed-steps",
         help="steps that prefill a prompt carry no decode tokens (wider decode batches, decodes "
              "paused while a prompt prefills), or every step decodes every running sequence")] = False,
+    compile_step: Annotated[bool, typer.Option(
+        "--compile-step/--eager-step",
+        help="compile decode steps of plain pages with torch.compile before serving (about a minute)")]
+    = False,
     tiers: Annotated[str | None, typer.Option(
         help="keep prompt chunks in these tiers, nearest first, comma-separated: host, disk:PATH, "
              "redis://HOST:PORT/DB (another server over the same Redis reuses them); plain pages only")]
@@ -362,7 +366,7 @@ def serve(
         engine = Engine(loaded, tokenizer, spec.config, pool_tokens=pool_tokens, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting,
                         preemption=preemption, prefill_first=prefill_first, tiers=chain,
-                        tier_codec=tier_codec)
+                        tier_codec=tier_codec, compile_step=compile_step)
     except KVFactoryError as exc:
         _fail(exc)
     if retrain_on_drift is not None:

@@ -161,19 +161,7 @@ class _StepRead(attention.BatchRead):
             for store in stores:
                 store.count_written(1)
             return plan
-        slots = torch.tensor([store.next_slot(keys[i:i + 1], values[i:i + 1])[1]
-                              for i, store in enumerate(stores)], device=keys.device)
-        rows, starts, lengths = [], [], []
-        for store in stores:
-            _, ids, start, length = store.pages_in_place()
-            if window is not None and length > window:
-                start, length = start + length - window, window
-                ids, start = ids[start // store.page_size:], start % store.page_size
-            rows.append(ids)
-            starts.append(start)
-            lengths.append(length)
-        plan = DecodePlan(places, slots, block_tables(rows), torch.tensor(starts), torch.tensor(lengths))
-        self.batch.plans[key] = plan
+        plan = self.batch.plans[key] = decode_plan(stores, window, keys[:1], values[:1])
         return plan
 
     def _quantized(self, quantized: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
@@ -226,6 +214,25 @@ class _StepRead(attention.BatchRead):
         append_one_each(stores, keys[:, :, None], values[:, :, None])
         for i, layer in enumerate(layers):
             layer.written(keys[i:i + 1, :, None])
+
+
+def decode_plan(stores: list[PagedStore], window: int | None, key: torch.Tensor, value: torch.Tensor
+                ) -> DecodePlan:
+    """Room for one decode token in each one-row store ``stores[s]`` of one layer (counted written) and
+    what each then reads, a sliding layer its last ``window`` tokens; ``key`` / ``value`` are shaped like
+    one layer's writes ``[1, kv_heads, any, head_dim]``."""
+    places = [store.place() for store in stores]
+    slots = torch.tensor([store.next_slot(key, value)[1] for store in stores], device=key.device)
+    rows, starts, lengths = [], [], []
+    for store in stores:
+        _, ids, start, length = store.pages_in_place()
+        if window is not None and length > window:
+            start, length = start + length - window, window
+            ids, start = ids[start // store.page_size:], start % store.page_size
+        rows.append(ids)
+        starts.append(start)
+        lengths.append(length)
+    return DecodePlan(places, slots, block_tables(rows), torch.tensor(starts), torch.tensor(lengths))
 
 
 def causal_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 
 from kvfactory.cache import PackedBatch, join_batch, packed_forward, use_engine_attention
 from kvfactory.engine.batch import Segment, StepBatch
+from kvfactory.engine.compiled import CompiledDecode
 from kvfactory.engine.metrics import EngineMetrics
 from kvfactory.engine.params import SamplingParams
 from kvfactory.engine.request import Request, RequestOutput, RequestStatus
@@ -148,6 +149,9 @@ class Engine:
     ``pack_weights``: give the model's linear layers a copy of their weights in MKL's packed layout for
     steps of a few rows (``weights``: decode reads weights about 1.6x faster, for about twice the
     weights' bytes more memory); the model keeps it after the engine.
+    ``compile_step``: run decode steps of two or more sequences over plain pages through
+    ``torch.compile`` (``compiled``: compiled on the first such step, about a minute for SmolLM2; the
+    weights are frozen into the graph, so train or load new weights into a new engine).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_config: dict[str, Any] | None = None, *,
@@ -156,7 +160,7 @@ class Engine:
                  max_waiting: int = 256, preemption: str = "swap", prefix_caching: bool | None = None,
                  host_bytes: int | None = None, in_place_decode: bool = True,
                  prefill_first: bool = False, tiers: Tier | None = None, tier_codec: str = "identity",
-                 chunk_tokens: int = 256, pack_weights: bool = True) -> None:
+                 chunk_tokens: int = 256, pack_weights: bool = True, compile_step: bool = False) -> None:
         if preemption not in PREEMPTION:
             raise ConfigError("preemption", preemption, f"one of {PREEMPTION}")
         limits = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
@@ -180,6 +184,11 @@ class Engine:
         self.manager = KVCacheManager(model.config, config, prefix_caching=prefix_caching,
                                       host_bytes=host_bytes, tiers=prefix_tiers,
                                       warn_unused_prefix_cache=False)  # a server's traffic: a metric
+        spec = self.manager.factory.config
+        if compile_step and not (spec.storage.cls.plain_pages and spec.quantization is spec.eviction is
+                                 spec.selector is None):
+            raise ConfigError("compile_step", compile_step, "False for this cache config: the compiled "
+                              "decode step covers plain pages (no codec, eviction policy or page selector)")
         text = model.config.get_text_config(decoder=True)
         self.max_model_len: int | None = getattr(text, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
@@ -192,6 +201,7 @@ class Engine:
                                    prefill_first=prefill_first)
         self.max_waiting = max_waiting
         self.in_place_decode = in_place_decode
+        self.compiled = CompiledDecode(model, like) if compile_step and in_place_decode else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos = _eos_ids(model)
@@ -344,16 +354,23 @@ class Engine:
             if request.computed + tokens == request.length:
                 rows.append(at - 1)
         input_ids = torch.tensor(ids, device=self.device)
-        batch = PackedBatch(StepBatch(segments, self.in_place_decode).write)
+        positions = torch.cat(positions).to(self.device)
         with self.manager.pool.forward_lock.held():
-            logits = packed_forward(self.model, input_ids, torch.cat(positions).to(self.device), batch,
-                                    torch.tensor(rows, dtype=torch.long, device=self.device))
+            planned = self.compiled.plan(segments) if self.compiled is not None and len(rows) == len(plan) \
+                else None
+            if planned is not None:
+                logits, hidden = self.compiled.forward(input_ids, positions, planned), None
+            else:
+                batch = PackedBatch(StepBatch(segments, self.in_place_decode).write)
+                logits = packed_forward(self.model, input_ids, positions, batch,
+                                        torch.tensor(rows, dtype=torch.long, device=self.device))
+                hidden = batch.hidden
             for segment, (request, tokens) in zip(segments, plan, strict=True):
                 cache = segment.cache
                 cache.record_tokens(input_ids[segment.start:segment.end][None])
                 cache.notify_written()
-                if cache.routing_context is not None and batch.hidden is not None:
-                    cache.routing_context.hidden = batch.hidden[0, segment.end - 1][None]
+                if cache.routing_context is not None and hidden is not None:
+                    cache.routing_context.hidden = hidden[0, segment.end - 1][None]
                 request.computed += tokens
         return logits
 

@@ -49,6 +49,8 @@ class PackedLinear(torch.nn.Linear):
     packed_version: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled graph packs its frozen weights itself
+            return super().forward(x)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows not in PACKED_ROWS or (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(x)

@@ -380,7 +380,12 @@ def write_slots(blocks: LayerBlocks, slots: torch.Tensor, key: torch.Tensor, val
     """Write token ``key[i]`` / ``value[i]`` (``[S, kv_heads, 1, head_dim]``) into slot ``slots[i]`` of the
     layer's ``[heads, blocks * page_size]`` view of its blocks, one copy per tensor."""
     for name, x in (("k", key), ("v", value)):
-        pool_tensor = blocks.tensors[name]
-        h, num_blocks, page = pool_tensor.shape[:3]
-        flat = raw(pool_tensor).view(h, num_blocks * page, *pool_tensor.shape[3:])
-        flat.index_copy_(1, slots, raw(x)[:, :, 0].transpose(0, 1))
+        write_tokens(blocks.tensors[name], slots, x[:, :, 0].transpose(0, 1))
+
+
+def write_tokens(pool_tensor: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Write ``tokens [heads, S, *rest]`` into slots ``slots [S]`` of ``pool_tensor [heads, blocks,
+    page_size, *rest]`` seen as ``[heads, blocks * page_size, *rest]``, with one copy."""
+    h, num_blocks, page = pool_tensor.shape[:3]
+    flat = raw(pool_tensor).view(h, num_blocks * page, *pool_tensor.shape[3:])
+    flat.index_copy_(1, slots, raw(tokens))

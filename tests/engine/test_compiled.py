@@ -1,0 +1,88 @@
+"""The compiled decode step (``kvfactory.engine.compiled``): its custom op is a well-formed torch op
+that writes and reads as the eager kernels do; engines that compile give the tokens of engines that
+do not, on a dense and a hybrid (sliding-window) architecture; a compiler failure decodes eagerly
+with the same tokens; configs it does not cover are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import greedy_tokens
+from tiny_models import random_prompt, tiny_model
+
+from kvfactory import ConfigError
+from kvfactory.engine import Engine, SamplingParams
+from kvfactory.storage.ragged import paged_decode
+
+PROMPTS = [random_prompt(n, seed=n)[0].tolist() for n in (5, 23, 12, 40)]
+NEW = 10
+
+
+def _step_args() -> tuple:
+    torch.manual_seed(0)
+    heads, kv_heads, dim, page, blocks = 4, 2, 8, 4, 12
+    tables = torch.tensor([[3, 7, 1], [5, 0, 11]])
+    starts, lengths = torch.tensor([0, 2]), torch.tensor([10, 7])
+    slots = torch.tensor([int(tables[0, 2]) * page + 1, int(tables[1, 2]) * page])  # each one's last token
+    return (torch.randn(1, heads, 2, dim), torch.randn(1, kv_heads, 2, dim), torch.randn(1, kv_heads, 2, dim),
+            torch.randn(kv_heads, blocks, page, dim), torch.randn(kv_heads, blocks, page, dim), slots, tables,
+            starts, lengths, 0.35)
+
+
+def test_the_step_op_writes_each_token_to_its_slot_then_attends_as_paged_decode() -> None:
+    query, key, value, k_pool, v_pool, slots, tables, starts, lengths, scale = _step_args()
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    for pool, new in ((want_k, key), (want_v, value)):
+        flat = pool.view(pool.shape[0], -1, pool.shape[-1])
+        flat[:, slots] = new[0]
+    want = paged_decode(query[0].transpose(0, 1), want_k, want_v, tables, starts, lengths, scale,
+                        kernel=False)
+    out = torch.ops.kvfactory.paged_decode_step(query, key, value, k_pool, v_pool, slots, tables, starts,
+                                                lengths, scale)
+    torch.testing.assert_close(k_pool, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_pool, want_v, atol=0, rtol=0)
+    torch.testing.assert_close(out[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_step_op_passes_torch_custom_op_checks() -> None:
+    """Schema, declared mutations, the fake kernel's shapes and tracing with dynamic shapes."""
+    torch.library.opcheck(torch.ops.kvfactory.paged_decode_step.default, _step_args())
+
+
+def _generate(model: torch.nn.Module, config: dict, compile_step: bool) -> tuple[list[list[int]], Engine]:
+    engine = Engine(model, None, config, pool_tokens=512, compile_step=compile_step)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    return [output.token_ids for output in outputs], engine
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: sliding layers (window 8) and full ones
+def test_compiled_and_eager_steps_give_the_same_tokens(name: str) -> None:
+    model = tiny_model(name)
+    config = {"type": "paged", "page_size": 4}
+    eager, _ = _generate(model, config, compile_step=False)
+    compiled, engine = _generate(model, config, compile_step=True)
+    assert compiled == eager == [greedy_tokens(model, prompt, NEW) for prompt in PROMPTS]
+    assert engine.compiled.failure is None
+    assert engine.compiled.steps >= NEW - 1  # decode steps of several sequences ran compiled
+    assert engine.stats()["sequences"] == 0
+
+
+def test_a_compiler_failure_decodes_eagerly_with_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("llama")
+
+    def compile_that_fails(fn: object, **options: object) -> object:
+        def run(*args: object) -> None:
+            raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_that_fails)
+    tokens, engine = _generate(model, {"type": "paged", "page_size": 4}, compile_step=True)
+    assert tokens == [greedy_tokens(model, prompt, NEW) for prompt in PROMPTS]
+    assert engine.compiled.failure == "TorchDynamoException: no C++ compiler" and engine.compiled.steps == 0
+
+
+def test_configs_it_does_not_cover_are_refused() -> None:
+    config = {"type": "composite", "strategies": [{"name": "paged", "page_size": 4},
+                                                  {"name": "quantized", "codec": "int4", "residual": 8}]}
+    with pytest.raises(ConfigError, match="compile_step.*plain pages"):
+        Engine(tiny_model("llama"), None, config, pool_tokens=512, compile_step=True)
