@@ -112,11 +112,14 @@ class CompiledDecode:
                                                                                      value.shape[3])
         self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=key.device)  # skips mask building
         self.windows = attention_layout(model.config)
-        self.compiled = torch.compile(self._logits, dynamic=True, fullgraph=True)
+        self.compiled = torch.compile(self._logits, backend=self._inductor, dynamic=True, fullgraph=True)
+        self.recompiles = 0  # graphs compiled after the dummy step's: only where a size became 1
+        self._warm = False
         self.failure: str | None = None  # why the compiler failed: every step runs eagerly then
         self.steps = 0  # steps run through the compiled graph
         with torch.inference_mode():
             self._run(*self._dummy_step())
+        self._warm = True
 
     def plan(self, segments: list[Segment]) -> tuple[DecodeStep, list[list[list]]] | None:
         """A ``DecodeStep`` for ``segments`` with room made for each token, and each group's layers per
@@ -169,16 +172,22 @@ class CompiledDecode:
                                self.failure)
         return self._logits(input_ids, positions, step)
 
+    def _inductor(self, graph: torch.fx.GraphModule, inputs: list) -> Any:
+        """Inductor's backend, counting the graphs it compiles after the dummy step's."""
+        self.recompiles += self._warm
+        return torch._dynamo.lookup_backend("inductor")(graph, inputs)
+
     def _dummy_step(self) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
         """Two sequences of 10 and 11 tokens in blocks of 4 of scratch pools, every size distinct and
         above 1 (so that the graph compiled for it serves every real step)."""
         key, value = self.like
-        pools = [torch.zeros(key.shape[1], 7, 4, x.shape[3], dtype=x.dtype, device=x.device)
-                 for _ in self.windows for x in (key, value)]
+        with torch.inference_mode(False):  # as a pool's tensors are made (``BlockPool.layer``)
+            pools = [torch.zeros(key.shape[1], 7, 4, x.shape[3], dtype=x.dtype, device=x.device)
+                     for _ in self.windows for x in (key, value)]
         order, group, _ = _groups(self.windows)
         plan = [torch.tensor(x, device=key.device)
                 for x in ([9, 22], [[0, 1, 2], [3, 4, 5]], [0, 0], [10, 11])]
-        step = DecodeStep(pools[0::2], pools[1::2], group, *([x] * len(order) for x in plan))
+        step = DecodeStep(pools[0::2], pools[1::2], group, *([x.clone() for _ in order] for x in plan))
         return torch.tensor([1, 2], device=key.device), torch.tensor([9, 10], device=key.device), step
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, step: DecodeStep) -> torch.Tensor:
