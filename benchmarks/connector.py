@@ -12,10 +12,13 @@ connector stored per token, for each way of keeping KV between them:
   ``host`` (the instance's memory) or ``redis`` (a Redis server both instances reach).
 
 ``--processes`` instead runs offline vLLM processes (``kvfactory.integrations.vllm_run``) with prefix
-caching off, so that reuse comes from the connector alone, over Redis: 4 prompts (the system prompt
-and a question each), 24 new tokens, computed by a process without a connector, then stored by one
-process and loaded by the next for each codec: time to first token cold and reused, and how many
-output tokens equal those without a connector.
+caching off, so that reuse comes from the connector alone, over Redis, one prompt of each of
+``--lengths`` tokens (1,024, 2,000 and 6,000): its time to first token without a connector; the time
+to compute only the tokens a load leaves (timed once vLLM's own prefix cache holds the rest); and per
+codec (``--codecs``), once a process has stored the prompt's chunks, the time to first token of a
+warm process (one that served a 300-token request on other text first) and of a fresh one, the
+load's rate and how its time splits into stages (``vllm:kvfactory_load_seconds{stage}``), and how
+many of the 32 greedy tokens equal the storing process's.
 
 vLLM's CPU build (``make vllm-venv``) in eager mode (``--compiled`` for its compiled graphs, a minute
 more per start), fp32 SmolLM2-135M, greedy, 32 new tokens, at most 4 requests in flight, streamed
@@ -23,7 +26,7 @@ through the OpenAI API (``benchmarks/serve_http.py``). Needs ``redis-server`` on
 JSON (``--out FILE`` also writes it).
 
     python benchmarks/connector.py [--systems none,kvfactory:int8@redis] [--out FILE]
-    python benchmarks/connector.py --processes [--out FILE]
+    python benchmarks/connector.py --processes [--lengths 1024,2000,6000] [--out FILE]
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ LMCACHE_BIN = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin"  # `
 SYSTEMS = ["none", "offload", "lmcache", "kvfactory:identity@host", "kvfactory:int8@host",
            "kvfactory:int4@host", "kvfactory:identity@redis", "kvfactory:int8@redis", "kvfactory:int4@redis"]
 SYSTEM_TOKENS, OWN, REQUESTS, NEW, CONCURRENCY, CHUNK = 1024, 64, 16, 32, 4, 256
+WARMUP = 300  # --processes: tokens of the request each warm process serves first
 
 
 def start_redis() -> tuple[subprocess.Popen, str]:
@@ -156,34 +160,51 @@ def run_instance(system: str, prompts: list[list[int]], redis_url: str, compiled
     return row
 
 
-def run_processes(prompts: list[list[int]], redis_url: str) -> dict[str, Any]:
-    """Cold and reused time to first token and output agreement, per codec, between processes."""
+def run_processes(tokens: list[int], lengths: list[int], redis_url: str, codecs: list[str]) -> dict[str, Any]:
+    """Per prompt length, in offline processes with vLLM's prefix caching off: a prompt's time to first
+    token without a connector, the cost of computing only the tokens the connector would not load
+    (timed after vLLM's own prefix cache holds the rest), and, per codec, after one process stored
+    its chunks, a warm process's and a fresh one's time to first token and the load's stages."""
     work = Path(tempfile.mkdtemp())
-    base = {"model": str(converted_model_dir()), "max_tokens": 24, "enforce_eager": True, "prompts": prompts}
-    alone = launch(VLLM_PYTHON, base | {"connector": None, "ttft": [0]}, work / "alone.log")
-    rows: dict[str, Any] = {"alone": {"ttft_s": round(alone["ttft_s"][0], 3)}}
-    for codec in ("identity", "int8", "int4"):
-        redis.Redis.from_url(redis_url).flushall()
-        connector = {"tiers": [redis_url], "codec": codec, "chunk_tokens": CHUNK}
-        first = launch(VLLM_PYTHON, base | {"connector": connector, "prompts": prompts[:1], "ttft": [0]},
-                       work / f"{codec}-first.log")
-        second = launch(VLLM_PYTHON, base | {"connector": connector, "ttft": [1, 2, 3]},
-                        work / f"{codec}-second.log")
-        pairs = [(a, b) for x, y in zip(alone["outputs"], second["outputs"], strict=True)
-                 for a, b in zip(x, y, strict=True)]
-        stored = first["metrics"]["vllm:kvfactory_bytes_saved_total"]
-        chunks = first["metrics"]["vllm:kvfactory_chunks_saved_total"]
-        reused = sorted(second["ttft_s"])
-        rows[codec] = {"ttft_cold_s": round(first["ttft_s"][0], 3), "ttft_reused_s": round(reused[0], 3),
-                       "ttft_reused_median_s": round(reused[len(reused) // 2], 3),
-                       "cold_over_reused": round(first["ttft_s"][0] / reused[0], 1),
-                       "tokens_equal": sum(a == b for a, b in pairs), "tokens": len(pairs),
-                       "prompts_identical": sum(x == y for x, y in zip(alone["outputs"], second["outputs"],
-                                                                       strict=True)),
-                       "stored_bytes_per_token": round(stored / (chunks * CHUNK)),
-                       "chunks_loaded": int(second["metrics"]["vllm:kvfactory_chunks_loaded_total"])}
-        print(json.dumps({"codec": codec, **rows[codec]}), flush=True)
+    base = {"model": str(converted_model_dir()), "max_tokens": NEW, "enforce_eager": True,
+            "max_model_len": max(lengths) + NEW + 64}
+    warmup = tokens[-WARMUP:]  # other text than every prompt's
+    rows: dict[str, Any] = {}
+    for length in lengths:
+        prompt, other = tokens[:length], tokens[length:2 * length]  # `other`: the same length, unseen
+        loaded = (length - 1) // CHUNK * CHUNK  # whole chunks, at least one token left to compute
+        alone = launch(VLLM_PYTHON, base | {"connector": None, "prefix_caching": True, "warmup": warmup,
+                                            "prompts": [prompt, other[:loaded], other], "ttft": [0, 1, 2],
+                                            "generate": []}, work / f"{length}-alone.log")
+        row: dict[str, Any] = {"loaded_tokens": loaded, "ttft_no_connector_s": round(alone["ttft_s"][0], 3),
+                               "new_tokens_cost_s": round(alone["ttft_s"][2], 3)}
+        for codec in codecs:
+            redis.Redis.from_url(redis_url).flushall()
+            connector = {"tiers": [redis_url], "codec": codec, "chunk_tokens": CHUNK}
+            spec = base | {"connector": connector, "prompts": [prompt]}
+            log = work / f"{length}-{codec}"
+            first = launch(VLLM_PYTHON, spec | {"warmup": warmup, "ttft": []}, log.with_suffix(".store.log"))
+            warm = launch(VLLM_PYTHON, spec | {"warmup": warmup, "ttft": [0]}, log.with_suffix(".warm.log"))
+            fresh = launch(VLLM_PYTHON, spec | {"ttft": [0], "generate": []}, log.with_suffix(".fresh.log"))
+            ttft, reference, reused = warm["ttft_s"][0], first["outputs"][0], warm["outputs"][0]
+            row[codec] = {"ttft_warm_s": round(ttft, 3), "ttft_fresh_s": round(fresh["ttft_s"][0], 3),
+                          "no_connector_over_warm": round(alone["ttft_s"][0] / ttft, 1),
+                          "warm_over_new_tokens_cost": round(ttft / alone["ttft_s"][2], 2),
+                          "tokens_equal": sum(a == b for a, b in zip(reference, reused, strict=True)),
+                          "tokens": len(reference), **load_stages(warm["metrics"])}
+            print(json.dumps({"prompt_tokens": length, "codec": codec, **row[codec]}), flush=True)
+        rows[str(length)] = row
     return rows
+
+
+def load_stages(metrics: dict[str, float]) -> dict[str, Any]:
+    """A process's loads from its connector metrics: bytes per chunk, the rate, each stage's share."""
+    seconds = {name.split('"')[1]: value for name, value in metrics.items()
+               if name.startswith("vllm:kvfactory_load_seconds_sum{stage=")}
+    total, moved = seconds.pop("total"), metrics["vllm:kvfactory_bytes_loaded_total"]
+    return {"chunk_bytes": int(moved / metrics["vllm:kvfactory_chunks_loaded_total"]),
+            "load_s": round(total, 3), "load_mb_per_s": round(moved / total / 1e6),
+            "load_stages_share": {stage: round(value / total, 3) for stage, value in seconds.items()}}
 
 
 def run_systems(rows: dict[str, Any], systems: list[str], first: list[list[int]], second: list[list[int]],
@@ -219,6 +240,8 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="vLLM's compiled graphs, not eager mode")
     parser.add_argument("--processes", action="store_true",
                         help="offline processes without prefix caching: cold against reused, per codec")
+    parser.add_argument("--lengths", default="1024,2000,6000", help="--processes: prompt lengths")
+    parser.add_argument("--codecs", default="identity,int8", help="--processes: chunk codecs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     _, tokenizer = load_model()
@@ -234,9 +257,10 @@ def main() -> None:
     redis_server, redis_url = start_redis()
     try:
         if args.processes:
-            report = {key: report[key] for key in ("benchmark", "date", "machine", "vllm", "system_tokens",
-                                                   "own_tokens")}
-            report["codecs"] = run_processes(second[:4], redis_url)
+            report = {key: report[key] for key in ("benchmark", "date", "machine", "vllm")}
+            lengths = [int(n) for n in args.lengths.split(",")]
+            report |= {"new_tokens": NEW, "chunk_tokens": CHUNK, "warmup_tokens": WARMUP,
+                       "lengths": run_processes(tokens, lengths, redis_url, args.codecs.split(","))}
         else:
             run_systems(report["systems"], args.systems.split(","), first, second, redis_url, args.compiled)
     finally:

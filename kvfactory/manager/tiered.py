@@ -6,6 +6,8 @@ loads the leading chunks the tiers hold instead of computing them. With a Redis 
 engine process reuses the prefixes the first one computed, as vLLM does through kvfactory's
 connector (``kvfactory.integrations.vllm``, the same chunks and keys). A chunk that is missing or
 fails its checksum ends the loaded run (and a corrupted one is discarded): the rest is computed.
+Chunks are encoded and written on a thread of their own (``BackgroundWriter``): ``flush`` waits for
+them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from kvfactory.errors import ConfigError
 from kvfactory.tiers import (
     CHUNK_CODECS,
+    BackgroundWriter,
     ChunkError,
     ChunkKey,
     ChunkLayout,
@@ -32,10 +35,12 @@ from kvfactory.tiers import (
 
 @dataclass
 class TierCounters:
-    """Chunks moved, chunks that failed to load, and the seconds spent loading and storing."""
+    """Chunks moved, chunks dropped unstored (the writer's queue full), chunks that failed to load, and
+    the seconds spent loading, and storing (on the writer's thread)."""
 
     chunks_loaded: int = 0
     chunks_stored: int = 0
+    chunks_dropped: int = 0
     load_errors: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
@@ -61,6 +66,7 @@ class PrefixTiers:
                                        hidden_size=text.hidden_size,
                                        vocab_size=getattr(text, "vocab_size", None))
         self.counters = TierCounters()
+        self.writer = BackgroundWriter(tiers)
 
     @property
     def tokens(self) -> int:
@@ -89,8 +95,22 @@ class PrefixTiers:
         return chunks
 
     def store(self, items: list[tuple[ChunkKey, torch.Tensor, torch.Tensor]]) -> None:
-        """Encode and write chunks (key, keys, values) in one batch."""
-        began = time.perf_counter()
-        self.tiers.put_many([(str(key), encode_chunk(key, k, v)) for key, k, v in items])
-        self.counters.chunks_stored += len(items)
-        self.counters.store_seconds += time.perf_counter() - began
+        """Queue chunks (key, keys, values; tensors the caller no longer writes) to be encoded and
+        written in one batch off this thread (``BackgroundWriter``)."""
+        def encoded() -> list[tuple[str, bytes]]:
+            began = time.perf_counter()
+            batch = [(str(key), encode_chunk(key, k, v)) for key, k, v in items]
+            self.counters.store_seconds += time.perf_counter() - began
+            return batch
+
+        if not items:
+            return
+        nbytes = sum(k.nbytes + v.nbytes for _, k, v in items)
+        if self.writer.submit(len(items), nbytes, encoded):
+            self.counters.chunks_stored += len(items)
+        else:
+            self.counters.chunks_dropped += len(items)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every chunk queued so far is written (False if ``timeout`` seconds passed)."""
+        return self.writer.flush(timeout)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
+import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from kvfactory.codecs import Encoded, make_codec
@@ -116,32 +118,43 @@ def encode_chunk(key: ChunkKey, keys: torch.Tensor, values: torch.Tensor) -> byt
     return save_tensors(tensors, metadata)
 
 
-def decode_chunk(data: bytes, key: ChunkKey) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_chunk(data: bytes, key: ChunkKey, stages: dict[str, float] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of a chunk read back under ``key``; ``ChunkError`` unless the bytes are a
-    whole chunk of that key with intact tensors."""
-    metadata = _metadata(data)
+    whole chunk of that key with intact tensors. ``stages`` accumulates the seconds spent parsing,
+    checking and decoding (``parse``, ``checksum``, ``decode``). An ``identity`` chunk's tensors are
+    read-only views of ``data``, not copies: copy them before writing to them."""
+    began = time.perf_counter()
+    header = _header(data)
+    metadata = header["__metadata__"]
     if metadata.get("format") != FORMAT:
         raise ChunkError(f"not a kvfactory chunk (format {metadata.get('format')!r}, expected {FORMAT!r})")
     if metadata.get("key") != str(key):
         raise ChunkError(f"chunk stored as {metadata.get('key')!r} read back as {str(key)!r}")
-    try:
-        tensors = load_tensors(data)
-    except Exception as exc:  # safetensors raises its own error types for malformed payloads
-        raise ChunkError(f"chunk {key.prefix[:12]}: unreadable tensors ({exc})") from exc
+    tensors = _views(data, header, key)
+    parsed = time.perf_counter()
     if _digest(tensors) != metadata.get("sha256"):
         raise ChunkError(f"chunk {key.prefix[:12]}: checksum mismatch (corrupted in its tier)")
+    checked = time.perf_counter()
     layout = _layout(key)
     dtype = DTYPES[layout.dtype]
     out = []
     for role in ("k", "v"):
         streams = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.startswith(f"{role}.")}
-        encoded = Encoded(streams, layout.tokens)
-        x = torch.empty(layout.shape, dtype=dtype)
         try:
-            _codec(key.codec, role, dtype).decode(encoded, out=x)
+            if key.codec == "identity" and tuple(streams["data"].shape) == layout.shape \
+                    and streams["data"].dtype == dtype:
+                out.append(streams["data"])  # already what decoding would copy out
+                continue
+            x = torch.empty(layout.shape, dtype=dtype)
+            _codec(key.codec, role, dtype).decode(Encoded(streams, layout.tokens), out=x)
         except (KeyError, RuntimeError, ValueError) as exc:
             raise ChunkError(f"chunk {key.prefix[:12]}: tensors do not decode to {layout} ({exc})") from exc
         out.append(x)
+    if stages is not None:
+        for stage, seconds in (("parse", parsed - began), ("checksum", checked - parsed),
+                               ("decode", time.perf_counter() - checked)):
+            stages[stage] = stages.get(stage, 0.0) + seconds
     return out[0], out[1]
 
 
@@ -162,13 +175,13 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     sha = hashlib.sha256()
     for name in sorted(tensors):
         sha.update(name.encode())
-        sha.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        sha.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
     return sha.hexdigest()
 
 
-def _metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors payload: an 8-byte little-endian header length, then a
-    JSON header."""
+def _header(data: bytes) -> dict:
+    """The header of a safetensors payload (an 8-byte little-endian length, then JSON), which must
+    carry ``__metadata__``."""
     if len(data) < 8:
         raise ChunkError(f"chunk of {len(data)} bytes: too short for a safetensors header")
     (length,) = struct.unpack("<Q", data[:8])
@@ -178,7 +191,37 @@ def _metadata(data: bytes) -> dict[str, str]:
         header = json.loads(data[8:8 + length])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ChunkError(f"chunk header is not JSON ({exc})") from exc
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(metadata, dict):
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise ChunkError("chunk header has no metadata")
-    return metadata
+    return header
+
+
+def _views(data: bytes, header: dict, key: ChunkKey) -> dict[str, torch.Tensor]:
+    """The payload's tensors as read-only views of ``data`` (no copy: a chunk is tens of MB), each
+    checked to lie inside the payload with as many bytes as its shape needs."""
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    tensors = {}
+    with warnings.catch_warnings():  # the views are only read: bytes being immutable is fine
+        warnings.simplefilter("ignore", UserWarning)
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+                shape = [int(n) for n in entry["shape"]]
+                begin, end = (int(n) for n in entry["data_offsets"])
+                count = math.prod(shape)
+                if not 0 <= begin <= end <= len(data) - start or end - begin != count * dtype.itemsize:
+                    raise ValueError(f"offsets {begin}..{end} for {count} elements of {dtype}")
+                view = torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin) if count \
+                    else torch.empty(0, dtype=dtype)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ChunkError(f"chunk {key.prefix[:12]}: unreadable tensor {name!r} ({exc})") from exc
+            tensors[name] = view.view(shape)
+    return tensors
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                       "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

@@ -222,6 +222,7 @@ def test_a_second_engine_loads_a_shared_prefix_from_the_tiers(name: str, tmp_pat
     first = engine()
     first.generate(prompts[:1], params)
     assert first.stats()["tier_chunks_stored"] == 5
+    assert first.manager.tiers.flush(timeout=60)  # written off the engine's thread
     second = engine()
     outputs = second.generate(prompts[1:], params)
     for prompt, output in zip(prompts[1:], outputs, strict=True):

@@ -31,6 +31,12 @@ def engine_over(smollm2, redis_url: str, codec: str = "identity") -> Engine:
                   tiers=TierChain([RedisTier(redis_url, retry_s=60)]), tier_codec=codec, chunk_tokens=CHUNK)
 
 
+def stored_by(engine: Engine, prompts: list[list[int]]) -> None:
+    """``engine`` generates ``prompts``, and its chunks are written (off its thread) before this returns."""
+    engine.generate(prompts, GREEDY)
+    assert engine.manager.tiers.flush(timeout=60)
+
+
 def computed(engine: Engine) -> int:
     return int(engine.metrics.prompt_tokens._value.get())
 
@@ -40,6 +46,7 @@ def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prom
     first = engine_over(smollm2, redis_url)
     assert first.generate(prompts[:1], GREEDY)[0].token_ids == greedy_tokens(model, prompts[0], NEW)
     assert first.stats()["tier_chunks_stored"] == len(prompts[0]) // CHUNK  # 4 chunks: 512 of 552 tokens
+    assert first.manager.tiers.flush(timeout=60)  # written off the engine's thread: wait for them
     second = engine_over(smollm2, redis_url)  # its own pool and prefix cache: only Redis is shared
     outputs = second.generate(prompts[1:], GREEDY)
     for output, prompt in zip(outputs, prompts[1:], strict=True):
@@ -57,7 +64,7 @@ def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prom
 
 def test_int8_chunks_load_and_their_agreement_is_measured(smollm2, prompts, redis_url) -> None:
     model, _ = smollm2
-    engine_over(smollm2, redis_url, "int8").generate(prompts[:1], GREEDY)
+    stored_by(engine_over(smollm2, redis_url, "int8"), prompts[:1])
     second = engine_over(smollm2, redis_url, "int8")
     output = second.generate(prompts[1:2], GREEDY)[0].token_ids
     reference = greedy_tokens(model, prompts[1], NEW)
@@ -68,7 +75,7 @@ def test_int8_chunks_load_and_their_agreement_is_measured(smollm2, prompts, redi
 
 def test_a_corrupted_chunk_is_discarded_and_recomputed(smollm2, prompts, redis_url) -> None:
     model, _ = smollm2
-    engine_over(smollm2, redis_url).generate(prompts[:1], GREEDY)
+    stored_by(engine_over(smollm2, redis_url), prompts[:1])
     second = engine_over(smollm2, redis_url)
     key = str(second.manager.tiers.keys(prompts[1])[1])  # the system prompt's second chunk
     client = redis.Redis.from_url(redis_url)
@@ -82,7 +89,7 @@ def test_a_corrupted_chunk_is_discarded_and_recomputed(smollm2, prompts, redis_u
 
 def test_a_dead_redis_costs_recompute_not_output(smollm2, prompts, redis_server, redis_url) -> None:
     model, _ = smollm2
-    engine_over(smollm2, redis_url).generate(prompts[:1], GREEDY)
+    stored_by(engine_over(smollm2, redis_url), prompts[:1])
     redis_server.kill()
     second = engine_over(smollm2, redis_url)
     outputs = second.generate(prompts[1:], GREEDY)

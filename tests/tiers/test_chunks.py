@@ -4,6 +4,8 @@ misplaced value refused rather than loaded; the package imports without transfor
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
 
@@ -33,6 +35,15 @@ def test_identity_chunks_are_exact(dtype: str) -> None:
     key = key_for("identity", layout)
     got_keys, got_values = decode_chunk(encode_chunk(key, keys, values), key)
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+
+
+@pytest.mark.parametrize("codec", ["identity", "int8"])
+def test_decoding_reports_its_stages(codec: str) -> None:
+    key = key_for(codec)
+    stages = {"parse": 1.0}  # accumulated onto what the caller already counted
+    decode_chunk(encode_chunk(key, *kv()), key, stages)
+    assert set(stages) == {"parse", "checksum", "decode"} and stages["parse"] > 1.0
+    assert all(seconds > 0 for seconds in stages.values())
 
 
 @pytest.mark.parametrize(("codec", "max_error", "max_bytes"), [("int8", 1e-3, 0.30), ("fp8", 1e-2, 0.30),
@@ -76,6 +87,13 @@ def test_damaged_or_misplaced_chunks_are_refused() -> None:
     for broken in (data[:len(data) // 2], data[:5], b"\xff" * 64):
         with pytest.raises(ChunkError):
             decode_chunk(broken, key)
+    length = struct.unpack("<Q", data[:8])[0]
+    header, payload = json.loads(data[8:8 + length]), data[8 + length:]
+    for name, entry in [("k.codes", {"data_offsets": [0, 10**9]}), ("k.codes", {"shape": [7]}),
+                        ("v.scale", {"dtype": "X9"})]:  # offsets past the payload, a wrong size, no dtype
+        bad = json.dumps({**header, name: {**header[name], **entry}}).encode()
+        with pytest.raises(ChunkError, match="unreadable tensor"):
+            decode_chunk(struct.pack("<Q", len(bad)) + bad + payload, key)
 
 
 def test_chunks_of_the_wrong_shape_are_not_written() -> None:
