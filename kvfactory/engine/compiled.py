@@ -112,6 +112,7 @@ class CompiledDecode:
                                                                                      value.shape[3])
         self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=key.device)  # skips mask building
         self.windows = attention_layout(model.config)
+        self.order, self.group, self.members = _groups(self.windows)
         self.compiled = torch.compile(self._logits, backend=self._inductor, dynamic=True, fullgraph=True)
         self.recompiles = 0  # graphs compiled after the dummy step's: only where a size became 1
         self._warm = False
@@ -128,7 +129,7 @@ class CompiledDecode:
         if len(segments) < 2 or any(segment.tokens != 1 for segment in segments):
             return None
         caches = [segment.cache for segment in segments]
-        order, group, members = _groups(self.windows)
+        order, group, members = self.order, self.group, self.members
         for cache in caches:
             if [layer.sliding_window for layer in cache.layers] != self.windows or any(
                     not layer.store.plain_pages or layer.store.blocks is None for layer in cache.layers):
@@ -184,7 +185,7 @@ class CompiledDecode:
         with torch.inference_mode(False):  # as a pool's tensors are made (``BlockPool.layer``)
             pools = [torch.zeros(key.shape[1], 7, 4, x.shape[3], dtype=x.dtype, device=x.device)
                      for _ in self.windows for x in (key, value)]
-        order, group, _ = _groups(self.windows)
+        order, group = self.order, self.group
         plan = [torch.tensor(x, device=key.device)
                 for x in ([9, 22], [[0, 1, 2], [3, 4, 5]], [0, 0], [10, 11])]
         step = DecodeStep(pools[0::2], pools[1::2], group, *([x.clone() for _ in order] for x in plan))
