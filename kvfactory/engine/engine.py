@@ -150,8 +150,9 @@ class Engine:
     steps of a few rows (``weights``: decode reads weights about 1.6x faster, for about twice the
     weights' bytes more memory); the model keeps it after the engine.
     ``compile_step``: run decode steps of two or more sequences over plain pages through
-    ``torch.compile`` (``compiled``: compiled on the first such step, about a minute for SmolLM2; the
-    weights are frozen into the graph, so train or load new weights into a new engine).
+    ``torch.compile`` (``compiled``: compiled when the engine is made, about a minute for SmolLM2;
+    the weights are frozen into the graph, so train or load new weights into a new engine; off
+    with ``in_place_decode=False``).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_config: dict[str, Any] | None = None, *,
