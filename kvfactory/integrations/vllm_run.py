@@ -33,14 +33,16 @@ from typing import Any
 RESULT = '{"ttft_s"'  # how the result line starts among vLLM's log lines
 
 
-def launch(python: Path, spec: dict[str, Any], log: Path, timeout: float = 900.0) -> dict[str, Any]:
-    """Run one vLLM process with interpreter ``python`` (vLLM's virtualenv) on ``spec``; its log,
-    and the spec beside it, stay at ``log``. Returns the process's result."""
+def launch(python: Path, spec: dict[str, Any], log: Path, timeout: float = 900.0,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one vLLM process with interpreter ``python`` (vLLM's virtualenv) on ``spec``, with
+    ``env`` added to this process's environment; its log, and the spec beside it, stay at ``log``.
+    Returns the process's result."""
     path = log.with_suffix(".json")
     path.write_text(json.dumps(spec))
     with log.open("w") as out:
         done = subprocess.run([str(python), "-m", "kvfactory.integrations.vllm_run", str(path)], stdout=out,
-                              stderr=subprocess.STDOUT, timeout=timeout)
+                              stderr=subprocess.STDOUT, timeout=timeout, env=os.environ | (env or {}))
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
         raise RuntimeError(f"vLLM process on {path} failed (rc {done.returncode}); see {log}")

@@ -8,7 +8,8 @@ with promotion on a hit (``TierChain``). Values are chunks (``chunk``): 256 toke
 K/V by default, through an identity, int8, fp8 or int4 codec, under keys that carry the model
 fingerprint, the layout, the codec and the chunk's prefix hash. A tier never fails a request: what
 it cannot find or read is a miss, what it cannot hold is dropped, and its caller recomputes.
-``BackgroundWriter`` writes to a tier off the caller's thread.
+``BackgroundWriter`` writes to a tier off the caller's thread; ``LayerwiseLoad`` reads chunks stored
+as layer parts off it, each part usable as soon as it arrives.
 
 This package needs torch, safetensors and the ``redis`` client only (not transformers), so it runs
 inside vLLM's virtualenv as well as under kvfactory's own engine.
@@ -24,13 +25,15 @@ from kvfactory.tiers.chunk import (
     chunk_keys,
     decode_chunk,
     encode_chunk,
+    layer_parts,
     model_fingerprint,
 )
 from kvfactory.tiers.disk import DiskTier
 from kvfactory.tiers.host import HostTier
+from kvfactory.tiers.loader import LayerwiseLoad
 from kvfactory.tiers.redis_tier import RedisTier
 from kvfactory.tiers.writer import BackgroundWriter
 
 __all__ = ["CHUNK_CODECS", "BackgroundWriter", "ChunkError", "ChunkKey", "ChunkLayout", "DiskTier",
-           "HostTier", "RedisTier", "Tier", "TierChain", "TierStats", "chunk_keys", "decode_chunk",
-           "encode_chunk", "model_fingerprint"]
+           "HostTier", "LayerwiseLoad", "RedisTier", "Tier", "TierChain", "TierStats", "chunk_keys",
+           "decode_chunk", "encode_chunk", "layer_parts", "model_fingerprint"]

@@ -4,13 +4,17 @@ A chunk is ``tokens`` consecutive tokens of a prompt in every layer: keys and va
 ``[layers, kv_heads, tokens, head_dim]``, encoded by one of kvfactory's codecs (``identity``:
 exact; ``int8`` or ``fp8``: about a quarter of fp32's bytes, half of fp16's; ``int4``, KIVI: about
 a sixth of fp32's) and serialized as a safetensors file. Its header carries the format, the key
-the chunk was stored under and a SHA-256 of every tensor, so a value that comes back truncated,
-corrupted or under another key is refused (``ChunkError``) and its reader treats it as a miss.
+the chunk was stored under and a 128-bit XXH3 checksum of every tensor (a checksum against
+corruption, at memory speed, not a signature: whoever can write to a tier can write any chunk), so
+a value that comes back truncated, corrupted or under another key is refused (``ChunkError``) and
+its reader treats it as a miss.
 
 ``ChunkKey`` names a chunk by the model (a fingerprint of the fields that decide what its K/V
 mean), the layout (layers, KV heads, head size, chunk tokens, element type), the codec and the
 chained hash of every token up to the chunk's end (``kvfactory.hashing.block_hashes``), so two
-models, two layouts or two codecs never read each other's chunks, and equal keys mean equal K/V.
+models, two layouts or two codecs never read each other's chunks, and equal keys mean equal K/V. A
+chunk may be stored as parts, each a range of its layers under a key of its own (``ChunkKey.part``),
+so that a reader starts on the first layers while the rest are on their way.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 from safetensors.torch import save as save_tensors
 
 from kvfactory.codecs import Encoded, make_codec
 from kvfactory.errors import ConfigError, KVFactoryError, ShapeError
 from kvfactory.hashing import block_hashes
 
-FORMAT = "kvfactory.chunk/1"
+FORMAT = "kvfactory.chunk/2"
 CHUNK_CODECS = ("identity", "int8", "fp8", "int4")
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 
@@ -79,17 +84,42 @@ class ChunkKey:
     layout: str  # str(ChunkLayout)
     codec: str
     prefix: str  # hex of the chained hash of the prompt's tokens up to the chunk's end
+    layers: tuple[int, int] | None = None  # a part of the chunk: its layers [first, end); None: all
 
     def __str__(self) -> str:
-        return f"kvfactory:{self.model}:{self.layout}:{self.codec}:{self.prefix}"
+        part = "" if self.layers is None else f":{self.layers[0]}-{self.layers[1]}"
+        return f"kvfactory:{self.model}:{self.layout}:{self.codec}:{self.prefix}{part}"
+
+    def part(self, first: int, end: int) -> ChunkKey:
+        """The key of the chunk's layers ``[first, end)`` stored as a value of their own, so that a
+        reader can use the first layers before the last ones arrive."""
+        layers = _layout(self).layers
+        if not 0 <= first < end <= layers:
+            raise ConfigError("layers", (first, end), f"a range inside the chunk's {layers} layers")
+        return ChunkKey(self.model, self.layout, self.codec, self.prefix, (first, end))
 
     @classmethod
     def parse(cls, text: str) -> ChunkKey:
         """The key ``str(key)`` printed."""
         parts = text.split(":")
-        if len(parts) != 5 or parts[0] != "kvfactory":
-            raise ChunkError(f"{text!r} is not a kvfactory chunk key (kvfactory:MODEL:LAYOUT:CODEC:PREFIX)")
-        return cls(*parts[1:])
+        if len(parts) not in (5, 6) or parts[0] != "kvfactory":
+            raise ChunkError(f"{text!r} is not a kvfactory chunk key "
+                             f"(kvfactory:MODEL:LAYOUT:CODEC:PREFIX[:FIRST-END])")
+        if len(parts) == 5:
+            return cls(*parts[1:])
+        try:
+            first, end = (int(n) for n in parts[5].split("-"))
+        except ValueError as exc:
+            raise ChunkError(f"{text!r}: layers {parts[5]!r} are not FIRST-END") from exc
+        return cls(*parts[1:5], layers=(first, end))
+
+
+def layer_parts(layers: int, parts: int) -> list[tuple[int, int]]:
+    """``layers`` split into ``parts`` consecutive ranges of near-equal size, first to last."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= layers:
+        raise ConfigError("layer_parts", parts, f"an integer from 1 to the {layers} layers")
+    bounds = [layers * i // parts for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def chunk_keys(tokens: Sequence[int], model: str, layout: ChunkLayout, codec: str) -> list[ChunkKey]:
@@ -101,7 +131,7 @@ def chunk_keys(tokens: Sequence[int], model: str, layout: ChunkLayout, codec: st
 
 def encode_chunk(key: ChunkKey, keys: torch.Tensor, values: torch.Tensor) -> bytes:
     """The bytes of one chunk: ``keys`` and ``values`` ``[layers, kv_heads, tokens, head_dim]``
-    (the layout ``key`` names) through ``key.codec``."""
+    (the layout ``key`` names; for a part, its layers only) through ``key.codec``."""
     if keys.shape != values.shape or keys.dim() != 4 or keys.dtype != values.dtype:
         raise ShapeError(f"chunk {key.prefix[:12]}: keys {tuple(keys.shape)} ({keys.dtype}) and values "
                          f"{tuple(values.shape)} ({values.dtype}) must be one [layers, kv_heads, tokens, "
@@ -114,7 +144,7 @@ def encode_chunk(key: ChunkKey, keys: torch.Tensor, values: torch.Tensor) -> byt
     for role, x in (("k", keys), ("v", values)):
         encoded = _codec(key.codec, role, keys.dtype).encode(x.detach().cpu())
         tensors |= {f"{role}.{name}": t.contiguous() for name, t in encoded.tensors.items()}
-    metadata = {"format": FORMAT, "key": str(key), "sha256": _digest(tensors)}
+    metadata = {"format": FORMAT, "key": str(key), "xxh3_128": _digest(tensors)}
     return save_tensors(tensors, metadata)
 
 
@@ -133,7 +163,7 @@ def decode_chunk(data: bytes, key: ChunkKey, stages: dict[str, float] | None = N
         raise ChunkError(f"chunk stored as {metadata.get('key')!r} read back as {str(key)!r}")
     tensors = _views(data, header, key)
     parsed = time.perf_counter()
-    if _digest(tensors) != metadata.get("sha256"):
+    if _digest(tensors) != metadata.get("xxh3_128"):
         raise ChunkError(f"chunk {key.prefix[:12]}: checksum mismatch (corrupted in its tier)")
     checked = time.perf_counter()
     layout = _layout(key)
@@ -163,20 +193,26 @@ def _codec(name: str, role: str, dtype: torch.dtype):
 
 
 def _layout(key: ChunkKey) -> ChunkLayout:
+    """The layout of the tensors stored under ``key``: a part holds only its layers."""
     try:
         sizes, dtype = key.layout.rsplit("-", 1)
         layers, heads, dim, tokens = (int(part[1:]) for part in sizes.split("-"))
     except ValueError as exc:
         raise ConfigError("layout", key.layout, "str(ChunkLayout), e.g. L30-H3-D64-T256-float32") from exc
+    if key.layers is not None:
+        first, end = key.layers
+        if not 0 <= first < end <= layers:
+            raise ChunkError(f"layers {first}-{end} of a chunk of {layers} layers")
+        layers = end - first
     return ChunkLayout(layers, heads, dim, tokens, dtype)
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    sha = hashlib.sha256()
+    digest = xxhash.xxh3_128()
     for name in sorted(tensors):
-        sha.update(name.encode())
-        sha.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
-    return sha.hexdigest()
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+    return digest.hexdigest()
 
 
 def _header(data: bytes) -> dict:

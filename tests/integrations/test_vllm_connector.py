@@ -1,6 +1,7 @@
 """kvfactory's vLLM connector in real vLLM processes (the CPU build, ``make vllm-venv``) over a real
-Redis server: a second process reuses the first's 1,024-token system prompt; int8 chunks; a
-corrupted chunk and a Redis killed mid-run cost recompute, never output.
+Redis server: a second process reuses the first's 1,024-token system prompt; int8 chunks; loads
+from a slow Redis, which the forward waits for layer part by layer part; a corrupted chunk and a
+Redis killed mid-run cost recompute, never output.
 
 Each run is one process of ``kvfactory.integrations.vllm_run`` (prefix caching off, so reuse comes
 from the connector alone; eager mode, which starts in seconds where compiling takes a minute),
@@ -15,14 +16,16 @@ from typing import Any
 import pytest
 import redis
 from helpers import greedy_tokens
-from redis_server import RedisServer
+from redis_server import RedisServer, SlowProxy
 from vllm_process import require_vllm
 from vllm_process import run_vllm as run_process
 
 from kvfactory.models import converted_model_dir
-from kvfactory.tiers import ChunkKey
+from kvfactory.tiers import ChunkKey, layer_parts
 
 SYSTEM, OWN, QUESTIONS, NEW = 1024, 64, 4, 24
+PARTS = 8  # the connector's default layer parts per chunk
+DELAY = 0.2  # seconds the slow Redis holds back each reply
 
 pytestmark = pytest.mark.slow
 require_vllm()
@@ -57,10 +60,13 @@ def runs(prompts, tmp_path_factory) -> dict[str, dict[str, Any]]:
         out["first"] = run_vllm(tmp, "first", prompts=prompts[:1], connector=tiers, ttft=[0])
         out["second"] = run_vllm(tmp, "second", prompts=prompts, connector=tiers, ttft=[1, 2, 3])
         out["int8"] = run_vllm(tmp, "int8", prompts=prompts, connector=tiers | {"codec": "int8"}, ttft=[0])
+        slow = SlowProxy(server.port, DELAY)
+        out["slow"] = run_vllm(tmp, "slow", prompts=prompts[1:3], connector={"tiers": [slow.url]}, ttft=[0])
+        slow.close()
         client = redis.Redis.from_url(server.url)
         identity = sorted(k.decode() for k in client.keys("kvfactory:*:identity:*"))
         out["chunks"] = {key: client.strlen(key) for key in identity}
-        corrupt = identity[0]
+        corrupt = next(key for key in identity if ChunkKey.parse(key).layers[0] > 0)  # a later part
         client.set(corrupt, client.get(corrupt)[:-1000])  # a truncated chunk: a miss, never a load
         out["faults"] = run_vllm(tmp, "faults", prompts=prompts, connector=tiers, ttft=[],
                                  kill_pid_after=[server.process.pid, 2])
@@ -81,7 +87,7 @@ def test_second_process_reuses_the_system_prompt_through_redis(runs, references)
     # a step reads each chunk once, however many of its requests share it: the 4 prompts' chunks
     # are read once if vLLM schedules them in one step
     redis_stats = runs["second"]["stats"]["redis"]
-    assert 4 * chunks <= redis_stats["hits"] <= 7 * chunks and redis_stats["errors"] == 0
+    assert 4 * chunks * PARTS <= redis_stats["hits"] <= 7 * chunks * PARTS and redis_stats["errors"] == 0
     redis_hits = runs["second"]["metrics"]['vllm:kvfactory_tier_total{stat="hits",tier="redis"}']
     assert redis_hits == redis_stats["hits"]
 
@@ -92,7 +98,7 @@ def test_load_time_is_reported_by_stage(runs):
     metrics = runs["second"]["metrics"]
     steps = metrics['vllm:kvfactory_load_seconds_count{stage="total"}']
     stages = {stage: metrics[f'vllm:kvfactory_load_seconds_sum{{stage="{stage}"}}']
-              for stage in ("transfer", "parse", "checksum", "decode", "copy")}
+              for stage in ("transfer", "parse", "checksum", "decode", "copy")}  # on the loader thread
     assert steps >= 1 and all(metrics[f'vllm:kvfactory_load_seconds_count{{stage="{stage}"}}'] == steps
                               for stage in stages)
     assert stages["transfer"] > 0 and stages["checksum"] > 0 and stages["copy"] > 0
@@ -105,13 +111,31 @@ def test_the_connector_imports_none_of_the_transformers_adapter(runs):
     assert not {"kvfactory.cache", "kvfactory.models", "kvfactory.engine", "kvfactory.factory"} & set(loaded)
 
 
-def test_chunks_are_keyed_per_codec_and_hold_their_layout(runs):
-    chunks = runs["chunks"]
+def test_loads_from_a_slow_redis_are_waited_for_layer_part_by_part(runs, references):
+    """Each reply of this Redis comes ``DELAY`` seconds late: every layer's attention waits for its
+    part of the chunks (the forward's waits add up to at least the first part's delay per loading
+    step), and the tokens are those of the model alone."""
+    slow = runs["slow"]
+    assert slow["outputs"] == references[1:3]
+    metrics = slow["metrics"]
+    steps = metrics['vllm:kvfactory_load_seconds_count{stage="total"}']
+    assert metrics["vllm:kvfactory_chunks_loaded_total"] == 3 * SYSTEM // 256 and steps >= 2  # 1 timed + 2
+    assert metrics['vllm:kvfactory_load_seconds_sum{stage="wait"}'] >= 0.5 * DELAY * steps
+    assert metrics['vllm:kvfactory_load_seconds_sum{stage="total"}'] >= PARTS * DELAY * steps
+
+
+def test_chunks_are_keyed_per_codec_and_layer_part_and_hold_their_layout(runs):
+    chunks: dict[str, dict[tuple[int, int], int]] = {}
+    for name, size in runs["chunks"].items():
+        key = ChunkKey.parse(name)
+        assert key.layout == "L30-H3-D64-T256-float32"
+        chunks.setdefault(key.prefix, {})[key.layers] = size
     assert len(chunks) == SYSTEM // 256  # the questions (64 tokens) never fill a chunk
-    layout = ChunkKey.parse(next(iter(chunks))).layout
-    assert layout == "L30-H3-D64-T256-float32"
-    raw = 2 * 30 * 3 * 256 * 64 * 4
-    assert all(raw < size < raw * 1.01 for size in chunks.values())  # identity: the tensors and a header
+    raw = 2 * 3 * 256 * 64 * 4  # one layer's identity K/V
+    for parts in chunks.values():
+        assert sorted(parts) == layer_parts(30, PARTS)
+        assert all(raw * (end - first) < size < raw * (end - first) * 1.01  # the tensors and a header
+                   for (first, end), size in parts.items())
 
 
 def test_int8_chunks_agree_with_uncompressed_output(runs, references):

@@ -17,7 +17,7 @@ from redis_server import RedisServer
 from vllm_process import require_vllm, run_vllm
 
 from kvfactory.models import converted_model_dir
-from kvfactory.tiers import ChunkKey
+from kvfactory.tiers import ChunkKey, layer_parts
 
 PREFIX, CHUNK, NEW = 1024, 256, 12
 
@@ -49,10 +49,16 @@ def test_a_second_process_answers_as_generate_from_the_first_ones_chunks(gemma3_
     loaded = 7 * PREFIX // CHUNK  # each of the 7 requests loads the prefix's 4 chunks
     assert runs["second"]["metrics"]["vllm:kvfactory_chunks_loaded_total"] == loaded
     redis_stats = runs["second"]["stats"]["redis"]  # each step reads a chunk its requests share once
-    assert PREFIX // CHUNK <= redis_stats["hits"] <= loaded and redis_stats["errors"] == 0
+    parts = 8  # the values each chunk is stored as, each a range of layers
+    assert PREFIX // CHUNK * parts <= redis_stats["hits"] <= loaded * parts and redis_stats["errors"] == 0
     assert runs["second"]["metrics"]["vllm:kvfactory_chunks_saved_total"] == 0  # it computed no chunk anew
 
 
 def test_a_chunk_holds_every_layer_of_the_hybrid_model(runs) -> None:
-    assert len(runs["keys"]) == PREFIX // CHUNK
-    assert {ChunkKey.parse(key).layout for key in runs["keys"]} == {"L18-H1-D256-T256-float32"}
+    keys = [ChunkKey.parse(key) for key in runs["keys"]]
+    assert {key.layout for key in keys} == {"L18-H1-D256-T256-float32"}
+    chunks: dict[str, list[tuple[int, int]]] = {}
+    for key in keys:
+        chunks.setdefault(key.prefix, []).append(key.layers)
+    assert len(chunks) == PREFIX // CHUNK
+    assert all(sorted(parts) == layer_parts(18, 8) for parts in chunks.values())
