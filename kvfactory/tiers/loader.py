@@ -23,6 +23,7 @@ from kvfactory.tiers.base import Tier
 from kvfactory.tiers.chunk import ChunkError, ChunkKey, decode_chunk
 
 logger = logging.getLogger("kvfactory.tiers")
+BATCH = 8  # parts per read: a batch's buffers are freed before the next is read, and reused
 Place = Callable[[ChunkKey, int, torch.Tensor, torch.Tensor], None]  # chunk, first layer, keys, values
 
 
@@ -71,6 +72,10 @@ class LayerwiseLoad:
 
     def _read_part(self, first: int, end: int) -> None:
         live = [key for key in self.keys if key not in self.failed]
+        for start in range(0, len(live), BATCH):
+            self._read_batch(live[start:start + BATCH], first, end)
+
+    def _read_batch(self, live: list[ChunkKey], first: int, end: int) -> None:
         names = [key.part(first, end) for key in live]
         began = time.perf_counter()
         values = self.tier.get_many([str(name) for name in names])
