@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -86,11 +87,19 @@ class EngineMemory:
             return False
         return True
 
+    def prepare(self, request: Request) -> None:
+        if request.tier_read is None:
+            request.tier_read = self.manager.read_tiers(request.prompt_ids)
+
+    def ready(self, request: Request) -> bool:
+        return request.tier_read is None or request.tier_read.done()
+
     def admit(self, request: Request) -> None:
         manager = self.manager
         try:
-            cache = manager.create(request.request_id,
-                                   prompt=request.tokens if manager.prefix_caching else None)
+            read = None if request.tier_read is None else request.tier_read.result()
+            prompt = request.tokens if manager.prefix_caching else None
+            cache = manager.create(request.request_id, prompt=prompt, tier_chunks=read)
             join_batch(cache)
             for hook in self.cache_hooks:
                 hook(cache)
@@ -276,7 +285,11 @@ class Engine:
         plan = self.scheduler.schedule()
         failed, self.scheduler.failed = self.scheduler.failed, []
         outputs += [self._fail(request, cause) for request, cause in failed]
+        for request, _ in plan:  # admitted: its chunks are in its cache now
+            request.tier_read = None
         if not plan:
+            reads = [r.tier_read for r in self.scheduler.waiting if r.tier_read is not None]
+            futures.wait(reads, timeout=0.05, return_when=futures.FIRST_COMPLETED)  # idle: not spinning
             self.metrics.update_gauges()
             return outputs
         started = time.perf_counter()

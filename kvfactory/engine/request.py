@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvfactory.engine.params import SamplingParams
@@ -58,6 +59,7 @@ class Request:
     text: str = ""
     sent_text: int = 0  # characters of ``text`` already reported
     sent_tokens: int = 0  # tokens already reported
+    tier_read: Future | None = None  # its prompt's chunks being read from the tiers, until it runs
 
     @property
     def tokens(self) -> list[int]:

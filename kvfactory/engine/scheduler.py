@@ -6,7 +6,10 @@ first, then continues their chunked prefills, then brings back preempted sequenc
 one, so nobody starves), then admits waiting requests with a prefill chunk that fills the budget.
 When a step's writes do not fit in the pool, the most recently admitted running sequence is
 preempted (``Memory.preempt``: swapped to the host tier or dropped for recompute) until they do;
-nothing is resumed or admitted in a step that preempted. A request whose admission or resume fails
+nothing is resumed or admitted in a step that preempted. The next ``max_num_seqs`` waiting requests
+are prepared ahead (``Memory.prepare``: their prompt chunks read from the tiers off the step), and a
+request is admitted once that is done; those behind it in the queue go first meanwhile. A request
+whose admission or resume fails
 (``RequestFailed``: a tier error loading its chunks, say) leaves the queues for ``failed``, where
 the engine ends it with the cause; the others are scheduled as if it had never come.
 
@@ -19,6 +22,7 @@ keep every running sequence decoding one token per step.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Protocol
 
@@ -37,6 +41,13 @@ class Memory(Protocol):
 
     def fits(self, plan: Plan) -> bool:
         """Whether the pool can take every write of ``plan`` (after freeing cached prefixes)."""
+
+    def prepare(self, request: Request) -> None:
+        """Start what a waiting request needs before it can be admitted (reading its prompt's chunks
+        from the tiers), off the step."""
+
+    def ready(self, request: Request) -> bool:
+        """Whether what ``prepare`` started for the request is done."""
 
     def admit(self, request: Request) -> None:
         """Give a waiting request a cache (starting from its cached prefix: sets ``computed``);
@@ -76,6 +87,8 @@ class Scheduler:
         return len(self.waiting) + len(self.swapped) + len(self.running)
 
     def schedule(self) -> Plan:
+        for request in itertools.islice(self.waiting, self.max_num_seqs):  # the next to be admitted
+            self.memory.prepare(request)
         if not (self.prefill_first and self._prefill_pending()):
             return self._plan(decodes=True, prefills=True)
         return self._plan(decodes=False, prefills=True) or self._plan(decodes=True, prefills=False)
@@ -127,19 +140,22 @@ class Scheduler:
             budget -= tokens
         if self.swapped or not prefills:
             return plan
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not self.memory.ready(request):  # its chunks are still being read: those behind go first
+                continue
             try:
                 self.memory.admit(request)
             except RequestFailed as exc:
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 self.failed.append((request, str(exc)))
                 continue
             tokens = self._chunk(request, budget, plan)
             if not tokens or not self.memory.fits([*plan, (request, tokens)]):
                 self.memory.release(request)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self._run(request)
             plan.append((request, tokens))
             budget -= tokens

@@ -44,7 +44,7 @@ import time
 import warnings
 from collections import abc
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +66,7 @@ from kvfactory.manager.persist import load_state, save_state
 from kvfactory.manager.prefix import PrefixIndex, block_hashes
 from kvfactory.manager.sequence import Sequence, SequenceStatus
 from kvfactory.manager.state import SequenceState
-from kvfactory.manager.tiered import PrefixTiers
+from kvfactory.manager.tiered import ChunkRun, PrefixTiers
 from kvfactory.storage.base import PrefixLayout
 from kvfactory.storage.blocks import BlockPool, PagedPool
 from kvfactory.storage.paged import PagedStore
@@ -148,9 +148,12 @@ class KVCacheManager:
         self.counters = _Counters()
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def create(self, seq_id: str, prompt: Prompt | None = None) -> KVCache:
+    def create(self, seq_id: str, prompt: Prompt | None = None,
+               tier_chunks: ChunkRun | None = None) -> KVCache:
         """A new empty cache for ``seq_id``; with ``prompt`` (its token ids) and prefix caching on, it
-        starts holding the longest cached prefix of whole blocks (see ``cached_tokens``)."""
+        starts holding the longest cached prefix of whole blocks (see ``cached_tokens``), from the
+        pool and then from the tiers: ``tier_chunks``, what ``read_tiers`` read, is used instead of
+        reading now when it starts where the pool's prefix ends or before."""
         self._check_new(seq_id)
         cache = self.factory.create_cache(seq_id)
         record = Sequence(seq_id, cache)
@@ -167,11 +170,24 @@ class KVCacheManager:
                 cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached])
                 record.cached_tokens = record.hashed_tokens = cached
             if self.tiers is not None:
-                record.cached_tokens = self._load_chunks(record, tokens, cached)
+                record.cached_tokens = self._load_chunks(record, tokens, cached, tier_chunks)
             self._count_prompt(len(tokens), record.cached_tokens)
             record.prompt_tokens = len(tokens) - 1
             record.on_written = self._hash_filled
         return self._register(record)
+
+    def read_tiers(self, prompt: Prompt) -> Future[ChunkRun] | None:
+        """Start reading the prompt's chunks that the tiers hold after those the pool's prefix cache
+        holds now, on a reader thread of the tiers (None without tiers, or with no chunk to read):
+        pass the result to ``create`` as ``tier_chunks``, so that creating the cache does not wait
+        on a tier."""
+        if self.tiers is None or not self.prefix_caching:
+            return None
+        tokens = torch.as_tensor(prompt).flatten().tolist()
+        names = block_hashes(tokens[:-1], self.layout.block_tokens)
+        held = next((i for i, name in enumerate(names) if name not in self.index.entries), len(names))
+        first = held * self.layout.block_tokens // self.tiers.tokens
+        return self.tiers.read(tokens, first) if first < (len(tokens) - 1) // self.tiers.tokens else None
 
     def get(self, seq_id: str) -> KVCache:
         record = self._record(seq_id)
@@ -507,14 +523,19 @@ class KVCacheManager:
         if self.tiers is not None:
             self._store_chunks(record, tokens, names)
 
-    def _load_chunks(self, record: Sequence, tokens: list[int], cached: int) -> int:
+    def _load_chunks(self, record: Sequence, tokens: list[int], cached: int, read: ChunkRun | None = None
+                     ) -> int:
         """Write into ``record``'s cache the prompt chunks after its ``cached`` tokens that the tiers
-        hold (leaving at least one token to compute); the tokens it then holds. When the pool has no
-        room for them they are computed instead."""
+        hold (leaving at least one token to compute), from ``read`` (chunks already read) or read
+        now; the tokens it then holds. When the pool has no room for them they are computed
+        instead."""
         tiers, cache, size = self.tiers, record.cache, self.tiers.tokens
         keys = tiers.keys(tokens[:-1])
         first = record.tier_chunks = cached // size  # earlier chunks were stored by whoever computed them
-        chunks = tiers.load(keys[first:]) if first < len(keys) else []
+        if read is not None and read.first <= first:
+            chunks = read.chunks[first - read.first:len(keys) - read.first]
+        else:
+            chunks = tiers.load(keys[first:]) if first < len(keys) else []
         if not chunks:
             return cached
         end, skip = (first + len(chunks)) * size, cached - first * size

@@ -6,13 +6,16 @@ loads the leading chunks the tiers hold instead of computing them. With a Redis 
 engine process reuses the prefixes the first one computed, as vLLM does through kvfactory's
 connector (``kvfactory.integrations.vllm``, the same chunks and keys). A chunk that is missing or
 fails its checksum ends the loaded run (and a corrupted one is discarded): the rest is computed.
-Chunks are encoded and written on a thread of their own (``BackgroundWriter``): ``flush`` waits for
-them.
+Chunks are read (``read``: the engine starts it when a request arrives and admits the request once
+it is done) and encoded and written (``BackgroundWriter``; ``flush`` waits for them) on threads of
+their own, so a slow tier never holds up the steps of other requests.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +34,17 @@ from kvfactory.tiers import (
     encode_chunk,
     model_fingerprint,
 )
+
+READERS = 4  # prompts read at once: one stalled read does not hold up the others
+
+
+@dataclass
+class ChunkRun:
+    """Chunks ``first``, ``first + 1``, ... of a prompt (K/V ``[layers, kv_heads, tokens,
+    head_dim]``): the run the tiers held from chunk ``first`` on when they were read."""
+
+    first: int
+    chunks: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -67,6 +81,8 @@ class PrefixTiers:
                                        vocab_size=getattr(text, "vocab_size", None))
         self.counters = TierCounters()
         self.writer = BackgroundWriter(tiers)
+        self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="kvfactory-tier-read")
+        self._lock = threading.Lock()  # the counters, written from the reader and writer threads
 
     @property
     def tokens(self) -> int:
@@ -87,12 +103,20 @@ class PrefixTiers:
             try:
                 chunks.append(decode_chunk(data, key))
             except ChunkError:
-                self.counters.load_errors += 1
+                with self._lock:
+                    self.counters.load_errors += 1
                 self.tiers.discard_many([str(key)])  # computed and stored anew by this request
                 break
-        self.counters.chunks_loaded += len(chunks)
-        self.counters.load_seconds += time.perf_counter() - began
+        with self._lock:  # reader threads count at once
+            self.counters.chunks_loaded += len(chunks)
+            self.counters.load_seconds += time.perf_counter() - began
         return chunks
+
+    def read(self, tokens: list[int], first: int = 0) -> Future[ChunkRun]:
+        """Start reading, on one of the tiers' reader threads, the run of a prompt's chunks from
+        chunk ``first`` on that the tiers hold (leaving the prompt's last token to compute)."""
+        keys = self.keys(tokens[:-1])[first:]
+        return self._reader.submit(lambda: ChunkRun(first, self.load(keys)))
 
     def store(self, items: list[tuple[ChunkKey, torch.Tensor, torch.Tensor]]) -> None:
         """Queue chunks (key, keys, values; tensors the caller no longer writes) to be encoded and
@@ -100,7 +124,8 @@ class PrefixTiers:
         def encoded() -> list[tuple[str, bytes]]:
             began = time.perf_counter()
             batch = [(str(key), encode_chunk(key, k, v)) for key, k, v in items]
-            self.counters.store_seconds += time.perf_counter() - began
+            with self._lock:
+                self.counters.store_seconds += time.perf_counter() - began
             return batch
 
         if not items:

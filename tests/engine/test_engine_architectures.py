@@ -11,6 +11,7 @@ from tiny_models import TINY_IDS, random_prompt, tiny_model
 
 from kvfactory import ConfigError
 from kvfactory.engine import Engine, SamplingParams
+from kvfactory.manager.tiered import ChunkRun
 from kvfactory.tiers import DiskTier, TierChain
 
 ENGINE_ARCHITECTURES = [name for name in TINY_IDS if name != "gpt2"]
@@ -229,3 +230,26 @@ def test_a_second_engine_loads_a_shared_prefix_from_the_tiers(name: str, tmp_pat
         assert output.token_ids == greedy_tokens(model, prompt, 6)
     stats = second.stats()
     assert stats["tier_chunks_loaded"] == 2 * 5 and stats["pool_blocks_held"] == 0
+
+
+def test_tier_reads_start_after_the_prefix_the_pool_holds(tmp_path) -> None:
+    """``read_tiers`` reads only the chunks after the blocks the pool's prefix cache holds; a read
+    that started later than the pool's prefix now ends (its blocks evicted since) is not used, and
+    the chunks are read again at ``create``."""
+    model = tiny_model(ENGINE_ARCHITECTURES[0])
+    prefix = random_prompt(40, seed=7)[0].tolist()
+    prompt = prefix + random_prompt(4, seed=21)[0].tolist()
+
+    def engine() -> Engine:
+        return Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512,
+                      tiers=TierChain([DiskTier(tmp_path, 1 << 26)]), chunk_tokens=8)
+
+    first = engine()
+    first.generate([prefix + [1]], SamplingParams(max_tokens=1))
+    assert first.manager.tiers.flush(timeout=60)
+    assert first.manager.read_tiers(prompt) is None  # the pool holds all 5 chunks' blocks: nothing to read
+    manager = engine().manager
+    run = manager.read_tiers(prompt).result(timeout=60)
+    assert run.first == 0 and len(run.chunks) == 5
+    manager.create("late", prompt, tier_chunks=ChunkRun(2, run.chunks[2:]))
+    assert manager.cached_tokens("late") == 40 and manager.stats()["tier_chunks_loaded"] == 5 + 5

@@ -1,9 +1,11 @@
 """The engine's prefix cache over kvfactory's tiers, on the embedded SmolLM2 and a real Redis server:
 a second engine (its own pool and prefix cache) loads the first one's system-prompt chunks instead
-of computing them, with DynamicCache's greedy output; a corrupted chunk or a dead Redis costs
-recompute, never output."""
+of computing them, with DynamicCache's greedy output; a tier read that stalls holds up its own
+request only; a corrupted chunk or a dead Redis costs recompute, never output."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import redis
@@ -11,7 +13,7 @@ from helpers import greedy_tokens
 
 from kvfactory.engine import Engine, SamplingParams
 from kvfactory.errors import ConfigError
-from kvfactory.tiers import ChunkKey, DiskTier, RedisTier, TierChain, decode_chunk
+from kvfactory.tiers import ChunkKey, DiskTier, HostTier, RedisTier, TierChain, decode_chunk
 
 pytestmark = pytest.mark.slow
 SYSTEM, CHUNK, NEW = 512, 128, 8
@@ -60,6 +62,47 @@ def test_a_second_engine_loads_the_first_ones_prefix_through_redis(smollm2, prom
     assert second.metrics.tier_stats.labels("redis", "hits")._value.get() == loaded
     assert second.metrics.tier_seconds.labels("load")._value.get() > 0
     assert stats["pool_blocks_held"] == 0
+
+
+class GatedTier(HostTier):
+    """A host tier whose reads wait until ``gate`` is set (a tier that stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__(1 << 30)
+        self.gate = threading.Event()
+
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        assert self.gate.wait(60)
+        return super()._get_many(keys)
+
+
+def test_a_stalled_tier_read_holds_up_its_own_request_only(smollm2, prompts) -> None:
+    """The engine reads a waiting request's chunks off its thread: while the read stalls, a request
+    that came after it is admitted and decodes step after step; once the read is done the stalled
+    request is admitted with the chunks."""
+    model, tokenizer = smollm2
+    tier = GatedTier()
+
+    def engine_over_tier() -> Engine:
+        return Engine(model, tokenizer, {"type": "paged", "page_size": 16}, pool_tokens=4096, tiers=tier,
+                      chunk_tokens=CHUNK)
+
+    tier.gate.set()
+    stored_by(engine_over_tier(), prompts[:1])
+    engine = engine_over_tier()  # its own pool: only the tier holds the system prompt
+    tier.gate.clear()
+    short = prompts[2][SYSTEM:]  # 40 tokens of its own: no whole chunk to read
+    waiting = engine.add_request(prompts[1], GREEDY)
+    running = engine.add_request(short, GREEDY)
+    advanced = [output.request_id for _ in range(6) for output in engine.step()]
+    assert advanced.count(running) == 6 and waiting not in advanced  # it decodes; the other waits
+    tier.gate.set()
+    outputs = {}
+    while engine.has_unfinished():
+        outputs |= {output.request_id: output for output in engine.step() if output.finished}
+    assert outputs[waiting].token_ids == greedy_tokens(model, prompts[1], NEW)
+    assert outputs[waiting].cached_tokens == SYSTEM  # its chunks came from the tier's read
+    assert outputs[running].token_ids == greedy_tokens(model, short, NEW)
 
 
 def test_int8_chunks_load_and_their_agreement_is_measured(smollm2, prompts, redis_url) -> None:
