@@ -47,6 +47,8 @@ from kvfactory.tiers import Tier
 
 logger = logging.getLogger("kvfactory.engine")
 PREEMPTION = ("swap", "recompute")
+NOTHING_TO_READ: futures.Future = futures.Future()  # a request whose prompt the tiers add nothing to
+NOTHING_TO_READ.set_result(None)
 
 
 class AdmissionError(KVFactoryError, ValueError):
@@ -89,7 +91,7 @@ class EngineMemory:
 
     def prepare(self, request: Request) -> None:
         if request.tier_read is None:
-            request.tier_read = self.manager.read_tiers(request.prompt_ids)
+            request.tier_read = self.manager.read_tiers(request.prompt_ids) or NOTHING_TO_READ
 
     def ready(self, request: Request) -> bool:
         return request.tier_read is None or request.tier_read.done()
@@ -289,7 +291,8 @@ class Engine:
             request.tier_read = None
         if not plan:
             reads = [r.tier_read for r in self.scheduler.waiting if r.tier_read is not None]
-            futures.wait(reads, timeout=0.05, return_when=futures.FIRST_COMPLETED)  # idle: not spinning
+            if reads and not any(read.done() for read in reads):  # idle until a read ends: not spinning
+                futures.wait(reads, timeout=0.05, return_when=futures.FIRST_COMPLETED)
             self.metrics.update_gauges()
             return outputs
         started = time.perf_counter()
