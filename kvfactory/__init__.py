@@ -23,6 +23,7 @@ _EXPORTS = {
     **{name: "kvfactory.eviction" for name in ("Observation", "Policy", "register_policy")},
     "KVCacheFactory": "kvfactory.factory",
     "KVCacheManager": "kvfactory.manager",
+    "PagedKVCacheConfig": "kvfactory.spellings", "PagedQuantizedCacheConfig": "kvfactory.spellings",
     **{name: "kvfactory.storage" for name in ("DenseStore", "LayerStore", "MemoryReport", "PagedPool",
                                               "PagedStore")},
 }

@@ -2,7 +2,8 @@
 
 A strategy is a registered dataclass; its fields are the options a config may set. Every unknown
 key, wrong type or impossible value raises ``ConfigError`` naming the key, the value and what
-is allowed.
+is allowed. The design article's spellings (its YAML keys, its typed configs) are rewritten into
+kvfactory's first (``kvfactory.spellings``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from kvfactory.eviction.spec import EVICTION, EvictionSpec
 from kvfactory.options import describe, options_of, type_ok
 from kvfactory.selectors import SELECTORS
 from kvfactory.selectors.spec import SelectorSpec
+from kvfactory.spellings import PagedKVCacheConfig, translate
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
 
 _REGISTRY: dict[str, type] = {}
 QUANTIZED = "quantized"  # the composite entry that sets quantization (kvfactory.codecs.spec)
-RENAMED = {"selective": EVICTION}  # old composite entry names: a ConfigError names the new one
+SHARE_PREFIX = "share_prefix"  # whether a manager over the config shares cached prompt prefixes
 
 
 def register_cache_strategy(name: str, cls: type) -> type:
@@ -71,6 +73,7 @@ class CacheConfig:
     quantization: QuantizationSpec | None = None
     eviction: EvictionSpec | None = None
     selector: SelectorSpec | None = None
+    share_prefix: bool | None = None  # None: wherever the storage can share prefixes
 
 
 def parse_strategy(name: Any, options: dict[str, Any], where: str) -> StrategySpec:
@@ -93,10 +96,13 @@ def parse_strategy(name: Any, options: dict[str, Any], where: str) -> StrategySp
     return spec
 
 
-def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
-    """Validate a config dict (plain or composite) into a ``CacheConfig``."""
+def parse_config(config: dict[str, Any] | CacheConfig | PagedKVCacheConfig | None) -> CacheConfig:
+    """Validate a config dict (plain or composite; kvfactory's keys or the design article's) or
+    typed config into a ``CacheConfig``."""
     if isinstance(config, CacheConfig):
         return config
+    if isinstance(config, PagedKVCacheConfig):
+        config = config.to_config()
     if config is None:
         config = {"type": "dense"}
     if not isinstance(config, dict):
@@ -105,17 +111,22 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
         config = config["kv_cache_config"]
         if not isinstance(config, dict):
             raise ConfigError("kv_cache_config", config, "a mapping")
+    raw, config = dict(config), translate(config)
+    share = config.pop(SHARE_PREFIX, None)
+    if share is not None and not isinstance(share, bool):
+        raise ConfigError(SHARE_PREFIX, share, "true or false")
     kind = config.get("type")
     if not isinstance(kind, str):
         raise ConfigError("type", kind, f"one of {registered_strategies()} or 'composite'")
     if kind != "composite":
         options = {k: v for k, v in config.items() if k not in ("type", "quantization")}
-        return CacheConfig(parse_strategy(kind, options, ""), dict(config),
-                           QuantizationSpec.parse(config.get("quantization")))
+        return CacheConfig(parse_strategy(kind, options, ""), raw,
+                           QuantizationSpec.parse(config.get("quantization")), share_prefix=share)
     extra = set(config) - {"type", "strategies"}
     if extra:
         key = sorted(extra)[0]
-        raise ConfigError(key, config[key], "a composite config has only 'type' and 'strategies'")
+        raise ConfigError(key, config[key], f"a composite config has only 'type', 'strategies' and "
+                          f"'{SHARE_PREFIX}'")
     strategies = config.get("strategies")
     if not isinstance(strategies, list) or not strategies:
         raise ConfigError("strategies", strategies, "a non-empty list of {name: ..., options...}")
@@ -130,9 +141,6 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                 raise ConfigError(f"{where}name", QUANTIZED, "one quantized strategy per config")
             quantization = QuantizationSpec.parse(options, where)
             continue
-        if entry["name"] in RENAMED:
-            new = RENAMED[entry["name"]]
-            raise ConfigError(f"{where}name", entry["name"], f"'{new}' (the entry's new name)")
         if entry["name"] == EVICTION:
             if eviction is not None:
                 raise ConfigError(f"{where}name", EVICTION, "one eviction entry per config")
@@ -155,7 +163,7 @@ def parse_config(config: dict[str, Any] | CacheConfig | None) -> CacheConfig:
                           f"'{QUANTIZED}', '{EVICTION}' and selectors {sorted(SELECTORS)}")
     if selector is not None:
         check_selector_composition(storage, eviction, selector)
-    return CacheConfig(storage, dict(config), quantization, eviction, selector)
+    return CacheConfig(storage, raw, quantization, eviction, selector, share)
 
 
 def check_selector_composition(storage: StrategySpec, eviction: EvictionSpec | None,

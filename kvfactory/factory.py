@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +15,18 @@ from kvfactory.cache import (
 )
 from kvfactory.compose import LayerContext, compose_layer
 from kvfactory.config import CacheConfig, load_yaml, parse_config
-from kvfactory.errors import ConfigError
+from kvfactory.errors import ConfigError, UnknownSequenceError
 from kvfactory.selectors.base import RoutingContext
 from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.sizing import KVShape, bytes_per_token_per_layer
+from kvfactory.spellings import PagedKVCacheConfig
 from kvfactory.storage.base import LayerStore, PrefixLayout
 from kvfactory.storage.blocks import BlockIds, PagedPool
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
+
+AnyConfig = dict[str, Any] | CacheConfig | PagedKVCacheConfig | None
 
 
 class KVCacheFactory:
@@ -30,12 +34,19 @@ class KVCacheFactory:
 
     Caches created by one factory share its storage pool (for paged storage), so many sequences
     can live in one preallocated pool; pass ``pool=`` to share a pool across factories.
+    ``default_config`` is the design article's name for ``cache_config``; ``free_cache(seq_id)``
+    gives back the memory of the cache ``create_cache(seq_id)`` made.
     """
 
-    def __init__(self, model_config: Any, cache_config: dict[str, Any] | CacheConfig | None = None,
-                 pool: PagedPool | None = None):
+    def __init__(self, model_config: Any, cache_config: AnyConfig = None, pool: PagedPool | None = None, *,
+                 default_config: AnyConfig = None):
+        if default_config is not None:  # the design article's name for the config
+            if cache_config is not None:
+                raise ConfigError("default_config", "given", "cache_config or default_config, not both")
+            cache_config = default_config
         self.model_config = model_config
         self.config = parse_config(cache_config)
+        self._caches: weakref.WeakValueDictionary[str, KVCache] = weakref.WeakValueDictionary()
         self.windows = attention_layout(model_config)
         storage = self.config.storage
         if pool is None:
@@ -81,7 +92,17 @@ class KVCacheFactory:
                         model_config=self.model_config, routing=routing, routing_context=context,
                         forward_lock=self.forward_lock, groups=self.groups)
         await_first_forward(cache)  # hooks the model it runs with (tokens written, OVAL's hidden state)
+        if seq_id is not None:
+            self._caches[seq_id] = cache
         return cache
+
+    def free_cache(self, seq_id: str) -> None:
+        """Give back the memory of the cache created for ``seq_id`` (``cache.free()``);
+        ``UnknownSequenceError`` for an id with no live cache of this factory."""
+        cache = self._caches.pop(seq_id, None)
+        if cache is None:
+            raise UnknownSequenceError(seq_id, list(self._caches))
+        cache.free()
 
     def prefix_layout(self) -> PrefixLayout | None:
         """How a prefix cache shares this config's blocks between sequences (``LayerStore.prefix_layout``),

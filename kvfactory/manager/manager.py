@@ -126,6 +126,12 @@ class KVCacheManager:
                               "pages, also under a page selector")
         self.pool: PagedPool = self.factory.pool
         self.page_size = self.pool.page_size
+        if prefix_caching is None and config.share_prefix and layout is None:
+            warnings.warn("share_prefix (share_system_prompt): prefixes are not shared under an eviction "
+                          "policy, whose kept tokens differ per sequence, nor between layers whose blocks "
+                          "differ; prefix caching is off", stacklevel=2)
+        if prefix_caching is None and config.share_prefix is not None:
+            prefix_caching = config.share_prefix and layout is not None
         self.prefix_caching = layout is not None if prefix_caching is None else prefix_caching
         self.layout = layout or PrefixLayout(self.page_size)
         if tiers is not None:

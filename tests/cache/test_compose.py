@@ -87,11 +87,6 @@ def test_compose_only_options_are_not_config_options() -> None:
         parse_config({"type": "paged", "kind": "window"})
 
 
-def test_old_entry_name_names_the_new_one() -> None:
-    with pytest.raises(ConfigError, match="'eviction'"):
-        parse_config(composite(PAGED, {"name": "selective", "policy": "h2o", "budget": 8}))
-
-
 @dataclass(eq=False)
 class KeepFirst(DenseStore):
     """A user strategy that evicts in ``retain``: declared ``evicts`` by overriding it."""
