@@ -22,7 +22,7 @@ _EXPORTS = {
         "UnsupportedError")},
     **{name: "kvfactory.eviction" for name in ("Observation", "Policy", "register_policy")},
     "KVCacheFactory": "kvfactory.factory",
-    "KVCacheManager": "kvfactory.manager",
+    "KVCacheManager": "kvfactory.manager", "batch_gather": "kvfactory.manager.gather",
     "PagedKVCacheConfig": "kvfactory.spellings", "PagedQuantizedCacheConfig": "kvfactory.spellings",
     **{name: "kvfactory.storage" for name in ("DenseStore", "LayerStore", "MemoryReport", "PagedPool",
                                               "PagedStore")},

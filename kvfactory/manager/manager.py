@@ -67,6 +67,7 @@ from kvfactory.manager.prefix import PrefixIndex, block_hashes
 from kvfactory.manager.sequence import Sequence, SequenceStatus
 from kvfactory.manager.state import SequenceState
 from kvfactory.manager.tiered import ChunkRun, PrefixTiers
+from kvfactory.sizing import KVShape
 from kvfactory.storage.base import PrefixLayout
 from kvfactory.storage.blocks import BlockPool, PagedPool
 from kvfactory.storage.paged import PagedStore
@@ -194,6 +195,33 @@ class KVCacheManager:
         held = next((i for i, name in enumerate(names) if name not in self.index.entries), len(names))
         first = held * self.layout.block_tokens // self.tiers.tokens
         return self.tiers.read(tokens, first) if first < (len(tokens) - 1) // self.tiers.tokens else None
+
+    def allocate(self, seq_id: str, initial_length: int = 0) -> KVCache:
+        """The design article's ``allocate``: ``create(seq_id)`` once the pool has room for
+        ``initial_length`` tokens of it (``CacheFullError`` otherwise, with nothing created). The
+        pool hands out blocks as tokens are written: this checks room, it sets none aside."""
+        cache = self.create(seq_id)
+        try:
+            self.extend(seq_id, initial_length)
+        except (CacheFullError, ConfigError):
+            self.free(seq_id)
+            raise
+        return cache
+
+    def extend(self, seq_id: str, new_tokens: int) -> KVCache:
+        """The design article's ``extend``: the sequence's cache, once the pool has room for
+        ``new_tokens`` more of its tokens (``CacheFullError`` otherwise)."""
+        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+            raise ConfigError("new_tokens", new_tokens, "an integer >= 0")
+        cache = self._live(seq_id, "extend").cache
+        if new_tokens:
+            config = self.factory.model_config
+            shape = KVShape.from_config(config)
+            dtype = getattr(config, "dtype", None)
+            like = torch.empty(1, shape.kv_heads, 0, shape.head_dim,
+                               dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32)
+            self.pool.check(cache.block_requests(new_tokens, like, like))
+        return cache
 
     def get(self, seq_id: str) -> KVCache:
         record = self._record(seq_id)

@@ -1,7 +1,8 @@
 """The design article's own config and calls, pasted as they are: its YAML (``share_system_prompt``,
 ``quant_bits``, ``calibrate``, ``selective``), its flat keys (``type: native``, ``quant_bits``), its
-typed configs, ``KVCacheFactory(model_config=..., default_config=...)``, ``create_cache(seq_id=...)``
-and ``free_cache(seq_id)``; each is checked for what it builds."""
+typed configs, ``KVCacheFactory(model_config=..., default_config=...)``, ``create_cache(seq_id=...)``,
+``free_cache(seq_id)`` and the manager's ``allocate``, ``extend``, ``free`` and ``batch_gather``;
+each is checked for what it does."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from helpers import generate
 from tiny_models import random_prompt, tiny_config, tiny_model
 
 from kvfactory import (
+    CacheFullError,
     ConfigError,
     KVCacheFactory,
     KVCacheManager,
     PagedKVCacheConfig,
     PagedQuantizedCacheConfig,
     UnknownSequenceError,
+    batch_gather,
 )
 from kvfactory.config import load_yaml, parse_config
 
@@ -115,3 +118,33 @@ def test_the_articles_typed_config_and_factory_calls() -> None:
         PagedQuantizedCacheConfig(quant_bits=3)
     with pytest.raises(ConfigError, match="dtype"):
         PagedKVCacheConfig(dtype=torch.int8)
+
+
+def test_the_articles_manager_verbs() -> None:
+    """``allocate(seq_id, initial_length)`` and ``extend(seq_id, new_tokens)`` check the pool's room
+    (``CacheFullError`` with nothing held), ``free(seq_id)`` gives the blocks back, and
+    ``batch_gather(caches)`` aligns sequences of different lengths into one padded batch."""
+    manager = KVCacheManager(tiny_config("llama"), {"type": "paged", "page_size": 16, "pool_blocks": 8})
+    short = manager.allocate("short", initial_length=40)
+    with pytest.raises(CacheFullError):
+        manager.allocate("huge", initial_length=16 * 9)
+    assert manager.sequences() == ["short"]
+    keys = torch.randn(1, 2, 40, 16)
+    short.update(keys, keys + 1, 0)
+    assert manager.extend("short", 16 * 5) is short  # 3 blocks held, 5 more free
+    with pytest.raises(CacheFullError):
+        manager.extend("short", 16 * 6)
+    long = manager.allocate("long")
+    longer = torch.randn(1, 2, 50, 16)
+    with pytest.raises(CacheFullError):  # "short" holds 3 of the 8 blocks: 6 more do not fit
+        manager.extend("long", 16 * 6)
+    long.update(longer, longer, 0)
+    gathered, values, mask = batch_gather([short, long])
+    assert gathered.shape == values.shape == (2, 2, 50, 16) and mask.sum(1).tolist() == [40, 50]
+    assert torch.equal(gathered[0, :, 10:], keys[0]) and torch.equal(values[0, :, 10:], keys[0] + 1)
+    assert not gathered[0, :, :10].any() and torch.equal(gathered[1], longer[0])
+    manager.free("short")
+    manager.free("long")
+    assert manager.stats()["pool_blocks_held"] == 0
+    with pytest.raises(ConfigError, match="new_tokens"):
+        manager.extend("x", -1)
