@@ -31,6 +31,7 @@ from kvfactory.errors import ConfigError, LayerIndexError, SequenceStateError, S
 from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import BlockTableStore
+from kvfactory.summaries import MemorySummary, RoutingSummary
 
 if TYPE_CHECKING:
     from kvfactory.config import CacheConfig
@@ -627,8 +628,8 @@ class KVCache(Cache):
     def batch_size(self) -> int:
         return max((layer.store.batch_size for layer in self.layers), default=0)
 
-    def memory_report(self) -> dict[str, float]:
-        """Bytes held by this cache, from its tensors.
+    def memory_report(self) -> MemorySummary:
+        """Bytes held by this cache, from its tensors (a dict; ``print`` it for MiB and bytes per token).
 
         ``allocated``/``used``/``waste`` are summed over layers; ``tokens`` counts tokens seen per
         batch row times rows, so ``bytes_per_token`` is what one sequence token costs in all layers.
@@ -661,7 +662,7 @@ class KVCache(Cache):
             windows = [layer.store.residual_report() for layer in self.layers]
             residual = sum((window for window in windows if window is not None), MemoryReport())
             report |= {"residual": residual.allocated, "residual_tokens": residual.tokens}
-        return report
+        return MemorySummary(report)
 
     def end_prefill(self) -> None:
         """Close the prompt: evicting caches compressing by ratio keep what comes next (a question
@@ -669,8 +670,9 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.store.end_prefill()
 
-    def routing_metrics(self) -> dict[str, float]:
-        """A selector's routing metrics (``kvfactory.selectors.metrics``): hit rate, recall, bytes read;
+    def routing_metrics(self) -> RoutingSummary:
+        """A selector's routing metrics (``kvfactory.selectors.metrics``; a dict, readable printed):
+        hit rate, recall, bytes read;
         ``unrouted_kv_bytes_per_step``: what the layers no selector routes hold (sliding-window
         layers, read whole by every step), and ``model_read_fraction``: what a step reads of every
         layer's K/V together."""
@@ -683,8 +685,8 @@ class KVCache(Cache):
                        if not self.routing.records(layer.store))
         read = metrics["kv_bytes_read_per_step"] + unrouted
         full = metrics["kv_bytes_full_per_step"] + unrouted
-        return metrics | {"unrouted_kv_bytes_per_step": unrouted,
-                          "model_read_fraction": read / full if full else float("nan")}
+        return RoutingSummary(metrics | {"unrouted_kv_bytes_per_step": unrouted,
+                                         "model_read_fraction": read / full if full else float("nan")})
 
     def quantization_error(self) -> dict[int, dict[str, float]]:
         """Per quantized layer: the relative MSE of its stored keys and values (sampled on writes)."""

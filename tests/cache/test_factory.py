@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -257,3 +258,23 @@ def test_factories_have_separate_pools_unless_shared() -> None:
     cache.append(0, *kv(4))
     assert used_blocks(one.pool) == {0: 1}
     assert sum(used_blocks(two.pool).values()) == 0
+
+
+def test_reports_print_for_a_reader() -> None:
+    """``memory_report()`` and ``routing_metrics()`` stay dicts of numbers, and print as sentences:
+    MiB and bytes per token, the full-precision window apart, and no NaN before any decode step."""
+    model = tiny_model("llama")
+    quest = {"type": "composite", "strategies": [{"name": "paged", "page_size": 16},
+                                                 {"name": "quest", "read_budget": 0.25}]}
+    int4 = KVCacheFactory(model.config, {"type": "paged", "page_size": 16,
+                                         "quantization": "int4"}).create_cache()
+    routed = KVCacheFactory(model.config, quest).create_cache()
+    assert str(routed.routing_metrics()) == "routing: no decode step routed yet"
+    assert math.isnan(routed.routing_metrics()["hit_rate"])
+    for cache in (int4, routed):
+        model.generate(random_prompt(200), cache=cache, max_new_tokens=4, do_sample=False)
+    report = int4.memory_report()
+    assert report["bytes_per_token"] > 0 and "nan" not in str(report)
+    assert str(report).startswith("KV cache: ") and "bytes per token" in str(report)
+    assert "full-precision window" in str(report)
+    assert str(routed.routing_metrics()).startswith("routing: 3 decode steps")
