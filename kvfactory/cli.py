@@ -21,6 +21,20 @@ from kvfactory.errors import KVFactoryError
 app = typer.Typer(help="KV-cache management for Hugging Face transformers.", no_args_is_help=True,
                   add_completion=False)
 
+
+def _version(shown: bool) -> None:
+    if shown:
+        from kvfactory import __version__
+
+        typer.echo(f"kvfactory {__version__}")
+        raise typer.Exit
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="print kvfactory's version and exit")] = False) -> None:
+    """KV-cache management for Hugging Face transformers."""
+
 # options several commands share
 def _model(model: str) -> str:
     """``--model``: a packaged model's short name, a hub id, or a local folder that exists."""

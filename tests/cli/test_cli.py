@@ -8,6 +8,7 @@ import pytest
 from transformers import LlamaConfig, MistralConfig
 from typer.testing import CliRunner
 
+import kvfactory
 from kvfactory import models
 from kvfactory import run as run_job
 from kvfactory.cli import app
@@ -128,3 +129,8 @@ def test_run_small(tmp_path):
     baseline = report["results"][0]
     assert baseline["bytes_per_token"] == 30 * 3 * 64 * 2 * 4  # fp32 DynamicCache holds exactly its tokens
     assert report["answer"].strip()
+
+
+def test_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"kvfactory {kvfactory.__version__}"
