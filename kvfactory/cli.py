@@ -15,10 +15,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvfactory import models, sizing
-from kvfactory import run as run_job
 from kvfactory.errors import KVFactoryError
+from kvfactory.run_configs import DEFAULT_CONFIGS, MIN_NEW_TOKENS, PRESETS, SEGMENTS, RunError, parse_configs
 
 app = typer.Typer(help="KV-cache management for Hugging Face transformers.", no_args_is_help=True,
+                  rich_markup_mode=None,
                   add_completion=False)
 
 
@@ -86,8 +87,8 @@ def _bytes(n: float) -> str:
 
 def _configs(values: list[str] | None) -> list[str] | None:
     try:
-        run_job.parse_configs(values)
-    except run_job.RunError as exc:
+        parse_configs(values)
+    except RunError as exc:
         raise typer.BadParameter(str(exc), param_hint="--configs") from exc
     return values
 
@@ -135,17 +136,17 @@ def size(
 def run(
     context: Annotated[int, typer.Option(min=1, help="tokens of shipped WikiText-2 text before the question")]
     = 4096,
-    new_tokens: Annotated[int, typer.Option(min=run_job.MIN_NEW_TOKENS, help=f"tokens generated (greedy, EOS "
-                                            f"ignored): the prefill's first, then {run_job.SEGMENTS} timed "
+    new_tokens: Annotated[int, typer.Option(min=MIN_NEW_TOKENS, help=f"tokens generated (greedy, EOS "
+                                            f"ignored): the prefill's first, then {SEGMENTS} timed "
                                             f"decode segments")]
     = 64,
     configs: Annotated[list[str] | None, typer.Option(
-        callback=_configs, help=f"repeatable: a preset ({', '.join(run_job.PRESETS)}) or a JSON cache "
-                                f"config; default: {', '.join(run_job.DEFAULT_CONFIGS)}. DynamicCache "
+        callback=_configs, help=f"repeatable: a preset ({', '.join(PRESETS)}) or a JSON cache "
+                                f"config; default: {', '.join(DEFAULT_CONFIGS)}. DynamicCache "
                                 f"always runs as the baseline")]
     = None,
-    every: Annotated[bool, typer.Option("--all", help=f"run every preset ({len(run_job.PRESETS)} configs "
-                                                      f"instead of {len(run_job.DEFAULT_CONFIGS)})")] = False,
+    every: Annotated[bool, typer.Option("--all", help=f"run every preset ({len(PRESETS)} configs "
+                                                      f"instead of {len(DEFAULT_CONFIGS)})")] = False,
     model: ModelOption = models.EMBEDDED,
     threads: ThreadsOption = 1,
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
@@ -156,8 +157,10 @@ def run(
 
     logging.disable_progress_bar()  # the run shows its own progress
     try:
+        from kvfactory import run as run_job
+
         run_job.run(context, new_tokens, configs, threads, json_path, Console(), every, model)
-    except run_job.RunError as exc:
+    except RunError as exc:
         raise typer.BadParameter(str(exc)) from exc
     except KVFactoryError as exc:  # a config that cannot hold the run (a pool too small): no traceback
         _fail(exc)
@@ -397,7 +400,7 @@ def serve(
 
 
 oval_app = typer.Typer(help="OVAL page routing: train a router (a query scorer or a prefetch router).",
-                       no_args_is_help=True)
+                       no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(oval_app, name="oval")
 
 
@@ -445,7 +448,8 @@ def oval_train(
         json_out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-selectors_app = typer.Typer(help="Sparse reads: calibrate per-layer read budgets.", no_args_is_help=True)
+selectors_app = typer.Typer(help="Sparse reads: calibrate per-layer read budgets.", no_args_is_help=True,
+                            rich_markup_mode=None)
 app.add_typer(selectors_app, name="selectors")
 
 

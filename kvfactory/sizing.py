@@ -18,12 +18,10 @@ import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
-from transformers import PretrainedConfig
-
-from kvfactory.cache import attention_layout
-from kvfactory.codecs import make_codec
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DType = Literal["fp32", "fp16", "bf16"]
 Codec = Literal["none", "int8", "fp8", "int4", "int2"]
@@ -49,6 +47,8 @@ class KVShape:
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        from kvfactory.cache import attention_layout  # transformers: only once a config is read
+
         return cls(kv_heads, head_dim, tuple(attention_layout(model_config)))
 
     @property
@@ -56,7 +56,8 @@ class KVShape:
         return len(self.windows)
 
 
-Model = PretrainedConfig | KVShape  # what the calculator accepts: a transformers config or a KVShape
+if TYPE_CHECKING:
+    Model = PretrainedConfig | KVShape  # what the calculator accepts: a transformers config or a KVShape
 
 
 def _shape(model: Model) -> KVShape:
@@ -75,6 +76,8 @@ def _head_token_bytes(head_dim: int, dtype: DType, codec: Codec) -> Fraction:
     _check(dtype, codec)
     if codec == "none":
         return Fraction(2 * head_dim * DTYPE_BYTES[dtype])
+    from kvfactory.codecs import make_codec  # torch: only once a codec is sized
+
     return sum(Fraction(make_codec(codec, role).bytes_per_token(1, head_dim)) for role in ("key", "value"))
 
 

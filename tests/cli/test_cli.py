@@ -9,7 +9,7 @@ from transformers import LlamaConfig, MistralConfig
 from typer.testing import CliRunner
 
 import kvfactory
-from kvfactory import models
+from kvfactory import models, run_configs
 from kvfactory import run as run_job
 from kvfactory.cli import app
 from kvfactory.texts import shipped_text
@@ -116,7 +116,7 @@ def test_run_small(tmp_path):
     assert result.exit_code == 0, result.output
     assert re.search(rf"^{run_job.BASELINE} .* ref$", result.output, re.M), result.output
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["results"]] == [run_job.BASELINE, *run_job.DEFAULT_CONFIGS]
+    assert [r["name"] for r in report["results"]] == [run_job.BASELINE, *run_configs.DEFAULT_CONFIGS]
     for r in report["results"][1:]:  # a row per config; lossless ones give DynamicCache's tokens
         lossy = run_job.lossy(r["config"])
         assert r["equal"] or lossy, r
@@ -134,3 +134,26 @@ def test_run_small(tmp_path):
 def test_version() -> None:
     result = invoke("--version")
     assert result.exit_code == 0 and result.output.strip() == f"kvfactory {kvfactory.__version__}"
+
+
+def test_help_starts_without_torch() -> None:
+    """``kvfactory --help`` imports neither torch nor transformers (it starts in well under 2 s):
+    commands import what they need when they run."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvfactory.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("command", ["eval", "serve", "run"])
+def test_help_names_every_option_in_full_at_80_columns(command: str) -> None:
+    import typer.main
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and "…" not in result.output
+    click_command = typer.main.get_command(app).commands[command]
+    for param in click_command.params:
+        assert all(name in result.output for name in param.opts), (param.opts, result.output)
+    assert max(len(line) for line in result.output.splitlines()) <= 80

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from kvfactory import run as run_job
 from kvfactory.cli import app
 from kvfactory.measure import timed_continue, timed_generate
+from kvfactory.run_configs import DEFAULT_CONFIGS, PRESETS
 
 CONTEXT, NEW_TOKENS = 64, 10  # 3 segments of 3 decode tokens after the prefill's token
 SIZES = [3, 3, 3]
@@ -168,7 +169,7 @@ def test_medians_are_of_the_paired_ratios():
     assert run_job.medians(segments) == (20.0, pytest.approx(2 / 3))  # not 20 / 20: pairs, not medians
 
 
-@pytest.mark.parametrize("config", [None, run_job.PRESETS["paged/16"]])
+@pytest.mark.parametrize("config", [None, PRESETS["paged/16"]])
 def test_segmented_greedy_decode_gives_one_generate_call_s_tokens(config):
     model = _model()
     inputs = tiny_tokenizer()(run_job.build_prompt(tiny_tokenizer(), CONTEXT), return_tensors="pt")
@@ -202,8 +203,8 @@ def test_cli_json_and_80_columns(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(("args", "names"), [
-    ([], list(run_job.DEFAULT_CONFIGS)),
-    (["--all"], list(run_job.PRESETS)),
+    ([], list(DEFAULT_CONFIGS)),
+    (["--all"], list(PRESETS)),
     (["--configs", "int8"], ["int8"]),
 ])
 def test_cli_config_sets(monkeypatch, args, names):
