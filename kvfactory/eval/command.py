@@ -65,8 +65,9 @@ def _merge_peers(results: dict[str, Any], out: Path, peers: Sequence[Path]) -> d
 
 
 def _say_written(console: Console, paths: dict[str, Path], results: dict[str, Any]) -> None:
+    console.print(report.summary(results), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {paths['results']}, {paths['report']} and {len(paths) - 2} plot(s); "
-                  f"the run took {results['wall_s']:.1f} s")
+                  f"the run took {results['wall_s']:.1f} s", soft_wrap=True)
 
 
 def evaluate(specs: Sequence[runner.CacheSpec], tasks: Sequence[str], settings: EvalSettings, model_name: str,
@@ -106,6 +107,8 @@ def evaluate(specs: Sequence[runner.CacheSpec], tasks: Sequence[str], settings: 
                 progress.advance(bar, context)
             else:
                 progress.update(bar, description=f"{task} @ {context}: {name}")
+                if not console.is_terminal:  # no live bar in a file or a pipe: a line per unit
+                    console.print(f"{task} @ {context}: {name}", soft_wrap=True, highlight=False)
 
         results = runner.run_eval(model, tokenizer, specs, tasks, settings, corpus, on_unit, prompt_sets)
     results = {"command": command, "model": model_name, "threads": threads, "started": started,

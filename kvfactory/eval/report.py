@@ -119,26 +119,14 @@ def _ppl_windows(task_rows: list[dict[str, Any]]) -> list[str]:
 
 
 
-def markdown(results: dict[str, Any], plots: list[Path]) -> str:
-    """The report as Markdown (plots linked by file name)."""
-    rows = results["rows"]
-    s = results["settings"]
-    lines = [f"# kvfactory eval: {results.get('model', 'model')}", "",
-             f"Command: `{results.get('command', '')}`", "",
-             f"Total wall time: {results.get('wall_s', float('nan')):.1f} s"
-             f" (started {results.get('started', '?')}). Corpus: {results.get('corpus', '?')}.", "",
-             _sizes(s) + " Ratios (× base) are to DynamicCache in this run; compression ratio = "
-             "1 − kept / seen tokens; read budget = tokens read per step / tokens stored.", "",
-             "## Configs", ""]
-    lines += _table(["config", "kind", "source", "config"],
-                    [[c["name"], c["kind"], c["source"],
-                      f"`{json.dumps(c['config'])}`" if c["config"] else "–"] for c in results["configs"]])
-    if results.get("peer_results"):
-        lines += ["", f"Rows of kind `{EXTERNAL}` come from {', '.join(results['peer_results'])}: a peer "
-                  "run in another process on this run's `prompts.jsonl` (NVIDIA kvpress: "
-                  "`benchmarks/peers/run.sh`). Their ΔPPL, KV bytes and compression are against the peer's "
-                  "own no-press run (`/none`) from the same process; their speed is not compared across "
-                  "processes."]
+def summary(results: dict[str, Any]) -> str:
+    """Each task's results table, as the report shows them (what ``kvfactory eval`` prints)."""
+    return "\n".join(_task_sections(results)).strip() + "\n"
+
+
+def _task_sections(results: dict[str, Any]) -> list[str]:
+    rows, s = results["rows"], results["settings"]
+    lines: list[str] = []
     for task in s["tasks"]:
         task_rows = [r for r in rows if r["task"] == task]
         lines += ["", f"## {TASK_TITLES.get(task, task)}", ""]
@@ -161,6 +149,30 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
             lines += _table(["config", "context"] + [f"depth {d}" for d in depths],
                             [[r["config"], str(r["context"])]
                              + [_f(r["accuracy_by_depth"].get(d), ".2f") for d in depths] for r in task_rows])
+    return lines
+
+
+def markdown(results: dict[str, Any], plots: list[Path]) -> str:
+    """The report as Markdown (plots linked by file name)."""
+    rows = results["rows"]
+    s = results["settings"]
+    lines = [f"# kvfactory eval: {results.get('model', 'model')}", "",
+             f"Command: `{results.get('command', '')}`", "",
+             f"Total wall time: {results.get('wall_s', float('nan')):.1f} s"
+             f" (started {results.get('started', '?')}). Corpus: {results.get('corpus', '?')}.", "",
+             _sizes(s) + " Ratios (× base) are to DynamicCache in this run; compression ratio = "
+             "1 − kept / seen tokens; read budget = tokens read per step / tokens stored.", "",
+             "## Configs", ""]
+    lines += _table(["config", "kind", "source", "config"],
+                    [[c["name"], c["kind"], c["source"],
+                      f"`{json.dumps(c['config'])}`" if c["config"] else "–"] for c in results["configs"]])
+    if results.get("peer_results"):
+        lines += ["", f"Rows of kind `{EXTERNAL}` come from {', '.join(results['peer_results'])}: a peer "
+                  "run in another process on this run's `prompts.jsonl` (NVIDIA kvpress: "
+                  "`benchmarks/peers/run.sh`). Their ΔPPL, KV bytes and compression are against the peer's "
+                  "own no-press run (`/none`) from the same process; their speed is not compared across "
+                  "processes."]
+    lines += _task_sections(results)
     quantized = [r for r in rows if "key_rel_mse" in r]
     if quantized:
         lines += ["", "## Quantization error", "",

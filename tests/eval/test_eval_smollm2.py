@@ -4,6 +4,7 @@ a retrieval the trained model gets right; ``--prompts-only`` and ``kvfactory rep
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -17,8 +18,11 @@ QUALITY = ("ppl", "accuracy", "accuracy_by_depth")
 
 
 def _eval(out, *extra: str) -> dict:
+    """One run; its output, not a terminal here, has a line per unit and the results tables."""
     result = CliRunner().invoke(app, [*ARGS, "--out", str(out), *extra], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
+    assert re.search(r"^ppl @ 384: paged16$", result.output, re.M), result.output
+    assert re.search(r"^\| paged16 \| 384 \| ", result.output, re.M), result.output
     return json.loads((out / "results.json").read_text())
 
 
