@@ -8,26 +8,11 @@ from typing import Any
 
 from kvfactory.errors import ConfigError
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "dense": {"type": "dense"},
-    "paged/16": {"type": "paged", "page_size": 16},
-    "paged/256": {"type": "paged", "page_size": 256},
-    "int8": {"type": "dense", "quantization": "int8"},
-    "paged/16+int4": {"type": "paged", "page_size": 16, "quantization": "int4"},
-    "paged/16+snapkv/0.75": {"type": "composite", "strategies": [
-        {"name": "paged", "page_size": 16},
-        {"name": "eviction", "policy": "snapkv", "compression_ratio": 0.75}]},
-    "paged/16+streaming/1024": {"type": "composite", "strategies": [
-        {"name": "paged", "page_size": 16},
-        {"name": "eviction", "policy": "streaming_llm", "budget": 1024}]},
-    "paged/16+quest/0.125": {"type": "composite", "strategies": [
-        {"name": "paged", "page_size": 16}, {"name": "quest", "read_budget": 0.125}]},
-    "paged/16+oval/0.125": {"type": "composite", "strategies": [
-        {"name": "paged", "page_size": 16}, {"name": "oval", "read_budget": 0.125}]},
-}
+# the configs ``--all`` runs, by the preset names ``eval`` and ``serve`` take (``kvfactory.presets``)
+PRESETS = ("dense", "paged16", "paged256", "int8", "int4", "snapkv@0.75", "streaming_llm@1024", "quest@0.125",
+           "oval@0.125")
 # lossless, memory, eviction, sparse reads: the run a new user meets first (about 3 minutes on 1 thread)
-DEFAULT_CONFIGS = ("paged/16", "paged/16+int4", "paged/16+snapkv/0.75", "paged/16+quest/0.125",
-                   "paged/16+oval/0.125")
+DEFAULT_CONFIGS = ("paged16", "int4", "snapkv@0.75", "quest@0.125", "oval@0.125")
 SEGMENTS = 3  # decode segments per config, each right after a baseline segment
 MIN_NEW_TOKENS = 1 + 2 * SEGMENTS  # the prefill's token, then segments with a timed step after the first
 
@@ -37,30 +22,29 @@ class RunError(ValueError):
 
 
 def parse_configs(values: list[str] | None, every: bool = False) -> dict[str, dict[str, Any]]:
-    """Named cache configs to compare: preset names or inline JSON configs, ``DEFAULT_CONFIGS`` when
-    none are given, every preset with ``every``.
+    """Named cache configs to compare: presets (the names ``eval`` and ``serve`` take, POLICY@RATIO
+    and SELECTOR@BUDGET included) or inline JSON configs, ``DEFAULT_CONFIGS`` when none are given,
+    ``PRESETS`` with ``every``.
 
     Each config is validated now, so a typo fails before the model loads.
     """
     from kvfactory.config import parse_config  # torch: only once configs are parsed
+    from kvfactory.presets import is_preset, load_preset
 
-    if every:
-        if values:
-            raise RunError("--all runs every preset: leave out --configs, or name the configs without --all")
-        return dict(PRESETS)
-    if not values:
-        return {name: PRESETS[name] for name in DEFAULT_CONFIGS}
+    if every and values:
+        raise RunError("--all runs every preset: leave out --configs, or name the configs without --all")
     configs = {}
-    for value in values:
-        if value in PRESETS:
-            configs[value] = PRESETS[value]
-            continue
+    for value in values or (PRESETS if every else DEFAULT_CONFIGS):
         try:
-            config = json.loads(value)
-        except json.JSONDecodeError:
-            raise RunError(f"config {value!r}: expected one of {', '.join(PRESETS)} or a JSON cache "
-                           f"config such as '{{\"type\": \"paged\", \"page_size\": 64}}'") from None
-        try:
+            if is_preset(value):
+                configs[value] = load_preset(value)
+                continue
+            try:
+                config = json.loads(value)
+            except json.JSONDecodeError:
+                raise RunError(f"config {value!r}: expected a preset ({', '.join(PRESETS)}, POLICY@RATIO, "
+                               f"SELECTOR@BUDGET) or a JSON cache config such as "
+                               f"'{{\"type\": \"paged\", \"page_size\": 64}}'") from None
             parse_config(config)
         except ConfigError as exc:
             raise RunError(f"config {value!r}: {exc}") from exc

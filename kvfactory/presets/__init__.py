@@ -1,6 +1,7 @@
 """Named cache configs shipped with the package: ``kvfactory/presets/NAME.yaml``, ``POLICY@RATIO``
 (e.g. ``snapkv@0.75``): 16-token pages with that eviction policy compressing prefills by ``RATIO``,
-and ``SELECTOR@BUDGET`` (e.g. ``quest@0.125``): 16-token pages that decode reads sparsely, that
+``POLICY@TOKENS`` (a whole number, e.g. ``streaming_llm@1024``): the policy keeping that many tokens
+per layer, and ``SELECTOR@BUDGET`` (e.g. ``quest@0.125``): 16-token pages that decode reads sparsely, that
 fraction of the pages per step.
 """
 
@@ -33,7 +34,11 @@ def policy_preset(name: str) -> dict[str, Any] | None:
     if match is None:
         return None
     if match["name"] in POLICIES and not match["dynamic"]:
-        entry = {"name": "eviction", "policy": match["name"], "compression_ratio": float(match["fraction"])}
+        entry = {"name": "eviction", "policy": match["name"]}
+        if match["fraction"].isdigit() and int(match["fraction"]) >= 1:  # a whole number: tokens kept
+            entry["budget"] = int(match["fraction"])
+        else:
+            entry["compression_ratio"] = float(match["fraction"])
     elif match["name"] in SELECTORS:
         if match["dynamic"]:
             raise ConfigError("preset", name, f"{match['name']}@{match['fraction']}: dynamic pages were "

@@ -80,7 +80,7 @@ def test_size_bad_values(args, message, smollm2_shape):
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ("nope", "expected one of dense, paged/16, paged/256"),
+    ("nope", "expected a preset (dense, paged16, paged256"),
     ('{"type": "paged", "page_size": 0}', "page_size"),
     ('{"type": "mystery"}', "mystery"),
 ])
@@ -157,3 +157,17 @@ def test_help_names_every_option_in_full_at_80_columns(command: str) -> None:
     for param in click_command.params:
         assert all(name in result.output for name in param.opts), (param.opts, result.output)
     assert max(len(line) for line in result.output.splitlines()) <= 80
+
+
+def test_run_eval_and_serve_share_one_vocabulary() -> None:
+    """Every name ``kvfactory run`` prints is a preset ``eval`` and ``serve`` take, and the other
+    way round; a whole number after POLICY@ is the tokens kept."""
+    from kvfactory.eval.runner import resolve_cache
+    from kvfactory.presets import load_preset
+
+    for name in run_configs.PRESETS:
+        assert resolve_cache(name).config == run_job.parse_configs([name])[name] == load_preset(name)
+    for name in ("fp8", "int2", "h2o@0.5", "recent@0.25"):
+        assert run_job.parse_configs([name])[name] == load_preset(name)
+    streaming = load_preset("streaming_llm@1024")["strategies"][1]
+    assert (streaming["policy"], streaming["budget"]) == ("streaming_llm", 1024)

@@ -27,9 +27,9 @@ CONTEXT, NEW_TOKENS = 64, 10  # 3 segments of 3 decode tokens after the prefill'
 SIZES = [3, 3, 3]
 # compact JSON names are the config's name: this one is wider than the name column at 80 columns
 LONG = '{"type":"paged","page_size":8,"pool_tokens":4096}'
-CONFIGS = ["paged/16", "paged/16+int4", "paged/16+snapkv/0.75", "paged/16+quest/0.125", LONG]
+CONFIGS = ["paged16", "int4", "snapkv@0.75", "quest@0.125", LONG]
 NAMES = [run_job.BASELINE, *CONFIGS]
-LOSSLESS = {"paged/16", LONG}
+LOSSLESS = {"paged16", LONG}
 
 
 def _model() -> torch.nn.Module:
@@ -169,7 +169,7 @@ def test_medians_are_of_the_paired_ratios():
     assert run_job.medians(segments) == (20.0, pytest.approx(2 / 3))  # not 20 / 20: pairs, not medians
 
 
-@pytest.mark.parametrize("config", [None, PRESETS["paged/16"]])
+@pytest.mark.parametrize("config", [None, {"type": "paged", "page_size": 16}])
 def test_segmented_greedy_decode_gives_one_generate_call_s_tokens(config):
     model = _model()
     inputs = tiny_tokenizer()(run_job.build_prompt(tiny_tokenizer(), CONTEXT), return_tensors="pt")
@@ -193,12 +193,12 @@ def _cli(monkeypatch, *args):
 def test_cli_json_and_80_columns(monkeypatch, tmp_path):
     out = tmp_path / "run.json"
     result = _cli(monkeypatch, "--context", str(CONTEXT), "--new-tokens", str(NEW_TOKENS),
-                  "--configs", "paged/16", "--configs", LONG, "--json", str(out))
+                  "--configs", "paged16", "--configs", LONG, "--json", str(out))
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert [r["name"] for r in report["results"]] == [run_job.BASELINE, "paged/16", LONG]
+    assert [r["name"] for r in report["results"]] == [run_job.BASELINE, "paged16", LONG]
     assert all(r["equal"] and len(r["segments"]) == 3 for r in report["results"])
-    for name in (run_job.BASELINE, "paged/16", LONG):
+    for name in (run_job.BASELINE, "paged16", LONG):
         assert re.search(rf"^{re.escape(name)}( |\n)", result.output, re.M), result.output
 
 
@@ -226,6 +226,6 @@ def test_a_model_with_sliding_window_layers_runs_every_row() -> None:
     segments restart from a copy of its cache after the prefill, past the window here."""
     model = tiny_model("mistral-sw8", vocab_size=VOCAB, max_position_embeddings=1024)
     with attn_implementation(model, "kvfactory") as model:
-        report = run_job.compare(model, tiny_tokenizer(), run_job.parse_configs(["paged/16"]), CONTEXT,
+        report = run_job.compare(model, tiny_tokenizer(), run_job.parse_configs(["paged16"]), CONTEXT,
                                  NEW_TOKENS, Console(file=io.StringIO(), width=80))
     assert report["prompt_tokens"] > 8 and [r["equal"] for r in report["results"]] == [True, True]
