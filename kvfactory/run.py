@@ -97,6 +97,19 @@ class ConfigResult:
     answer: str
 
 
+def more_bytes_reason(config: dict[str, Any]) -> str:
+    """Why a config can hold more bytes than ``DynamicCache`` (what its parts keep besides the K/V)."""
+    parsed = parse_config(config)
+    if parsed.selector is not None:
+        return ("sparse reads keep every token in plain pages (they save reads, not memory) and add "
+                "each page's summary for routing")
+    if parsed.quantization is not None:
+        return "the codec keeps its window of recent tokens unquantized, most of a short prompt"
+    if parsed.eviction is not None:
+        return "the policy holds the step's new tokens on top of its budget until it evicts"
+    return "pages are whole: each layer's last page is partly empty"
+
+
 def segment_sizes(decode_tokens: int, segments: int = SEGMENTS) -> list[int]:
     """``decode_tokens`` split into ``segments`` near-equal segments, longer ones first."""
     size, longer = divmod(decode_tokens, segments)
@@ -347,8 +360,14 @@ class RowPrinter:
         return "NO", "bold red"  # a lossless config must not
 
     def footer(self, report: dict[str, Any]) -> None:
-        """The fp16 reference size and the baseline's answer after the end of the prompt."""
+        """The fp16 reference size, why a row holds more bytes than the baseline, and the baseline's
+        answer after the end of the prompt."""
         self.console.print(Text(f"{report['cached_tokens']} tokens cached; an fp16 dense cache of them holds "
                                 f"{format_bytes(report['fp16_dense_reference_bytes'])}.", style="dim"))
+        baseline, *rows = report["results"]
+        for row in rows:
+            if row["kv_bytes"] > baseline["kv_bytes"]:
+                self.console.print(Text(f"{row['name']} holds more bytes than {BASELINE}: "
+                                        f"{more_bytes_reason(row['config'])}.", style="dim"))
         self.console.print(Panel(Text.assemble(report["question"], (report["answer"], "bold")),
                                  title=f"{BASELINE}: end of the prompt and the generated tokens (bold)"))

@@ -229,3 +229,11 @@ def test_a_model_with_sliding_window_layers_runs_every_row() -> None:
         report = run_job.compare(model, tiny_tokenizer(), run_job.parse_configs(["paged16"]), CONTEXT,
                                  NEW_TOKENS, Console(file=io.StringIO(), width=80))
     assert report["prompt_tokens"] > 8 and [r["equal"] for r in report["results"]] == [True, True]
+
+
+def test_a_row_above_the_baseline_s_bytes_says_why() -> None:
+    from kvfactory.presets import load_preset
+
+    assert "save reads, not memory" in run_job.more_bytes_reason(load_preset("quest@0.125"))
+    assert "unquantized" in run_job.more_bytes_reason(load_preset("int4"))
+    assert "partly empty" in run_job.more_bytes_reason(load_preset("paged16"))
