@@ -2,7 +2,7 @@
 
 The article kvfactory implements gives its own YAML config, typed config objects and keyword
 names. ``translate`` rewrites its config keys into kvfactory's before a config is validated, and
-``PagedKVCacheConfig`` / ``PagedQuantizedCacheConfig`` are its typed configs (docs/configuration.md
+``PagedKVCacheConfig`` / ``PagedQuantizedCacheConfig`` are its typed configs (docs/storage.md
 has the table, the article's name against kvfactory's):
 
 - ``type: native`` is ``type: dense`` (``DynamicCache``'s layout);
