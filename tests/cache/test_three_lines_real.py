@@ -12,9 +12,6 @@ sliding-window layers hold their last ``window - 1`` tokens whatever the config.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import assert_same_generation, generate, wikitext_excerpt
@@ -116,21 +113,3 @@ def check_codec_bytes(model, cache, codec: str) -> None:
     layers = len(cache.layers)
     assert encoded_tokens >= report["tokens_stored"] - 160 * layers
     assert per_token * encoded_tokens <= encoded_bytes <= per_token * (encoded_tokens + 32 * layers)
-
-
-
-@pytest.mark.slow
-def test_the_readmes_first_example_runs_offline_as_written(capsys, monkeypatch) -> None:
-    """README's "Use it" block on the embedded model with no network: it answers the question about
-    its prompt, prints a readable memory report and its bytes against DynamicCache's (int4: under
-    half)."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("## Use it"):]
-    code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
-    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the documented example itself
-    out = capsys.readouterr().out
-    assert "actor" in out.splitlines()[0], out
-    assert "KV cache: " in out and "bytes per token" in out and "nan" not in out
-    ratio = re.fullmatch(r"(\d\.\d\d)x DynamicCache's bytes", out.strip().splitlines()[-1])
-    assert ratio is not None and float(ratio[1]) < 0.5, out

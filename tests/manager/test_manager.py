@@ -391,22 +391,6 @@ def test_beams_and_samples_share_the_prompts_blocks(options: dict) -> None:
     assert manager.stats()["pool_blocks_used"] <= 8 + 3 * 2
 
 
-def test_the_readme_manager_example_runs_as_written(tmp_path: Path, monkeypatch) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Many sequences over one pool"):]
-    code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
-    model = tiny_model("llama")
-    system = random_prompt(40, seed=1)
-    prompts = [torch.cat([system, random_prompt(7, seed=s)], 1) for s in range(3)]
-    monkeypatch.chdir(tmp_path)
-    namespace = {"model": model, "prompts": prompts}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the documented example itself
-    manager = namespace["manager"]
-    assert [manager.cached_tokens(f"user{i}") for i in (1, 2)] == [32, 32]
-    assert manager.stats()["prefix_hit_blocks"] == 4 and (tmp_path / "user1.safetensors").is_file()
-    assert sorted(manager.sequences()) == ["copy", "user1", "user1-b", "user2"]
-
-
 def test_a_partial_swap_moves_the_oldest_pages_and_comes_back_bit_exactly(tmp_path: Path) -> None:
     model = tiny_model("llama")
     manager = manager_for(model)
@@ -678,4 +662,3 @@ def test_saves_and_loads_remove_only_temporaries_of_writers_that_no_longer_run(t
     stale.write_bytes(b"half a save")
     manager.save("a", path)
     assert sorted(tmp_path.iterdir()) == sorted([path, *kept])
-

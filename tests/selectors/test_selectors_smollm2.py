@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -43,24 +41,6 @@ def test_quest_reads_the_passkey_page_that_recent_and_random_miss(smollm2) -> No
         vectors = {"quest": 2, "oval": 3}.get(name, 0)
         expected = (2 + 28 * (1 / 8 + vectors / 32)) / 30
         assert m["steps"] == 7 and m["read_fraction"] < expected + 0.01, (name, m)
-
-
-def test_the_readme_example_turns_sparse_decode_on_in_at_most_15_lines(smollm2) -> None:
-    """The README's example, run as written on the embedded model's converted folder."""
-    from kvfactory import models
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Sparse decode"):]
-    code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
-    lines = [line for line in code.splitlines() if line.strip()]
-    assert len(lines) <= 15, len(lines)
-    model, tokenizer = smollm2
-    prompt = passkey_prompts(tokenizer, 1024, [0.5], keys_per_depth=1)[0]
-    namespace = {"NAME": str(models._cache_dir()), "prompt": prompt.prompt}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the documented example itself
-    metrics = namespace["cache"].routing_metrics()
-    assert metrics["steps"] == 63 and metrics["read_fraction"] < 0.35
-    assert prompt.answer in tokenizer.decode(namespace["out"][0, namespace["inputs"]["input_ids"].shape[1]:])
 
 
 def test_quest_keeps_a_6144_token_passkey_that_its_bounds_alone_lose(smollm2) -> None:

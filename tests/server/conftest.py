@@ -1,4 +1,4 @@
-"""The ``start_server`` fixture of the server tests (the helpers are in ``servers.py``: test modules
+"""The ``start_server`` fixture of the server tests (the helpers are in ``tests/servers.py``: test modules
 import from there, never from a conftest, whose name the root conftest shares)."""
 
 from __future__ import annotations

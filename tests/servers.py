@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from kvfactory.texts import shipped_text
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2"
 START_TIMEOUT = 180.0  # seconds: loading torch and the model on a busy 2-core machine
 
