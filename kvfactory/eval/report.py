@@ -1,29 +1,22 @@
 """Writing an evaluation: ``results.json``, a Markdown report (``report.md``) and PNG plots.
 
-One table per task; retrieval tasks also get accuracy per depth x context, and an accuracy heat
-map (depth x context) per config; perplexity gets a bar chart per context. With peer rows merged
-(``exchange``), a trade-off plot per task shows quality against compression ratio, one line per
-press, kvfactory's and transformers' configs as points.
+One table per task; retrieval tasks also get accuracy per depth x context. The plots are drawn by
+``kvfactory.eval.plots``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from kvfactory.eval.exchange import EXTERNAL
+from kvfactory.eval.plots import plot
 from kvfactory.sizing import format_bytes
 
 TASK_TITLES = {"ppl": "Perplexity through the cache", "passkey": "Passkey retrieval",
                "needle": "Needle in a haystack", "multiturn": "Multi-turn recall"}
-
-
-def slug(name: str) -> str:
-    """A file-name-safe form of a config name."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "config"
 
 
 def write_results(results: dict[str, Any], out: Path) -> Path:
@@ -202,98 +195,6 @@ def markdown(results: dict[str, Any], plots: list[Path]) -> str:
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
-
-
-def plot(results: dict[str, Any], out: Path) -> list[Path]:
-    """Accuracy heat maps (depth x context) per retrieval task and config, a PPL bar chart."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out, paths = Path(out), []
-    rows, s = results["rows"], results["settings"]
-    contexts, depths = list(s["contexts"]), [f"{d:g}" for d in s["depths"]]
-    for task in ("passkey", "needle"):
-        for config in [c["name"] for c in results["configs"] if c["kind"] != EXTERNAL]:
-            cells = {r["context"]: r["accuracy_by_depth"] for r in rows
-                     if r["task"] == task and r["config"] == config}
-            if not cells:
-                continue
-            grid = [[cells.get(c, {}).get(d, float("nan")) for c in contexts] for d in depths]
-            fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(contexts), 1.2 + 0.5 * len(depths)))
-            image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            ax.set_xticks(range(len(contexts)), [str(c) for c in contexts])
-            ax.set_yticks(range(len(depths)), depths)
-            ax.set_xlabel("context (tokens)")
-            ax.set_ylabel("depth")
-            ax.set_title(f"{task}: {config}", fontsize=9)
-            for y, line in enumerate(grid):
-                for x, value in enumerate(line):
-                    if not math.isnan(value):
-                        ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=8)
-            fig.colorbar(image, ax=ax)
-            fig.tight_layout()
-            path = out / f"heatmap_{task}_{slug(config)}.png"
-            fig.savefig(path, dpi=100)
-            plt.close(fig)
-            paths.append(path)
-    ppl_rows = [r for r in rows if r["task"] == "ppl"]
-    if ppl_rows:
-        contexts = sorted({r["context"] for r in ppl_rows})
-        configs = list(dict.fromkeys(r["config"] for r in ppl_rows))
-        width = 0.8 / len(configs)
-        fig, ax = plt.subplots(figsize=(2 + 1.5 * len(contexts) + 0.3 * len(configs), 3.5))
-        for k, config in enumerate(configs):
-            values = {r["context"]: r["ppl"] for r in ppl_rows if r["config"] == config}
-            ax.bar([i + k * width for i in range(len(contexts))], [values.get(c, 0.0) for c in contexts],
-                   width, label=config)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(contexts))], [str(c) for c in contexts])
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("perplexity")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "ppl.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
-    external = {c["name"] for c in results["configs"] if c["kind"] == EXTERNAL}
-    paths += [_tradeoff(plt, results, task, out) for task in s["tasks"]
-              if any(r["task"] == task and r["config"] in external for r in rows)]
-    return paths
-
-
-def _tradeoff(plt: Any, results: dict[str, Any], task: str, out: Path) -> Path:
-    """Quality against compression ratio per context: a line per external press, a point per config."""
-    kinds = {c["name"]: c["kind"] for c in results["configs"]}
-    rows = [r for r in results["rows"] if r["task"] == task]
-    contexts = sorted({r["context"] for r in rows})
-    metric, label = ("delta_ppl", "ΔPPL") if task == "ppl" else ("accuracy", "accuracy")
-    fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 3.6), squeeze=False)
-    for ax, context in zip(axes[0], contexts, strict=True):
-        here = [r for r in rows if r["context"] == context]
-        lines: dict[str, list[tuple[float, float]]] = {}
-        for r in here:
-            if kinds.get(r["config"]) == EXTERNAL:
-                press = r["config"].split("@")[0]
-                lines.setdefault(press, []).append((r["compression_ratio"], r[metric]))
-            else:
-                ax.scatter([r["compression_ratio"]], [r[metric]], marker="s", s=30, label=r["config"],
-                           zorder=3)
-        base = next((pts for press, pts in lines.items() if press.endswith("/none")), [])
-        for press, pts in lines.items():
-            if not press.endswith("/none"):
-                pts = sorted(base + pts)
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=press)
-        ax.set_title(f"{TASK_TITLES.get(task, task)} @ {context}", fontsize=9)
-        ax.set_xlabel("compression ratio (1 − stored / seen)")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out / f"tradeoff_{task}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def write_report(results: dict[str, Any], out: str | Path) -> dict[str, Path]:

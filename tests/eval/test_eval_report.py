@@ -7,7 +7,8 @@ import json
 
 from eval_pipeline import CONTEXTS, TASKS, pipeline_results
 
-from kvfactory.eval.report import TASK_TITLES, slug, write_report
+from kvfactory.eval.plots import slug
+from kvfactory.eval.report import TASK_TITLES, write_report
 
 
 def test_report_files(tmp_path) -> None:
@@ -29,7 +30,7 @@ def test_report_files(tmp_path) -> None:
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     names = [slug(c["name"]) for c in results["configs"]]
     expected = {f"heatmap_{t}_{n}.png" for t in ("passkey", "needle") for n in names}
-    assert set(pngs) == expected | {"ppl.png"}
+    assert set(pngs) == expected | {"ppl.png"} | {f"tradeoff_{task}.png" for task in TASKS}
     for name in pngs:
         data = (tmp_path / "out" / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 1000
