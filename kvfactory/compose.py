@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvfactory.codecs.calibration import FirstUseScales
 from kvfactory.config import CacheConfig
 from kvfactory.eviction.store import EvictionStore
 from kvfactory.quantization.store import QuantizedStore
@@ -44,6 +45,7 @@ class LayerContext:
     routing_context: RoutingContext | None = None
     group: tuple[int, ...] = ()  # the layers whose paged storage shares its blocks (``blocks``)
     blocks: BlockIds | None = None  # the cache's block table of that group, None for a layer alone
+    first_use: FirstUseScales | None = None  # the factory's first-use scales (quantization calibrate)
 
 
 def storage_options(config: CacheConfig, unit: int | None) -> dict[str, Any]:
@@ -76,7 +78,8 @@ def compose_layer(config: CacheConfig, layer: LayerContext) -> LayerStore:
     """The store of one layer, bound to it and attached to the pool. Sliding-window layers are bounded
     by their window: they are neither evicted nor read sparsely."""
     quantization = config.quantization
-    codecs = quantization.codecs(layer.layer_idx, layer.num_layers) if quantization is not None else None
+    codecs = None if quantization is None else quantization.codecs(layer.layer_idx, layer.num_layers,
+                                                                   layer.first_use)
     unit = None if codecs is None else math.lcm(codecs[0].unit, codecs[1].unit)
     store = config.storage.cls(**storage_options(config, unit))
     if layer.blocks is not None:

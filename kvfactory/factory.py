@@ -13,6 +13,7 @@ from kvfactory.cache import (
     await_first_forward,
     use_kvfactory_attention,
 )
+from kvfactory.codecs.calibration import FirstUseScales
 from kvfactory.compose import LayerContext, compose_layer
 from kvfactory.config import CacheConfig, load_yaml, parse_config
 from kvfactory.errors import ConfigError, UnknownSequenceError
@@ -64,6 +65,9 @@ class KVCacheFactory:
         if self.config.quantization is not None:
             self.config.quantization.check_layers(len(self.windows))
         self.workspace = ReadWorkspace() if self.config.quantization is not None else None
+        # calibrate: true: every cache of the factory encodes with the scales its first prefill fixes
+        calibrate = self.config.quantization is not None and self.config.quantization.calibrate
+        self.first_use = FirstUseScales(shape.kv_heads) if calibrate else None
         # caches of a factory (or of one pool) share memory: their forwards take turns
         self.forward_lock = pool.forward_lock if pool is not None else ForwardLock()
         # layers that hold the same tokens share blocks and one block table per sequence; eviction and
@@ -118,7 +122,8 @@ class KVCacheFactory:
             shared.update({layer_idx: (group, blocks) for layer_idx in group})
         return [compose_layer(self.config, LayerContext(
             layer_idx, len(self.windows), window, self.pool, self.workspace,
-            self.layer_selectors.get(layer_idx, self.config.selector), routing, context, *shared[layer_idx]))
+            self.layer_selectors.get(layer_idx, self.config.selector), routing, context, *shared[layer_idx],
+            self.first_use))
             for layer_idx, window in enumerate(self.windows)]
 
 

@@ -8,10 +8,10 @@ has the table, the article's name against kvfactory's):
 - ``type: native`` is ``type: dense`` (``DynamicCache``'s layout);
 - ``quant_bits: 8`` (flat, or in a ``quantized`` entry) is ``quantization: int8`` (4: ``int4``,
   2: ``int2``);
-- ``calibrate`` in a ``quantized`` entry: kvfactory's codecs compute each token's scales from its
-  own keys and values as it is written, so there is no calibration pass to run or skip; ``true``
-  and ``false`` are both accepted (static scales come from ``kvfactory calibrate``, the ``scales``
-  option);
+- ``calibrate: true`` in a ``quantized`` entry is kvfactory's own ``calibrate`` for int8 and fp8:
+  static per-head scales fixed by the first tokens each layer writes (its first prefill), shared by
+  the factory's caches; ``false`` keeps per-token scales. KIVI codecs (``quant_bits`` 4 and 2) compute
+  their scales per group as they write, so for them ``calibrate`` changes nothing;
 - ``{name: selective, strategy: sliding_window, window_size: W}`` is
   ``{name: eviction, policy: window, budget: W}``; another ``strategy`` names an eviction policy
   (``h2o``, ``snapkv``, ...) with its own options;
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvfactory.codecs.spec import BITS
+from kvfactory.codecs.spec import BITS, KIVI
 from kvfactory.errors import ConfigError
 
 SELECTIVE = {"sliding_window": "window", "attention_score": "h2o"}  # the article's eviction strategies
@@ -55,9 +55,11 @@ def _entry(entry: Any, where: str) -> Any:
     if entry.get("name") == "quantized":
         if "quant_bits" in entry:
             entry["codec"] = _codec(entry.pop("quant_bits"), f"{where}quant_bits")
-        calibrate = entry.pop("calibrate", True)
+        calibrate = entry.get("calibrate", False)
         if not isinstance(calibrate, bool):
             raise ConfigError(f"{where}calibrate", calibrate, "true or false")
+        if entry.get("codec", BITS.get(entry.get("bits"), "int8")) in KIVI:
+            entry.pop("calibrate", None)
     elif entry.get("name") == "selective":
         strategy = entry.pop("strategy", "sliding_window")
         if not isinstance(strategy, str):

@@ -6,12 +6,16 @@ over calibration text and records each layer's largest |K| and |V| per KV head; 
 them (atomically: temp file, fsync, rename) with the model's shape and the token count;
 ``load`` checks the file against the model it is used with. A codec's scale is
 ``absmax / code_max`` (448 for FP8 E4M3, 57344 for E5M2, 127 for int8); values beyond saturate.
+
+``FirstUseScales`` calibrates online instead (``calibrate: true``, as vLLM's ``calculate_kv_scales``
+does on its first forward): each layer's scales are fixed by the first tokens written through it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +75,45 @@ def layer_absmax(path: str, layer: int, num_layers: int) -> tuple[torch.Tensor, 
         raise ConfigError("scales", path, f"calibration for a model of {num_layers} layers; the file holds "
                                           f"{scales[KEYS].shape[0]}")
     return scales[KEYS][layer], scales[VALUES][layer]
+
+
+class FirstUseScale:
+    """One layer's static per-head scale of its keys or its values, fixed by the first tokens encoded
+    with it: ``absmax / limit`` per KV head over those tokens (a prompt's prefill, typically), what
+    ``collect`` would measure on them. It holds ones until then, and an all-zero tensor (a probe of
+    the block layout) leaves it unfixed. ``scale`` is one tensor, updated in place, so every codec
+    built on the cell sees the fixed value."""
+
+    def __init__(self, heads: int, limit: float) -> None:
+        self.scale = torch.ones(heads)
+        self.limit = limit
+        self.fixed = False
+        self._lock = threading.Lock()
+
+    def fix(self, x: torch.Tensor) -> None:
+        """Fix the scale from ``x [B, heads, T, D]`` unless it is fixed already or ``x`` is all zeros."""
+        if self.fixed:
+            return
+        absmax = x.detach().abs().amax(dim=(0, 2, 3)).float().cpu()
+        if not bool((absmax > 0).any()):
+            return
+        with self._lock:
+            if not self.fixed:
+                self.scale.copy_((absmax / self.limit).clamp_min(torch.finfo(torch.float32).tiny))
+                self.fixed = True
+
+
+class FirstUseScales:
+    """The first-use scales of every layer of a factory's caches (``cell(layer, role, limit)``): all its
+    caches encode with the same scales, so the blocks they share decode alike."""
+
+    def __init__(self, kv_heads: int) -> None:
+        self.kv_heads = kv_heads
+        self._cells: dict[tuple[int, str], FirstUseScale] = {}
+
+    def cell(self, layer: int, role: str, limit: float) -> FirstUseScale:
+        return self._cells.setdefault((layer, role), FirstUseScale(self.kv_heads, limit))
+
+    def fixed(self) -> bool:
+        """Whether every layer built so far has fixed its scales."""
+        return bool(self._cells) and all(cell.fixed for cell in self._cells.values())

@@ -7,8 +7,9 @@ FP8 KV caches with per-tensor or per-head scales from calibration.
 Scales:
 
 - ``"static"``: a calibrated per-head ``[H]`` ``static_scale`` given at construction, held once by
-  the codec (``fixed_nbytes``); codes only, 1 byte per element. Values beyond ``fp8_max * scale``
-  saturate.
+  the codec (``fixed_nbytes``), or fixed by the first tokens encoded (``first_use``,
+  ``kvfactory.codecs.calibration.FirstUseScale``); codes only, 1 byte per element. Values beyond
+  ``fp8_max * scale`` saturate.
 - ``"dynamic"``: one scale per (batch, head, token), ``absmax / fp8_max`` rounded up to
   ``scale_dtype`` (fp16: 2 bytes per token and head on top of the ``D`` code bytes).
 
@@ -22,6 +23,7 @@ the size of an fp32 output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +40,9 @@ from kvfactory.codecs.base import (
 )
 from kvfactory.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvfactory.codecs.calibration import FirstUseScale
+
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -48,12 +53,17 @@ class Fp8Codec(Codec):
     format: str = "e4m3"
     scale: str = "dynamic"
     static_scale: torch.Tensor | None = None
+    first_use: FirstUseScale | None = None  # a scale fixed by the first tokens encoded (calibrate)
     scale_dtype: torch.dtype = torch.float16
     dtype: torch.dtype | None = None
 
     bits = 8
 
     def __post_init__(self) -> None:
+        if self.first_use is not None:
+            if self.static_scale is not None:
+                raise ConfigError("static_scale", "a tensor", "no static_scale with first_use (it fixes one)")
+            self.static_scale = self.first_use.scale
         if self.format not in FORMATS:
             raise ConfigError("format", self.format, "'e4m3' or 'e5m2'")
         if self.scale not in ("dynamic", "static"):
@@ -75,6 +85,8 @@ class Fp8Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
+        if self.first_use is not None:
+            self.first_use.fix(x)
         fp8 = FORMATS[self.format]
         limit = torch.finfo(fp8).max
         xf = x.float()

@@ -12,6 +12,8 @@ Granularity:
 - ``"head"`` with ``static_scale`` (a calibrated ``[H]`` tensor the caller loads): one fixed scale
   per head, held once by the codec (``fixed_nbytes``), no per-token bytes; unit 1. Values beyond
   ``127 * scale`` saturate. Encoded: ``codes`` ``[B, H, T, D]``.
+- ``"head"`` with ``first_use`` (``kvfactory.codecs.calibration.FirstUseScale``): the same, the
+  scale fixed by the first tokens encoded.
 - ``"head"`` without ``static_scale``: one dynamic scale per head for each block of ``group_size``
   tokens (a per-head scale must live on the unit axis, so the block is the unit).
   Encoded: ``codes`` ``[B, H, T / G, G, D]``, ``scale`` ``[B, H, T / G, 1, 1]``.
@@ -23,6 +25,7 @@ subnormal), so ``|x - decode(x)| <= scale / 2`` holds with the stored scale.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +42,9 @@ from kvfactory.codecs.base import (
 )
 from kvfactory.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvfactory.codecs.calibration import FirstUseScale
+
 QMAX = 127
 
 
@@ -49,6 +55,7 @@ class Int8Codec(Codec):
     granularity: str = "token"
     group_size: int = 16
     static_scale: torch.Tensor | None = None
+    first_use: FirstUseScale | None = None  # a scale fixed by the first tokens encoded (calibrate)
     scale_dtype: torch.dtype = torch.float16
     dtype: torch.dtype | None = None
 
@@ -61,6 +68,10 @@ class Int8Codec(Codec):
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ConfigError("group_size", self.group_size, "an integer >= 1")
         check_dtype("scale_dtype", self.scale_dtype)
+        if self.first_use is not None:
+            if self.static_scale is not None:
+                raise ConfigError("static_scale", "a tensor", "no static_scale with first_use (it fixes one)")
+            self.static_scale = self.first_use.scale
         if self.static_scale is not None:
             if self.granularity != "head":
                 raise ConfigError("static_scale", "a tensor", "only with granularity='head'")
@@ -83,6 +94,8 @@ class Int8Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
+        if self.first_use is not None:
+            self.first_use.fix(x)
         b, h, t, d = x.shape
         xf = x.float()
         if self.static_scale is not None:

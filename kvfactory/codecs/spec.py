@@ -9,7 +9,9 @@ layers at each end unquantized, or ``layers`` names a codec per layer explicitly
 
 Static scales: ``scales`` names a file from ``kvfactory calibrate``; fp8 then stores
 codes with one calibrated scale per KV head (``absmax / 448``, E5M2 ``/ 57344``), int8 likewise
-(``absmax / 127``, per-head granularity), with no per-token scale bytes.
+(``absmax / 127``, per-head granularity), with no per-token scale bytes. ``calibrate: true`` makes
+the same static scales online, from the first tokens each layer writes (its first prefill), shared by
+every cache of the factory (``calibration.FirstUseScales``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from kvfactory.codecs import CODECS, Codec, calibration, make_codec
+from kvfactory.codecs.calibration import FirstUseScales
 from kvfactory.errors import ConfigError
 
 KIVI = ("int4", "int2")
@@ -42,6 +45,7 @@ class QuantizationSpec:
     full_precision_last: int = 0
     layers: tuple[str, ...] | None = None
     scales: str | None = None  # a calibration file (kvfactory calibrate) for static fp8 / int8 scales
+    calibrate: bool = False  # static fp8 / int8 scales from the first tokens written (FirstUseScales)
 
     def __post_init__(self) -> None:
         for name in (self.codec, *(self.layers or ())):
@@ -61,13 +65,20 @@ class QuantizationSpec:
         if self.layers is not None and (self.full_precision_first or self.full_precision_last):
             raise ConfigError("layers", list(self.layers),
                               "either an explicit per-layer list or full_precision_first/last, not both")
+        if not isinstance(self.calibrate, bool):
+            raise ConfigError("calibrate", self.calibrate, "true or false")
+        if self.calibrate and self.scales is not None:
+            raise ConfigError("calibrate", True, f"static scales from a file (scales={self.scales!r}) or "
+                              "from the first tokens written (calibrate: true), not both")
+        unscaled = sorted({n for n in (self.codec, *(self.layers or ())) if n in KIVI})
+        if unscaled and (self.scales is not None or self.calibrate):
+            key, value = ("scales", self.scales) if self.scales is not None else ("calibrate", True)
+            raise ConfigError(key, value, f"static scales serve fp8 and int8, not {unscaled} (KIVI computes "
+                              f"its scales per group as it writes)")
         if self.scales is not None:
-            unscaled = sorted({n for n in (self.codec, *(self.layers or ())) if n in KIVI})
-            if unscaled:
-                raise ConfigError("scales", self.scales, f"static scales serve fp8 and int8, not {unscaled}")
             calibration.load(self.scales)  # a missing or damaged file fails now, naming the file
         else:
-            self.codecs(0, max(1, len(self.layers or ())))  # the codecs' own option checks
+            self.codecs(0, max(1, len(self.layers or ())), FirstUseScales(1))  # the codecs' own checks
 
     @classmethod
     def parse(cls, value: Any, where: str = "") -> QuantizationSpec | None:
@@ -125,8 +136,10 @@ class QuantizationSpec:
             return self.residual
         return KIVI_RESIDUAL if name in KIVI else 0
 
-    def codecs(self, layer: int, num_layers: int) -> tuple[Codec, Codec] | None:
-        """New key and value codecs for one layer, or None where the layer stays in full precision."""
+    def codecs(self, layer: int, num_layers: int,
+               first_use: FirstUseScales | None = None) -> tuple[Codec, Codec] | None:
+        """New key and value codecs for one layer, or None where the layer stays in full precision;
+        with ``calibrate``, their scales are ``first_use``'s cells for the layer (the factory's)."""
         name = self.codec_name(layer, num_layers)
         if name in LOSSLESS:
             return None
@@ -134,12 +147,17 @@ class QuantizationSpec:
         if name in KIVI:
             options["group_size"] = self.group_size
         elif name == "int8":
-            options["granularity"] = "head" if self.scales else self.granularity
-        if self.scales is None:
+            options["granularity"] = "head" if self.scales or self.calibrate else self.granularity
+        if self.scales is None and not self.calibrate:
             return make_codec(name, "key", **options), make_codec(name, "value", **options)
         limit = STATIC_LIMITS[name]
         if name.startswith("fp8"):
             options["scale"] = "static"
+        if self.calibrate:
+            if first_use is None:
+                raise ValueError("calibrate: true needs the factory's FirstUseScales")
+            return (make_codec(name, "key", first_use=first_use.cell(layer, "key", limit), **options),
+                    make_codec(name, "value", first_use=first_use.cell(layer, "value", limit), **options))
         key_max, value_max = calibration.layer_absmax(self.scales, layer, num_layers)
         return (make_codec(name, "key", static_scale=key_max / limit, **options),
                 make_codec(name, "value", static_scale=value_max / limit, **options))

@@ -389,6 +389,7 @@ class KVCacheManager:
     def save(self, seq_id: str, path: str | Path) -> None:
         """Write the sequence (live or paused) to ``path`` (safetensors, atomically)."""
         record = self._record(seq_id)
+        self._check_portable("save")
         state = record.host
         if state is None:
             state = SequenceState.capture(record.cache)
@@ -398,6 +399,7 @@ class KVCacheManager:
 
     def load(self, path: str | Path, seq_id: str | None = None) -> KVCache:
         """A new sequence from a saved file (its saved id unless ``seq_id``)."""
+        self._check_portable("load")
         in_use = next((pool.dtype for pool in self._pools() if pool.refcount.any()), None)
         state, saved_id = load_state(path, self.factory.model_config, self.factory.config.raw, in_use,
                                      evicts=self.factory.config.eviction is not None)
@@ -410,6 +412,14 @@ class KVCacheManager:
             raise
         self._sequences[seq_id].move("write")
         return cache
+
+    def _check_portable(self, action: str) -> None:
+        """Files hold quantized codes: with scales fixed on first use (``calibrate: true``) they would
+        decode only with this factory's scales, so such sequences stay in memory."""
+        if self.factory.first_use is not None:
+            raise UnsupportedError(f"{action}: the config quantizes with scales fixed by its first prefill "
+                                   f"(calibrate: true), which a file cannot carry to another factory; "
+                                   f"calibrate offline (`kvfactory calibrate`, then scales: FILE) to save")
 
     # -- explicit sharing -----------------------------------------------------------------------
     def mark_as_shareable(self, seq_id: str, start: int = 0, end: int | None = None) -> str:

@@ -46,7 +46,7 @@ def test_the_articles_yaml_builds_what_it_says(tmp_path) -> None:
     path.write_text(ARTICLE_YAML)
     config = parse_config(load_yaml(path))
     assert (config.storage.name, config.storage.options) == ("paged", {"page_size": 256})
-    assert config.quantization.codec == "int8"
+    assert (config.quantization.codec, config.quantization.calibrate) == ("int8", True)
     assert (config.eviction.policy, config.eviction.budget) == ("window", 1024)
     assert config.share_prefix is True
     model = tiny_model("llama")
@@ -54,6 +54,7 @@ def test_the_articles_yaml_builds_what_it_says(tmp_path) -> None:
     inputs = {"input_ids": random_prompt(12), "attention_mask": torch.ones(1, 12, dtype=torch.long)}
     out = generate(model, inputs, cache)
     assert out.sequences.shape[1] == 12 + 8 and cache.get_seq_length() == 12 + 7
+    assert cache.layers[0].store.inner.key_codec.first_use.fixed  # calibrated by the prompt
     with pytest.warns(UserWarning, match="share_system_prompt"):  # eviction: nothing to share
         manager = KVCacheManager(model.config, load_yaml(path))
     assert manager.prefix_caching is False
@@ -93,6 +94,9 @@ def test_selective_entries_are_eviction_entries() -> None:
     with pytest.raises(ConfigError, match="calibrate"):
         parse_config({"type": "composite", "strategies": [{"name": "paged"},
                                                           {"name": "quantized", "calibrate": "auto"}]})
+    kivi = parse_config({"type": "composite", "strategies": [
+        {"name": "paged"}, {"name": "quantized", "quant_bits": 4, "calibrate": True}]}).quantization
+    assert (kivi.codec, kivi.calibrate) == ("int4", False)  # KIVI scales each group as it writes
 
 
 def test_the_articles_typed_config_and_factory_calls() -> None:

@@ -76,3 +76,75 @@ def test_calibrate_command_on_the_embedded_model(tmp_path) -> None:
     missing = str(tmp_path / "none.txt")
     result = CliRunner().invoke(app, ["calibrate", "--text", missing], env={"COLUMNS": "300"})
     assert result.exit_code != 0 and "cannot read it" in " ".join(result.output.split())
+
+
+# -- calibrate: true: the same static scales, fixed by the first prefill -------------------------------
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_the_first_prefill_fixes_the_scales_every_cache_of_the_factory_uses(codec: str) -> None:
+    """The first prompt written sets each layer's scales to its |K| and |V| maxima per head, as
+    ``collect`` measures on it (exactly in layer 0; later layers see K/V computed through the
+    quantized layers before them); a second cache of the factory encodes with them, codes only."""
+    model = tiny_model("llama")
+    factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 8,
+                                            "quantization": {"codec": codec, "calibrate": True}})
+    first, second = factory.create_cache(), factory.create_cache()
+    assert not factory.first_use.fixed()
+    prompt = random_prompt(40)
+    with torch.no_grad():
+        model(prompt, past_key_values=first)
+    assert factory.first_use.fixed()
+    expected = calibration.collect(model, prompt)
+    limit = STATIC_LIMITS[codec]
+    for layer in range(model.config.num_hidden_layers):
+        rtol = 1e-5 if layer == 0 else 0.02
+        for cache in (first, second):
+            store = cache.layers[layer].store
+            for role, name in ((store.key_codec, calibration.KEYS), (store.value_codec, calibration.VALUES)):
+                assert torch.allclose(role.static_scale, expected[name][layer] / limit, rtol=rtol)
+    with torch.no_grad():
+        model(random_prompt(30, seed=1) * 3 % model.config.vocab_size, past_key_values=second)
+    assert torch.allclose(second.layers[0].store.key_codec.static_scale,
+                          expected[calibration.KEYS][0] / limit)  # fixed once: a later prompt changes nothing
+    heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    assert second.layers[0].store.key_codec.bytes_per_token(heads, dim) == heads * dim
+
+
+def test_a_layout_probe_of_zeros_does_not_fix_a_scale() -> None:
+    cell = calibration.FirstUseScale(heads=2, limit=127.0)
+    cell.fix(torch.zeros(1, 2, 16, 4))
+    assert not cell.fixed and torch.equal(cell.scale, torch.ones(2))
+    x = torch.tensor([1.0, -254.0]).view(1, 2, 1, 1).expand(1, 2, 3, 4)
+    cell.fix(x)
+    assert cell.fixed and torch.allclose(cell.scale, torch.tensor([1 / 127, 2.0]))
+
+
+def test_calibrate_is_refused_where_it_cannot_apply(tmp_path, scales_file) -> None:
+    path, _ = scales_file
+    config = tiny_config("llama")
+    for quantization, match in [({"codec": "int4", "calibrate": True}, "calibrate.*not \\['int4'\\]"),
+                                ({"codec": "int8", "calibrate": True, "scales": str(path)}, "not both"),
+                                ({"codec": "int8", "calibrate": "yes"}, "calibrate.*true or false")]:
+        with pytest.raises(ConfigError, match=match):
+            KVCacheFactory(config, {"type": "paged", "quantization": quantization})
+
+
+def test_a_manager_shares_calibrated_prefixes_and_keeps_their_sequences_in_memory(tmp_path) -> None:
+    """Prefix blocks encoded with the factory's scales decode alike for every sequence; a file could
+    not carry those scales, so save and load refuse and write nothing."""
+    from kvfactory import KVCacheManager, UnsupportedError
+
+    model = tiny_model("llama")
+    manager = KVCacheManager(model.config, {"type": "paged", "page_size": 4, "pool_tokens": 4096,
+                                            "quantization": {"codec": "int8", "calibrate": True}})
+    prompt = random_prompt(24)
+    outputs = []
+    for seq_id in ("a", "b"):
+        cache = manager.create(seq_id, prompt=prompt[0])
+        with torch.no_grad():
+            out = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
+        outputs.append(out)
+    assert manager.cached_tokens("b") > 0 and torch.equal(outputs[0], outputs[1])
+    with pytest.raises(UnsupportedError, match="calibrate: true"):
+        manager.save("a", tmp_path / "a.safetensors")
+    assert not list(tmp_path.iterdir())
