@@ -246,8 +246,6 @@ class KVLayer(CacheLayerMixin):
         self.hold_window = False
         self.seen = 0
         self.is_initialized = False
-        # a store that evicts may rewrite memory a returned read still points at
-        self._copy_reads = store.evicts
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -281,7 +279,9 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.store.append(key_states, value_states)
-        chunked = deferred and not self.is_sliding and not self._copy_reads
+        # a store that evicts after this step's attention may rewrite memory a returned read points at
+        copy = self.store.evicts_during(key_states.shape[-2])
+        chunked = deferred and not self.is_sliding and not copy
         read = self.store.deferred_read() if chunked else None
         if read is not None:
             keys, values = read.tail()
@@ -293,7 +293,7 @@ class KVLayer(CacheLayerMixin):
         if self.is_sliding:  # what the mask covers, also when the past is recorded or was adopted whole
             visible = self.sliding_window - 1 + key_states.shape[-2]
             keys, values = keys[:, :, -visible:], values[:, :, -visible:]
-        if self._copy_reads:
+        if copy:
             keys, values = keys.clone(), values.clone()
         self._after_write(key_states.shape[-2])
         return keys, values

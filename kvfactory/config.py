@@ -168,14 +168,17 @@ def parse_config(config: dict[str, Any] | CacheConfig | PagedKVCacheConfig | Non
 
 def check_selector_composition(storage: StrategySpec, eviction: EvictionSpec | None,
                                selector: SelectorSpec) -> None:
-    """A selector reads pages: it needs paged storage (plain or quantized), and
-    does not yet read evicting caches."""
+    """A selector reads pages: it needs paged storage (plain or quantized). Under it, eviction compresses
+    prefills (``compression_ratio``) and decode reads a fraction of what was kept (RocketKV's two
+    stages); a token ``budget`` would evict during decode too, under the selector's reads."""
     if not issubclass(storage.cls, PagedStore):
         raise ConfigError("strategies", storage.name, f"a paged storage strategy under selector "
                           f"'{selector.selector}' (it reads pages): {{'name': 'paged', 'page_size': 16}}")
-    if eviction is not None:
-        raise ConfigError("strategies", EVICTION, f"no '{EVICTION}' entry with selector "
-                          f"'{selector.selector}': selectors over evicting caches are not supported yet")
+    if eviction is not None and eviction.budget is not None:
+        raise ConfigError(f"{EVICTION}.budget", eviction.budget, f"compression_ratio instead with selector "
+                          f"'{selector.selector}': eviction compresses the prompt, the selector reads a "
+                          f"fraction of what it kept at each decode step; a budget would evict under "
+                          f"its reads")
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

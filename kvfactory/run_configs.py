@@ -43,8 +43,8 @@ def parse_configs(values: list[str] | None, every: bool = False) -> dict[str, di
                 config = json.loads(value)
             except json.JSONDecodeError:
                 raise RunError(f"config {value!r}: expected a preset ({', '.join(PRESETS)}, POLICY@RATIO, "
-                               f"SELECTOR@BUDGET) or a JSON cache config such as "
-                               f"'{{\"type\": \"paged\", \"page_size\": 64}}'") from None
+                               f"SELECTOR@BUDGET, POLICY@RATIO+SELECTOR@BUDGET) or a JSON cache config "
+                               f"such as '{{\"type\": \"paged\", \"page_size\": 64}}'") from None
             parse_config(config)
         except ConfigError as exc:
             raise RunError(f"config {value!r}: {exc}") from exc

@@ -222,6 +222,13 @@ ROWS: list[Row] = [
     selector("random", 0.7, quantization={"codec": "int4", **KIVI_PAGES}),
     selector("recent", 0.7, quantization={"codec": "int4", **KIVI_PAGES}),
     selector("quest", 0.7, quantization={"codec": "int8"}),
+    # eviction compresses the prompt, then a selector reads part of what it kept (RocketKV's two stages)
+    Row("snapkv-ratio+quest",
+        composite({"name": "eviction", "policy": "snapkv", "window_size": 4, "compression_ratio": 0.25},
+                  {"name": "quest", "dense_layers": 0, "read_budget": 0.5}),
+        composite({"name": "eviction", "policy": "snapkv", "window_size": 4, "compression_ratio": 0.75},
+                  {"name": "quest", "dense_layers": 0, "read_budget": 0.25}, page_size=2),
+        0.7, raises=SPARSE, bytes_per_token="fp32" + SUMMARIES, evicts=True, kvfactory_attention=True),
     # presets
     preset("dense", 0.0, raises=DENSE),
     preset("paged16", 0.0),

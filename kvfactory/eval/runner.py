@@ -70,8 +70,8 @@ BASELINE_SPEC = CacheSpec(BASELINE, "baseline", None, "transformers.DynamicCache
 def _check(value: str, config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise EvalError(f"--cache {value!r}: expected a preset ({', '.join(preset_names())}, "
-                        f"POLICY@RATIO, SELECTOR@BUDGET), a peer (transformers/...), a YAML file or an "
-                        f"inline config such as "
+                        f"POLICY@RATIO, SELECTOR@BUDGET, both joined by +), a peer (transformers/...), "
+                        f"a YAML file or an inline config such as "
                         f"'{{\"type\": \"paged\", \"page_size\": 64}}'")
     try:
         parse_config(config)

@@ -125,6 +125,20 @@ class EvictionStore(WrappedStore):
     def memory_report(self) -> MemoryReport:
         return self.inner.memory_report()
 
+    # -- pages, delegated: a page selector above reads what eviction kept (RocketKV's two stages) ----
+    @property
+    def page_size(self) -> int:
+        return self.inner.page_size
+
+    def pageable(self) -> int:
+        return self.inner.pageable()
+
+    def read_pages(self, pages: torch.Tensor, tail_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.read_pages(pages, tail_page)
+
+    def read_bytes(self, page_tokens: int, tail_tokens: int) -> int:
+        return self.inner.read_bytes(page_tokens, tail_tokens)
+
     def peak_bytes(self) -> int:
         return self._peak
 

@@ -1,8 +1,8 @@
 """Named cache configs shipped with the package: ``kvfactory/presets/NAME.yaml``, ``POLICY@RATIO``
 (e.g. ``snapkv@0.75``): 16-token pages with that eviction policy compressing prefills by ``RATIO``,
 ``POLICY@TOKENS`` (a whole number, e.g. ``streaming_llm@1024``): the policy keeping that many tokens
-per layer, and ``SELECTOR@BUDGET`` (e.g. ``quest@0.125``): 16-token pages that decode reads sparsely, that
-fraction of the pages per step.
+per layer, ``SELECTOR@BUDGET`` (e.g. ``quest@0.125``): 16-token pages that decode reads sparsely, that
+fraction of the pages per step, and ``POLICY@RATIO+SELECTOR@BUDGET`` both stages in one config.
 """
 
 from __future__ import annotations
@@ -26,28 +26,36 @@ _NAME_AT_FRACTION = re.compile(r"(?P<name>[a-z0-9_]+)(?P<dynamic>-dynamic)?@(?P<
 
 
 def policy_preset(name: str) -> dict[str, Any] | None:
-    """The config of a ``POLICY@RATIO`` or ``SELECTOR@BUDGET`` name (registered ones), else None."""
+    """The config of a ``POLICY@RATIO`` or ``SELECTOR@BUDGET`` name (registered ones), or of both
+    joined by ``+`` (``snapkv@0.5+quest@0.125``: eviction compresses the prompt, decode reads a
+    fraction of what it kept), else None."""
+    entries = [_entry(part, name) for part in name.split("+")]
+    if not 0 < len(entries) <= 2 or any(entry is None for entry in entries):
+        return None
+    return {"type": "composite", "strategies": [{"name": "paged", "page_size": 16}, *entries]}
+
+
+def _entry(part: str, name: str) -> dict[str, Any] | None:
     from kvfactory.eviction import POLICIES
     from kvfactory.selectors import SELECTORS
 
-    match = _NAME_AT_FRACTION.fullmatch(name)
+    match = _NAME_AT_FRACTION.fullmatch(part)
     if match is None:
         return None
     if match["name"] in POLICIES and not match["dynamic"]:
-        entry = {"name": "eviction", "policy": match["name"]}
+        entry: dict[str, Any] = {"name": "eviction", "policy": match["name"]}
         if match["fraction"].isdigit() and int(match["fraction"]) >= 1:  # a whole number: tokens kept
             entry["budget"] = int(match["fraction"])
         else:
             entry["compression_ratio"] = float(match["fraction"])
-    elif match["name"] in SELECTORS:
+        return entry
+    if match["name"] in SELECTORS:
         if match["dynamic"]:
             raise ConfigError("preset", name, f"{match['name']}@{match['fraction']}: dynamic pages were "
                               "removed (they read less attention mass than fixed pages; "
                               "docs/sparse-reads.md)")
-        entry = {"name": match["name"], "read_budget": float(match["fraction"])}
-    else:
-        return None
-    return {"type": "composite", "strategies": [{"name": "paged", "page_size": 16}, entry]}
+        return {"name": match["name"], "read_budget": float(match["fraction"])}
+    return None
 
 
 def is_preset(name: str) -> bool:
@@ -64,8 +72,8 @@ def load_preset(name: str) -> dict[str, Any]:
         return config
     if name not in preset_names():
         raise ConfigError("preset", name,
-                          f"one of {', '.join(preset_names())}, POLICY@RATIO (snapkv@0.75) or "
-                          f"SELECTOR@BUDGET (quest@0.125)")
+                          f"one of {', '.join(preset_names())}, POLICY@RATIO (snapkv@0.75), "
+                          f"SELECTOR@BUDGET (quest@0.125) or both (snapkv@0.5+quest@0.125)")
     config = yaml.safe_load(resources.files("kvfactory.presets").joinpath(f"{name}.yaml").read_text())
     parse_config(config)
     return config

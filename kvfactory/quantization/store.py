@@ -433,6 +433,11 @@ class QuantizedStore(LayerStore):
         self._like, self._realigned = runs.adopt(ids), False
 
     # -- page reads (sparse decode over quantized pages, ``kvfactory.selectors``) ------------------
+    @property
+    def page_size(self) -> int:
+        """The tokens of a page of the storage below (a page selector's unit)."""
+        return self.inner.page_size
+
     def pageable(self) -> int:
         """Tokens ``read_pages`` serves as whole pages: the quantized ones (paged storage only)."""
         return self.quantized_tokens if isinstance(self._packed, PagedRuns) else 0

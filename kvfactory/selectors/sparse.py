@@ -11,6 +11,11 @@ The selected K/V go to transformers' SDPA like any other (``kvfactory.attention.
 The store also takes part in its attention call (``kvfactory.attention.Observer``): on shadow steps
 it computes full attention for the same queries to measure hit rate and recall
 (``metrics.py``).
+
+Over an evicting store (``{eviction, selector}`` in one config) the two stages compose as in
+RocketKV (Behnam et al., 2025): eviction compresses each prefill (``compression_ratio``), its
+observer running first, and decode steps read a fraction of the pages of what it kept; the page
+summaries are rebuilt from the kept keys after each eviction.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from kvfactory import attention
 from kvfactory.attention import DeferredRead, NarrowRead
+from kvfactory.eviction.store import EvictionStore
 from kvfactory.quantization.store import QuantizedStore
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.metrics import RoutingMetrics
@@ -37,14 +43,13 @@ class SparseStore(WrappedStore):
     ``spec`` asks; ``inner`` serves whole pages (``pageable``, ``read_pages``, ``read_bytes``)."""
 
     observes_attention = True  # shadow steps measure full attention for the same queries
-    keeps_causal_mask = True  # it records the mask for those measurements and the prompt's page mass
 
-    def __init__(self, inner: PagedStore | QuantizedStore, selector: Selector, spec: SelectorSpec,
-                 metrics: RoutingMetrics, context: RoutingContext, num_layers: int) -> None:
+    def __init__(self, inner: PagedStore | QuantizedStore | EvictionStore, selector: Selector,
+                 spec: SelectorSpec, metrics: RoutingMetrics, context: RoutingContext,
+                 num_layers: int) -> None:
         self.inner, self.selector, self.spec, self.metrics = inner, selector, spec, metrics
         self.context, self.num_layers = context, num_layers
-        paged = inner if isinstance(inner, PagedStore) else inner.inner
-        self.page_size = paged.page_size
+        self.page_size = inner.page_size
         self.summaries = PageSummaries(self.page_size, selector.uses_mean, spec.summary_torch_dtype)
         self.steps = 0  # decode steps seen by this layer
         self._new: tuple[torch.Tensor, torch.Tensor] | None = None  # the last append's K/V (decode steps)
@@ -66,6 +71,21 @@ class SparseStore(WrappedStore):
             self.summaries.set_token_codes(self.selector.token_codes())
 
     # -- storage, delegated; summaries follow ---------------------------------------------------
+    @property
+    def evicts(self) -> bool:
+        """Whether the store below evicts (its memory may be rewritten under a returned read)."""
+        return self.inner.evicts
+
+    def evicts_during(self, new_tokens: int) -> bool:
+        """Only prefills evict below a selector (``_observe_below``): decode steps read in place."""
+        return new_tokens > 1 and self.inner.evicts_during(new_tokens)
+
+    @property
+    def keeps_causal_mask(self) -> bool:
+        """It records transformers' mask (for the shadow measurements and the prompt's page mass) and
+        hands it on unchanged, unless an evicting store below builds one from the slots it kept."""
+        return not self.inner.observes_attention
+
     @property
     def routed(self) -> bool:
         """Whether decode may read this layer sparsely (else it keeps no page summaries)."""
@@ -210,10 +230,14 @@ class SparseStore(WrappedStore):
 
     # -- Observer: shadow full attention on sampled steps -------------------------------------
     def attention_mask(self, mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+        if self.inner.observes_attention:  # an evicting store: the slots it kept decide the mask
+            mask = self.inner.attention_mask(mask, query)
         self._mask = mask
         return mask
 
     def observe(self, query: torch.Tensor, scaling: float) -> None:
+        if self.inner.observes_attention:
+            self._observe_below(query, scaling)
         read, self._read = self._read, None
         if read is None and self.prompt_weight and query.shape[2] > attention.MAX_CHUNKED_QUERY \
                 and self.routed:
@@ -225,6 +249,19 @@ class SparseStore(WrappedStore):
         for hook in self.metrics.sample_hooks:  # before the hit rate's listeners, which may act on them
             hook(self, query, mass)
         self.metrics.record_shadow(read.read, mass)
+
+    def _observe_below(self, query: torch.Tensor, scaling: float) -> None:
+        """The evicting store's turn: a prefill may evict (then the summaries follow the kept keys, and
+        the prompt's mask no longer fits them); a decode step only closes the prefill, since a
+        ``compression_ratio`` evicts prefills alone and what it would accumulate is never used."""
+        if query.shape[2] == 1:
+            self.inner.end_prefill()
+            return
+        held = self.inner.size()
+        self.inner.observe(query, scaling)
+        if self.inner.size() != held:
+            self._rebuild()
+            self._mask = None
 
     @torch.no_grad()
     def _page_mass(self, query: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

@@ -138,6 +138,11 @@ class LayerStore(ABC):
 
     layer_idx: int = 0
 
+    def evicts_during(self, new_tokens: int) -> bool:
+        """Whether a step writing ``new_tokens`` may drop stored tokens after attention read them: its
+        reads must then be copies, never a read left pending (``evicts`` unless a store knows better)."""
+        return self.evicts
+
     def bind(self, layer_idx: int) -> None:
         """Called once by the factory: which model layer this store serves."""
         self.layer_idx = layer_idx

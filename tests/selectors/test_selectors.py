@@ -131,7 +131,7 @@ def test_the_dynamic_pages_preset_names_its_removal() -> None:
 
 @pytest.mark.parametrize(("strategies", "match"), [
     ([{"name": "dense"}, {"name": "quest"}], "paged storage"),
-    ([{"name": "paged"}, {"name": "eviction", "policy": "h2o", "budget": 8}, {"name": "quest"}], "evicting"),
+    ([{"name": "paged"}, {"name": "eviction", "policy": "h2o", "budget": 8}, {"name": "quest"}], "budget"),
     ([{"name": "paged"}, {"name": "quest"}, {"name": "recent"}], "one selector"),
 ])
 def test_selectors_refuse_what_they_cannot_read(strategies: list, match: str) -> None:
