@@ -117,9 +117,8 @@ def tradeoff_figure(results: dict[str, Any], task: str) -> Figure | None:
             if here:
                 ax.scatter([r["bytes_per_token_ratio"] for r in here], [quality(r)[0] for r in here], s=28,
                            color=FAMILY_COLOURS[name], label=name, zorder=3)
-                for r in here:
-                    ax.annotate(label(r["config"]), (r["bytes_per_token_ratio"], quality(r)[0]), fontsize=6,
-                                xytext=(3, 3), textcoords="offset points")
+        _label_points(ax, [(r["bytes_per_token_ratio"], quality(r)[0], label(r["config"]))
+                           for r in points if r["context"] == context])
         baseline = [r for r in rows if r["context"] == context and families[r["config"]] is None]
         if baseline:
             ax.scatter([1.0], [0.0 if task == "ppl" else baseline[0]["accuracy"]], marker="*", s=80,
@@ -141,6 +140,16 @@ def tradeoff_figure(results: dict[str, Any], task: str) -> Figure | None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
     return fig
+
+
+def _label_points(ax: Any, points: list[tuple[float, float, str]]) -> None:
+    """One label per point, stacked where points share a quality value and sit close in bytes (a
+    label per line, so none writes over another)."""
+    placed: list[tuple[float, float, int]] = []
+    for x, y, text in sorted(points):
+        stacked = sum(1 for px, py, _ in placed if py == y and abs(px - x) < 0.25)
+        placed.append((x, y, stacked))
+        ax.annotate(text, (x, y), fontsize=6, xytext=(3, 3 - 8 * stacked), textcoords="offset points")
 
 
 def _symlog_if_wide(set_scale: Any, values: list[float]) -> None:
