@@ -9,8 +9,8 @@ has the table, the article's name against kvfactory's):
 - ``quant_bits: 8`` (flat, or in a ``quantized`` entry) is ``quantization: int8`` (4: ``int4``,
   2: ``int2``);
 - ``calibrate: true`` in a ``quantized`` entry is kvfactory's own ``calibrate`` for int8 and fp8:
-  static per-head scales fixed by the first tokens each layer writes (its first prefill), shared by
-  the factory's caches; ``false`` keeps per-token scales. KIVI codecs (``quant_bits`` 4 and 2) compute
+  static per-head scales fixed by the first 512 tokens a cache writes, shared by the factory's
+  caches; ``false`` keeps per-token scales. KIVI codecs (``quant_bits`` 4 and 2) compute
   their scales per group as they write, so for them ``calibrate`` changes nothing;
 - ``{name: selective, strategy: sliding_window, window_size: W}`` is
   ``{name: eviction, policy: window, budget: W}``; another ``strategy`` names an eviction policy

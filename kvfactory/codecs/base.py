@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -42,6 +42,8 @@ class Codec(ABC):
     dtype: torch.dtype | None  # compute dtype: decode's output; None until the first encode
     #: the encoded layout kvfactory's C kernels read in place (``kivi-keys``, ``kivi-values``), if any
     kernel_layout: ClassVar[str | None] = None
+    #: a static scale fixed on first use (``kvfactory.codecs.calibration.FirstUseScale``), if any
+    first_use: Any = None
 
     @property
     def unit(self) -> int:

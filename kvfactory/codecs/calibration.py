@@ -8,7 +8,9 @@ them (atomically: temp file, fsync, rename) with the model's shape and the token
 ``absmax / code_max`` (448 for FP8 E4M3, 57344 for E5M2, 127 for int8); values beyond saturate.
 
 ``FirstUseScales`` calibrates online instead (``calibrate: true``, as vLLM's ``calculate_kv_scales``
-does on its first forward): each layer's scales are fixed by the first tokens written through it.
+does on its first forward): each layer's scales are fixed by the first ``FIRST_USE_TOKENS`` tokens
+a cache writes through it (held in full precision until then), so a short first prompt (a warm-up)
+does not set scales its successors overflow.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def layer_absmax(path: str, layer: int, num_layers: int) -> tuple[torch.Tensor, 
         raise ConfigError("scales", path, f"calibration for a model of {num_layers} layers; the file holds "
                                           f"{scales[KEYS].shape[0]}")
     return scales[KEYS][layer], scales[VALUES][layer]
+
+
+FIRST_USE_TOKENS = 512  # tokens a layer holds in full precision before its first-use scales are fixed
 
 
 class FirstUseScale:

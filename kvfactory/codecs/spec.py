@@ -10,8 +10,8 @@ layers at each end unquantized, or ``layers`` names a codec per layer explicitly
 Static scales: ``scales`` names a file from ``kvfactory calibrate``; fp8 then stores
 codes with one calibrated scale per KV head (``absmax / 448``, E5M2 ``/ 57344``), int8 likewise
 (``absmax / 127``, per-head granularity), with no per-token scale bytes. ``calibrate: true`` makes
-the same static scales online, from the first tokens each layer writes (its first prefill), shared by
-every cache of the factory (``calibration.FirstUseScales``).
+the same static scales online, from the first 512 tokens a cache writes, shared by every cache of
+the factory (``calibration.FirstUseScales``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class QuantizationSpec:
     full_precision_last: int = 0
     layers: tuple[str, ...] | None = None
     scales: str | None = None  # a calibration file (kvfactory calibrate) for static fp8 / int8 scales
-    calibrate: bool = False  # static fp8 / int8 scales from the first tokens written (FirstUseScales)
+    calibrate: bool = False  # static fp8 / int8 scales from the first 512 tokens written (FirstUseScales)
 
     def __post_init__(self) -> None:
         for name in (self.codec, *(self.layers or ())):

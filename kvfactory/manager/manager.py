@@ -417,8 +417,8 @@ class KVCacheManager:
         """Files hold quantized codes: with scales fixed on first use (``calibrate: true``) they would
         decode only with this factory's scales, so such sequences stay in memory."""
         if self.factory.first_use is not None:
-            raise UnsupportedError(f"{action}: the config quantizes with scales fixed by its first prefill "
-                                   f"(calibrate: true), which a file cannot carry to another factory; "
+            raise UnsupportedError(f"{action}: the config quantizes with scales fixed by its first 512 "
+                                   f"tokens (calibrate: true), which a file cannot carry to another factory; "
                                    f"calibrate offline (`kvfactory calibrate`, then scales: FILE) to save")
 
     # -- explicit sharing -----------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 
 from kvfactory.attention import DeferredRead
 from kvfactory.codecs import Codec, Encoded, fused, native
+from kvfactory.codecs.calibration import FIRST_USE_TOKENS
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv, take_tokens
 from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
@@ -228,6 +229,13 @@ class QuantizedStore(LayerStore):
     def quantized_tokens(self) -> int:
         return 0 if self._packed is None else self._packed.tokens
 
+    def _scales_ready(self, total: int) -> bool:
+        """Whether codes may be written with ``total`` tokens held: scales fixed on first use wait
+        for ``FIRST_USE_TOKENS`` of them (kept in the full-precision window meanwhile), unless another
+        cache of the factory fixed them already."""
+        cells = [c.first_use for c in (self.key_codec, self.value_codec) if c.first_use is not None]
+        return all(cell.fixed for cell in cells) or total >= FIRST_USE_TOKENS
+
     def _flush_count(self, total: int) -> int:
         """Tokens to encode when ``total`` sit in the window: whole units beyond ``residual``."""
         return max(0, (total - self.residual) // self.unit * self.unit)
@@ -249,13 +257,17 @@ class QuantizedStore(LayerStore):
         check_kv(key, value)
         self._check_like(key, value)
         held = self.inner.size()
-        flush = self._flush_count(held + key.shape[2])
+        total = held + key.shape[2]
+        flush = self._flush_count(total) if self._scales_ready(total) else 0
         if flush == 0:
             self.inner.append(key, value)
             return
         if held:
             old_k, old_v = self.inner.gather()
             key, value = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
+        for codec, x in ((self.key_codec, key), (self.value_codec, value)):
+            if codec.first_use is not None:
+                codec.first_use.fix(x)  # over every token held so far (no-op once fixed)
         with torch.no_grad():  # codes are not differentiable (a forward outside no_grad works all the same)
             ek, ev = self.key_codec.encode(key[:, :, :flush]), self.value_codec.encode(value[:, :, :flush])
             if self._flushes % self.sample_every == 0:

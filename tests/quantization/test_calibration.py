@@ -81,33 +81,37 @@ def test_calibrate_command_on_the_embedded_model(tmp_path) -> None:
 # -- calibrate: true: the same static scales, fixed by the first prefill -------------------------------
 
 @pytest.mark.parametrize("codec", ["fp8", "int8"])
-def test_the_first_prefill_fixes_the_scales_every_cache_of_the_factory_uses(codec: str) -> None:
-    """The first prompt written sets each layer's scales to its |K| and |V| maxima per head, as
-    ``collect`` measures on it (exactly in layer 0; later layers see K/V computed through the
-    quantized layers before them); a second cache of the factory encodes with them, codes only."""
+def test_the_first_512_tokens_fix_the_scales_every_cache_of_the_factory_uses(codec: str) -> None:
+    """A short prompt stays in full precision; the first cache to hold ``FIRST_USE_TOKENS`` tokens
+    fixes each layer's scales to their |K| and |V| maxima per head, as ``collect`` measures on them
+    (exactly in layer 0; later layers see K/V computed through the quantized layers before them),
+    and every cache of the factory encodes with them from then on, codes only."""
     model = tiny_model("llama")
     factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 8,
                                             "quantization": {"codec": codec, "calibrate": True}})
-    first, second = factory.create_cache(), factory.create_cache()
-    assert not factory.first_use.fixed()
-    prompt = random_prompt(40)
+    short, long = factory.create_cache(), factory.create_cache()
     with torch.no_grad():
-        model(prompt, past_key_values=first)
+        model(random_prompt(40), past_key_values=short)
+    assert not factory.first_use.fixed()
+    assert all(layer.store.inner.size() == 40 and layer.store.quantized_tokens == 0 for layer in short.layers)
+    prompt = random_prompt(calibration.FIRST_USE_TOKENS, seed=3)
+    with torch.no_grad():
+        model(prompt, past_key_values=long)
     assert factory.first_use.fixed()
     expected = calibration.collect(model, prompt)
     limit = STATIC_LIMITS[codec]
     for layer in range(model.config.num_hidden_layers):
         rtol = 1e-5 if layer == 0 else 0.02
-        for cache in (first, second):
+        for cache in (short, long):
             store = cache.layers[layer].store
-            for role, name in ((store.key_codec, calibration.KEYS), (store.value_codec, calibration.VALUES)):
-                assert torch.allclose(role.static_scale, expected[name][layer] / limit, rtol=rtol)
+            pairs = ((store.key_codec, calibration.KEYS), (store.value_codec, calibration.VALUES))
+            for codec_of, name in pairs:
+                assert torch.allclose(codec_of.static_scale, expected[name][layer] / limit, rtol=rtol)
     with torch.no_grad():
-        model(random_prompt(30, seed=1) * 3 % model.config.vocab_size, past_key_values=second)
-    assert torch.allclose(second.layers[0].store.key_codec.static_scale,
-                          expected[calibration.KEYS][0] / limit)  # fixed once: a later prompt changes nothing
+        model(random_prompt(1, seed=4), past_key_values=short)
+    assert short.layers[0].store.quantized_tokens == 41  # its held tokens, encoded with the fixed scales
     heads, dim = model.config.num_key_value_heads, model.config.head_dim
-    assert second.layers[0].store.key_codec.bytes_per_token(heads, dim) == heads * dim
+    assert long.layers[0].store.key_codec.bytes_per_token(heads, dim) == heads * dim
 
 
 def test_a_layout_probe_of_zeros_does_not_fix_a_scale() -> None:
@@ -137,7 +141,7 @@ def test_a_manager_shares_calibrated_prefixes_and_keeps_their_sequences_in_memor
     model = tiny_model("llama")
     manager = KVCacheManager(model.config, {"type": "paged", "page_size": 4, "pool_tokens": 4096,
                                             "quantization": {"codec": "int8", "calibrate": True}})
-    prompt = random_prompt(24)
+    prompt = random_prompt(calibration.FIRST_USE_TOKENS + 24)
     outputs = []
     for seq_id in ("a", "b"):
         cache = manager.create(seq_id, prompt=prompt[0])
