@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -15,18 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import openai
+
+from kvfactory.server.process import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"  # made by `make vllm-venv`
 MODEL = "smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:
@@ -39,19 +33,11 @@ class Server:
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                             env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                tail = log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{command[:4]} exited with {self.process.returncode}: {tail}")
-            try:
-                if httpx2.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"{command[:4]} not ready in {timeout:.0f} s")
+        try:
+            wait_healthy(self.url, self.process, log, timeout, interval=0.5)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.process.poll() is None:

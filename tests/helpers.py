@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,6 @@ WIKITEXT = DATA_DIR / "wikitext2_test.txt"
 LOGITS_ATOL = 1e-5  # README "Guarantees": lossless configs give logits within 1e-5 of DynamicCache in fp32
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now: for a server a test starts."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @torch.no_grad()

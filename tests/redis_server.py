@@ -11,7 +11,8 @@ import threading
 import time
 
 import redis
-from helpers import free_port
+
+from kvfactory.server.process import free_port
 
 START_TIMEOUT = 20.0
 

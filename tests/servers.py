@@ -13,15 +13,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx2
 import openai
 import torch
-from helpers import free_port
 from transformers import DynamicCache
 
+from kvfactory.server.process import free_port, wait_healthy
 from kvfactory.texts import shipped_text
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,21 +38,7 @@ class ServerProcess:
                    *args]
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"kvfactory serve exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx2.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-            time.sleep(0.25)
-        self.process.kill()
-        raise RuntimeError(f"kvfactory serve was not ready in {START_TIMEOUT:.0f} s:\n{self.log()}")
+        wait_healthy(self.url, self.process, log_path, START_TIMEOUT)
 
     def client(self, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", **kwargs)

@@ -44,6 +44,7 @@ class Codec(ABC):
     kernel_layout: ClassVar[str | None] = None
     #: a static scale fixed on first use (``kvfactory.codecs.calibration.FirstUseScale``), if any
     first_use: Any = None
+    static_scale: Any = None  # a static per-head scale, in codecs that take one
 
     @property
     def unit(self) -> int:
@@ -84,8 +85,24 @@ class Codec(ABC):
         cut the stored tokens into runs."""
         return False
 
+    def adopt_first_use(self) -> None:
+        """With ``first_use``, take its cell's tensor as the static scale (fixed in place later); called
+        by a codec's ``__post_init__`` before it checks ``static_scale``."""
+        if self.first_use is None:
+            return
+        if self.static_scale is not None:
+            raise ConfigError("static_scale", "a tensor", "no static_scale with first_use (it fixes one)")
+        self.static_scale = self.first_use.scale
+
+    def fix_first_use(self, x: torch.Tensor) -> None:
+        """Fix a first-use scale from ``x`` (every token a store holds, or those encoded); a no-op once
+        fixed or without one."""
+        if self.first_use is not None:
+            self.first_use.fix(x)
+
     def _check_input(self, x: torch.Tensor) -> None:
-        """Reject what cannot be encoded and fix the compute dtype on the first encode."""
+        """Reject what cannot be encoded, fix the compute dtype on the first encode and a first-use
+        scale on the first tokens (``fix_first_use``)."""
         if x.dim() != 4 or not x.is_floating_point():
             raise ShapeError(f"{self.name}: encode takes a float [batch, kv_heads, tokens, head_dim] tensor; "
                              f"got {x.dtype} of shape {tuple(x.shape)}")
@@ -94,6 +111,7 @@ class Codec(ABC):
                              f"unit={self.unit}")
         if self.dtype is None:
             self.dtype = x.dtype
+        self.fix_first_use(x)
 
     def _output(self, out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """``out`` checked against ``shape``, or a new tensor of the compute dtype."""

@@ -60,10 +60,7 @@ class Fp8Codec(Codec):
     bits = 8
 
     def __post_init__(self) -> None:
-        if self.first_use is not None:
-            if self.static_scale is not None:
-                raise ConfigError("static_scale", "a tensor", "no static_scale with first_use (it fixes one)")
-            self.static_scale = self.first_use.scale
+        self.adopt_first_use()
         if self.format not in FORMATS:
             raise ConfigError("format", self.format, "'e4m3' or 'e5m2'")
         if self.scale not in ("dynamic", "static"):
@@ -85,8 +82,6 @@ class Fp8Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
-        if self.first_use is not None:
-            self.first_use.fix(x)
         fp8 = FORMATS[self.format]
         limit = torch.finfo(fp8).max
         xf = x.float()

@@ -68,10 +68,7 @@ class Int8Codec(Codec):
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ConfigError("group_size", self.group_size, "an integer >= 1")
         check_dtype("scale_dtype", self.scale_dtype)
-        if self.first_use is not None:
-            if self.static_scale is not None:
-                raise ConfigError("static_scale", "a tensor", "no static_scale with first_use (it fixes one)")
-            self.static_scale = self.first_use.scale
+        self.adopt_first_use()
         if self.static_scale is not None:
             if self.granularity != "head":
                 raise ConfigError("static_scale", "a tensor", "only with granularity='head'")
@@ -94,8 +91,6 @@ class Int8Codec(Codec):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
-        if self.first_use is not None:
-            self.first_use.fix(x)
         b, h, t, d = x.shape
         xf = x.float()
         if self.static_scale is not None:

@@ -265,9 +265,8 @@ class QuantizedStore(LayerStore):
         if held:
             old_k, old_v = self.inner.gather()
             key, value = torch.cat([old_k, key], dim=2), torch.cat([old_v, value], dim=2)
-        for codec, x in ((self.key_codec, key), (self.value_codec, value)):
-            if codec.first_use is not None:
-                codec.first_use.fix(x)  # over every token held so far (no-op once fixed)
+        self.key_codec.fix_first_use(key)  # over every token held, not only those encoded now
+        self.value_codec.fix_first_use(value)
         with torch.no_grad():  # codes are not differentiable (a forward outside no_grad works all the same)
             ek, ev = self.key_codec.encode(key[:, :, :flush]), self.value_codec.encode(value[:, :, :flush])
             if self._flushes % self.sample_every == 0:
