@@ -423,11 +423,18 @@ def oval_train(
                                                            "scorer, 40 for a prefetch router]",
                                                show_default=False)] = None,
     budget: Annotated[float, typer.Option(min=0.01, max=1.0, help="read budget of the top-k target")] = 0.125,
+    objective: Annotated[Literal["mass", "output"], typer.Option(
+        help="mass: each page's attention mass; output: what leaving the page out moves the attention "
+             "output")] = "mass",
+    mix: Annotated[bool, typer.Option(
+        help="hand each layer where Quest or recent pages read with a lower held-out output error to "
+             "them (used by \"mix\": true)")] = True,
     threads: ThreadsOption = 2,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report here")] = None,
 ) -> None:
-    """Distil full attention into an OVAL router of either kind (the LM stays frozen) and print
-    hit-rate curves of the router, Quest, recent pages and the oracle on held-out text."""
+    """Distil full attention into an OVAL router of either kind (the LM stays frozen), print hit-rate
+    curves of the router, Quest, recent pages and the oracle on held-out text, and choose there the
+    layers Quest or recent pages read better."""
     import json
 
     import torch
@@ -441,9 +448,51 @@ def oval_train(
         loaded, tokenizer = models.load_model(model)
     report = oval_training.run(loaded, tokenizer, texts[:len(text)], texts[len(text):], str(out), model,
                                dense_layers, chunk, positions, chunks, val_chunks, epochs, budget, console,
-                               kind)
+                               kind, objective, mix)
     layers = report["layers"]
     console.print(f"wrote {out}: {kind} router for layers {layers[0]}..{layers[-1]} of {model}")
+    if mix:
+        handed = report["layer_selectors"]
+        console.print("layers read better by another selector on the held-out text: "
+                      + (", ".join(f"{layer}: {name}" for layer, name in sorted(handed.items())) or "none")
+                      + "; \"mix\": true reads them with it")
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+@oval_app.command("mix")
+def oval_mix(
+    router: Annotated[Path, typer.Argument(help="a router file from `kvfactory oval train`; rewritten")],
+    val_text: Annotated[list[Path], typer.Option(help="held-out UTF-8 text to choose on (not evaluation "
+                                                      "text)")],
+    model: ModelOption = models.EMBEDDED,
+    val_chunks: Annotated[int, typer.Option(min=1, help="held-out chunks")] = 12,
+    chunk: Annotated[int, typer.Option(min=256, help="tokens per chunk")] = 2048,
+    positions: Annotated[int, typer.Option(min=1, help="query positions sampled per chunk")] = 32,
+    budget: Annotated[float, typer.Option(min=0.01, max=1.0, help="read budget to compare at")] = 0.125,
+    threads: ThreadsOption = 2,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the report here")] = None,
+) -> None:
+    """Choose a trained router's per-layer mix on held-out text (what `oval train` does after
+    training): each layer where Quest or recent pages read with a lower attention-output error is
+    handed to them when a config sets "mix": true."""
+    import json
+
+    import torch
+
+    from kvfactory.selectors.oval import train as oval_training
+
+    texts = [read_text(path) for path in val_text]
+    torch.set_num_threads(threads)
+    console = Console()
+    with console.status(f"loading {model}"):
+        loaded, tokenizer = models.load_model(model)
+    with console.status("teacher: full attention on the held-out text"):
+        report = oval_training.mix_router(loaded, tokenizer, str(router), texts, chunk, positions, val_chunks,
+                                          budget)
+    handed = report["layer_selectors"]
+    console.print(f"wrote {router}: layers read better by another selector: "
+                  + (", ".join(f"{layer}: {name}" for layer, name in sorted(handed.items())) or "none"))
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -52,6 +52,12 @@ class Selector(ABC):
         model, as OVAL's shipped routers); called once by the factory."""
         return options
 
+    @classmethod
+    def layer_selectors(cls, options: dict[str, Any], layers: tuple[int, ...]) -> dict[int, str]:
+        """Routed ``layers`` this selector, with ``options`` (after ``options_for_model``), hands to
+        another selector, by its registry name (OVAL's per-layer mix); none by default."""
+        return {}
+
     def bind(self, layer_idx: int, num_layers: int) -> None:  # noqa: B027 - an optional hook
         """Called once by the factory: which model layer this selector serves."""
 

@@ -124,16 +124,20 @@ class SelectorSpec:
 
     def per_layer(self, model_config: Any, layers: Sequence[int]) -> dict[int, SelectorSpec]:
         """The spec each of the routed ``layers`` decodes with: the selector's options for this model
-        (``Selector.options_for_model``) and its share of the read budget under ``layer_budgets``; the
-        same spec for all when the split is even."""
+        (``Selector.options_for_model``), or the selector it hands the layer to
+        (``Selector.layer_selectors``), and its share of the read budget under ``layer_budgets``."""
         if not layers:
             return {}
         spec = replace(self, options=SELECTORS[self.selector].options_for_model(self.options, model_config))
+        handed = SELECTORS[self.selector].layer_selectors(spec.options, tuple(layers))
+        # a layer handed to another selector takes that selector's defaults, and the same read budget
+        by_layer = {layer: replace(spec, selector=handed[layer], options={}, prompt_weight=None)
+                    if layer in handed else spec for layer in layers}
         profile = None if self.top_k is not None else resolve(self.layer_budgets, model_config)
         if profile is None:
-            return dict.fromkeys(layers, spec)
+            return by_layer
         split = profile.allocate(self.read_budget or DEFAULT_READ_BUDGET, layers)
-        return {layer: replace(spec, read_budget=budget, layer_budgets="uniform")
+        return {layer: replace(by_layer[layer], read_budget=budget, layer_budgets="uniform")
                 for layer, budget in split.items()}
 
     def pages_to_read(self, pages: int) -> int:

@@ -3,8 +3,9 @@
 Text is cut into windows and run through the frozen model once each with full attention
 (``collect``). At sampled query positions ``t`` every routed layer records the attention mass each
 page of ``PAGE`` tokens gets from the query at ``t`` (the group's query heads averaged per KV head,
-causal), Quest's score for comparison (``kvfactory.selectors.quest``), the pages' summaries (key
-maximum, minimum and mean per channel) and the decoder's last hidden state at ``t - 1``; with
+causal), what leaving the page out costs the attention output (``impact``), Quest's score for
+comparison (``kvfactory.selectors.quest``), the pages' summaries (key maximum, minimum and mean per
+channel) and the decoder's last hidden state at ``t - 1``; with
 ``keys`` also the keys themselves and the sampled queries (what OVAL's query scorer learns from),
 with ``values`` the values too (what the attention output of a page choice is measured with). Read-budget
 calibration (``calibrate.py``) and OVAL's router training (``oval/train.py``) both learn from it;
@@ -16,7 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -41,6 +42,7 @@ class Chunk:
     queries: torch.Tensor | None = None  # [S, L, Hq, D]: the queries at the sampled positions
     positions: torch.Tensor | None = None  # [S]: the sampled query positions (with the keys)
     layers: tuple[int, ...] = ()  # the model layers recorded, in order
+    impact: torch.Tensor | None = None  # [S, L, Hkv, P]: what leaving each page out moves the output
     values: torch.Tensor | None = None  # [L, Hkv, P * PAGE, D]: the values (``collect(values=True)``)
     scaling: float | None = None  # the attention's score scale (with the values)
 
@@ -63,7 +65,7 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
-        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"))
+        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"), value)
         pages = key.shape[2] // PAGE
         if _recording.keys:
             _recording.raw[layer] = (query[0, :, _recording.positions].transpose(0, 1).half(),
@@ -78,14 +80,24 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 AttentionInterface.register(TEACHER, _teacher_attention)
 
 
-PageRecord = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+class PageRecord(NamedTuple):
+    """One layer's teacher record of the sampled queries (see ``page_record``)."""
+
+    features: torch.Tensor  # [Hkv, P, 3D]
+    mass: torch.Tensor  # [S, Hkv, P]
+    quest: torch.Tensor  # [S, Hkv, P]
+    impact: torch.Tensor | None  # [S, Hkv, P], with the values
 
 
-def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None
-                ) -> PageRecord:
+def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, scaling: float | None,
+                value: torch.Tensor | None = None) -> PageRecord:
     """For one layer of a batch-1 forward: page features ``[Hkv, P, 3D]``, mass and Quest's score
     ``[S, Hkv, P]`` of the queries at ``positions`` (as the selector ranks: the paper's bound, each KV
-    head's best query head)."""
+    head's best query head) and, given the values, each page's ``impact``: leaving page ``p`` out of
+    a query head's attention moves its output ``o`` by ``|sum_{t in p} a_t (v_t - o)| / (1 - m_p)``;
+    the numerator over ``|o|``, averaged over the KV head's query heads, is what a selector loses by
+    not reading the page, however much mass it holds (a page whose values are close to ``o`` costs
+    little)."""
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     groups, pages = hq // hkv, t // PAGE
@@ -93,13 +105,25 @@ def page_record(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     q = query[0, :, positions].float().view(hkv, groups, -1, d)  # [Hkv, G, S, D]
     scores = q @ keys[:, None].transpose(-1, -2) * (scaling if scaling is not None else d ** -0.5)
     causal = torch.arange(pages * PAGE) > positions[:, None]
-    probs = scores.masked_fill(causal, float("-inf")).softmax(-1).mean(1)  # [Hkv, S, T]
+    head_probs = scores.masked_fill(causal, float("-inf")).softmax(-1)  # [Hkv, G, S, T]
+    probs = head_probs.mean(1)  # [Hkv, S, T]
     mass = probs.view(hkv, -1, pages, PAGE).sum(-1)
     by_page = keys.view(hkv, pages, PAGE, d)
     features = torch.cat([by_page.amax(2), by_page.amin(2), by_page.mean(2)], -1)
-
     bounds = split_rows(q) @ features[:, None, :, :2 * d].transpose(-1, -2)  # [Hkv, G, S, P]
-    return features, mass.transpose(0, 1), bounds.amax(1).transpose(0, 1)
+    impact = None if value is None else page_impact(head_probs, value[0, :, :pages * PAGE].float())
+    return PageRecord(features, mass.transpose(0, 1), bounds.amax(1).transpose(0, 1), impact)
+
+
+def page_impact(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[S, Hkv, P]``: each page's relative pull on the attention output (``page_record``), from each
+    query head's ``probs [Hkv, G, S, T]`` and the ``values [Hkv, T, D]``."""
+    hkv, groups, s, tokens = probs.shape
+    out = probs @ values[:, None]  # [Hkv, G, S, D]
+    by_page = probs.view(hkv, groups, s, -1, PAGE)  # [Hkv, G, S, P, PAGE]
+    weighted = torch.einsum("hgspk,hpkd->hgspd", by_page, values.view(hkv, -1, PAGE, values.shape[-1]))
+    pull = (weighted - by_page.sum(-1, keepdim=True) * out[:, :, :, None]).norm(dim=-1)  # [Hkv, G, S, P]
+    return (pull / out.norm(dim=-1, keepdim=True).clamp(min=1e-9)).mean(1).transpose(0, 1)
 
 
 @torch.no_grad()
@@ -124,9 +148,10 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
             hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
             out = [_recording.out[layer] for layer in layers]
             record = Chunk(
-                features=torch.stack([o[0] for o in out]).half(), hidden=hidden[at - 1].float(),
-                current=at // PAGE, mass=torch.stack([o[1] for o in out], 1).half(),
-                quest=torch.stack([o[2] for o in out], 1).half(), layers=tuple(layers))
+                features=torch.stack([o.features for o in out]).half(), hidden=hidden[at - 1].float(),
+                current=at // PAGE, mass=torch.stack([o.mass for o in out], 1).half(),
+                quest=torch.stack([o.quest for o in out], 1).half(), layers=tuple(layers),
+                impact=torch.stack([o.impact for o in out], 1).half())
             if keys:
                 record.queries = torch.stack([_recording.raw[layer][0] for layer in layers], 1)
                 record.keys = torch.stack([_recording.raw[layer][1] for layer in layers])

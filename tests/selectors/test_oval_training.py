@@ -18,12 +18,36 @@ from kvfactory.selectors.oval.router import Router
 from kvfactory.selectors.pages import PageSummaries
 
 
+def test_a_pages_impact_is_how_far_leaving_it_out_moves_the_attention_output() -> None:
+    gen = torch.Generator().manual_seed(1)
+    query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
+    value = torch.randn(1, 2, 64, 8, generator=gen)
+    positions = torch.tensor([40, 63])
+    impact = teacher.page_record(query, key, positions, 0.5, value).impact
+    assert impact.shape == (2, 2, 4)
+    for s, t in enumerate(positions.tolist()):
+        for h in range(2):
+            moved = []
+            for g in (2 * h, 2 * h + 1):
+                probs = (query[0, g, t] @ key[0, h, :t + 1].T * 0.5).softmax(-1)
+                out = probs @ value[0, h, :t + 1]
+                per_page = []
+                for page in range(4):
+                    kept = torch.ones(t + 1, dtype=torch.bool)
+                    kept[page * 16:(page + 1) * 16] = False
+                    share = probs[kept].sum()
+                    without = probs[kept] @ value[0, h, :t + 1][kept] / share
+                    per_page.append((without - out).norm() * share / out.norm())  # the move times 1 - m_p
+                moved.append(torch.stack(per_page))
+            torch.testing.assert_close(impact[s, h], torch.stack(moved).mean(0), rtol=1e-4, atol=1e-6)
+
+
 def test_the_teacher_records_full_attention_mass_per_page() -> None:
     gen = torch.Generator().manual_seed(0)
     query, key = torch.randn(1, 4, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
     positions = torch.tensor([20, 47, 63])
-    features, mass, quest = teacher.page_record(query, key, positions, 0.5)
-    assert features.shape == (2, 4, 24) and mass.shape == quest.shape == (3, 2, 4)
+    features, mass, quest, impact = teacher.page_record(query, key, positions, 0.5)
+    assert features.shape == (2, 4, 24) and mass.shape == quest.shape == (3, 2, 4) and impact is None
     for s, t in enumerate(positions.tolist()):
         for h in range(2):
             group = (2 * h, 2 * h + 1)
@@ -152,12 +176,29 @@ def test_the_train_command_writes_a_router_and_its_curves(tmp_path) -> None:
     result = CliRunner().invoke(app, [
         "oval", "train", "--text", str(books[0]), "--val-text", str(books[1]), "--out", str(out),
         "--chunks", "1", "--val-chunks", "1", "--chunk", "512", "--positions", "4", "--epochs", "2",
-        "--json", str(report)])
+        "--objective", "output", "--json", str(report)])
     assert result.exit_code == 0, result.output
     scorer = load_module(out)
     assert isinstance(scorer, LowRankScorer) and scorer.shape.layers == tuple(range(2, 30))
-    curve = json.loads(report.read_text())["curve"]
+    written = json.loads(report.read_text())
+    curve = written["curve"]
     assert [c["epoch"] for c in curve] == [1, 2] and set(curve[-1]) >= {"router", "quest", "oracle"}
+    # the per-layer mix, chosen by the held-out output errors the report carries, is saved with it
+    errors = written["output_error_per_layer"]
+    assert written["objective"] == "output" and set(errors) == {"router", "quest", "recent", "oracle"}
+    handed = {int(layer): name for layer, name in written["layer_selectors"].items()}
+    assert scorer.layer_selectors == handed
+    for layer in range(2, 30):
+        best = min(("router", "quest", "recent"), key=lambda name: errors[name][str(layer)])
+        assert handed.get(layer, "router") == best
+    # `oval mix` chooses again for a trained file, here with nothing handed over beforehand
+    scorer.layer_selectors = {}
+    scorer.save(out)
+    result = CliRunner().invoke(app, ["oval", "mix", str(out), "--val-text", str(books[1]), "--val-chunks",
+                                      "1", "--chunk", "512", "--positions", "4", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    assert load_module(out).layer_selectors == handed  # the same held-out chunk, the same choice
+    assert json.loads(report.read_text())["layer_selectors"] == written["layer_selectors"]
     result = CliRunner().invoke(app, [
         "oval", "train", "--kind", "prefetch", "--text", str(books[0]), "--val-text", str(books[1]),
         "--out", str(out), "--chunks", "1", "--val-chunks", "1", "--chunk", "512", "--positions", "4",

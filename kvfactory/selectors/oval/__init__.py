@@ -11,7 +11,9 @@ A router file holds one of two trained scorers (``files.py``, ``docs/sparse-read
   by ``kvfactory.cache.watch_hidden_states``, which kvfactory installs on the cache's first
   forward), known before the layer runs, so a slower tier could prefetch them.
 
-``kvfactory oval train`` (``train.py``) trains either for any model.
+``kvfactory oval train`` (``train.py``) trains either for any model, and chooses on held-out text
+which routed layers Quest or recent pages read with a lower attention-output error; ``"mix": true``
+reads those layers with them (the per-layer mix, ``files.py``).
 """
 
 from __future__ import annotations
@@ -106,15 +108,20 @@ def _router_slot(path: str, version: int) -> RouterSlot:
 @dataclass
 class OvalSelector(Selector):
     """``router``: a router file, ``"embedded"`` (the query scorer shipped for the embedded model) or
-    ``"embedded-prefetch"`` (the prefetch router shipped for it). A prefetch router's positional
-    decay is part of it (its weight is trained), always applied."""
+    ``"embedded-prefetch"`` (the prefetch router shipped for it). ``mix``: read the layers the router
+    file hands to Quest or recent pages with them. A prefetch router's positional decay is part of it
+    (its weight is trained), always applied."""
 
     router: str = "embedded"
+    mix: bool = False
     prompt_weight: ClassVar[float] = 2.0  # chosen on held-out book windows (docs/sparse-reads.md)
     _layer: int = field(default=0, init=False, repr=False)
     _slot: RouterSlot | None = field(default=None, init=False, repr=False, compare=False)  # on first use
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mix, bool):
+            raise ConfigError("mix", self.mix, "true or false (read the layers the router file hands to "
+                              "Quest or recent pages with them)")
         path = router_path(self.router)
         if not path.is_file():
             raise ConfigError("router", self.router, f"one of {sorted(EMBEDDED)} or the path of a router "
@@ -125,6 +132,14 @@ class OvalSelector(Selector):
         """A shipped router's name resolved to the file trained for this model (``shipped_router``)."""
         router = options.get("router", cls.router)
         return options | {"router": shipped_router(router, model_config)} if router in SHIPPED else options
+
+    @classmethod
+    def layer_selectors(cls, options: dict[str, Any], layers: tuple[int, ...]) -> dict[int, str]:
+        """With ``mix``, the layers the router file hands to another selector (``files.py``)."""
+        if not options.get("mix", cls.mix):
+            return {}
+        handed = load_router(str(router_path(options.get("router", cls.router)))).layer_selectors
+        return {layer: name for layer, name in handed.items() if layer in layers}
 
     @property
     def uses_mean(self) -> bool:  # the prefetch router embeds the page's mean key too

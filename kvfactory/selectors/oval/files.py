@@ -3,6 +3,10 @@
 Two kinds (``docs/sparse-reads.md``): ``"query"`` (``lowrank.LowRankScorer``, the step's own query
 against learned low-rank key codes) and ``"prefetch"`` (``router.Router``, pages predicted from the
 previous step's hidden state). Files written before the kinds existed hold a prefetch router.
+
+A file may also name routed layers another selector reads better (``layer_selectors``, ``{layer:
+"quest" | "recent"}``, chosen on held-out text by ``kvfactory oval train``): the per-layer mix a
+selector config turns on with ``"mix": true``.
 """
 
 from __future__ import annotations
@@ -29,14 +33,29 @@ def layer_index(layers: tuple[int, ...], layer_idx: int) -> int:
     return layers.index(layer_idx)
 
 
+MIXED = ("quest", "recent")  # selectors a router file may hand a layer to
+
+
 def save_module(module: torch.nn.Module, path: str | Path, kind: str, shape: dict[str, Any]) -> None:
-    """``module``'s state with its ``kind`` and ``shape`` as metadata, written to a temporary name and
-    renamed, so a failed write leaves any earlier file whole."""
+    """``module``'s state with its ``kind``, ``shape`` and ``layer_selectors`` as metadata, written to a
+    temporary name and renamed, so a failed write leaves any earlier file whole."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
-    save_file(tensors, str(tmp), metadata={"kind": kind, "shape": json.dumps(shape)})
+    metadata = {"kind": kind, "shape": json.dumps(shape),
+                "layer_selectors": json.dumps(getattr(module, "layer_selectors", {}))}
+    save_file(tensors, str(tmp), metadata=metadata)
     tmp.replace(path)
+
+
+def check_layer_selectors(choice: dict[Any, Any], layers: tuple[int, ...]) -> dict[int, str]:
+    """``{layer: selector}`` with int layers among ``layers`` and selectors in ``MIXED``; else
+    ``ValueError``."""
+    checked = {int(layer): name for layer, name in choice.items()}
+    wrong = {layer: name for layer, name in checked.items() if layer not in layers or name not in MIXED}
+    if wrong:
+        raise ValueError(f"layer_selectors {wrong}: routed layers {list(layers)} handed to one of {MIXED}")
+    return checked
 
 
 def load_module(path: str | Path, expected: type[Module] | None = None) -> Any:
@@ -54,6 +73,8 @@ def load_module(path: str | Path, expected: type[Module] | None = None) -> Any:
         cls = kinds[meta["kind"]]
         module = cls.from_metadata(json.loads(meta["shape"]))
         module.load_state_dict(load_file(str(path)))
+        module.layer_selectors = check_layer_selectors(json.loads(meta.get("layer_selectors", "{}")),
+                                                       module.shape.layers)
     except (OSError, KeyError, ValueError, RuntimeError, TypeError, SafetensorError) as exc:
         raise ConfigError("router", str(path), f"an OVAL router file written by `kvfactory oval train` "
                           f"({type(exc).__name__}: {exc})") from exc

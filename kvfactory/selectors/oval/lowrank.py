@@ -52,6 +52,7 @@ class LowRankScorer(torch.nn.Module):
     def __init__(self, shape: LowRankShape) -> None:
         super().__init__()
         self.shape = shape
+        self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads (``files.py``)
         layers, d, r = len(shape.layers), shape.head_dim, shape.rank
         self.query = torch.nn.Parameter(torch.zeros(layers, shape.query_heads, d, r))
         self.key = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, d, r))

@@ -58,6 +58,7 @@ class Router(torch.nn.Module):
     def __init__(self, shape: RouterShape) -> None:
         super().__init__()
         self.shape = shape
+        self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads (``files.py``)
         out = shape.groups * shape.kv_heads * shape.dim
         self.inp = torch.nn.Linear(shape.hidden_size, shape.width)
         self.out = torch.nn.Linear(shape.width, out)  # the base, frozen when only the LoRA adapts

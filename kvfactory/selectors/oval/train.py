@@ -6,14 +6,18 @@
    state before the position (what the prefetch router sees when decoding the token there); for the
    query scorer also the keys and the sampled queries.
 2. **Training.** Over the candidate pages (after the sink page, before the current one, which are
-   always read), fitted to the teacher's mass, the LM frozen. The query scorer
-   (``lowrank.LowRankScorer``) starts from each layer's principal key directions and fits its
-   projections so its estimated page shares match the teacher's (KL divergence); its int8 code
-   scales are then set from the training keys. The prefetch router (``router.Router``) fits its
-   logits with KL divergence plus a focal loss on membership of the teacher's top-k at the read
-   budget.
+   always read), fitted to the teacher's ``objective`` (``OBJECTIVES``), the LM frozen: each page's
+   attention mass, or its pull on the attention output (``teacher.page_impact``: what the step's
+   output loses when the page is not read). The query scorer (``lowrank.LowRankScorer``) starts
+   from each layer's principal key directions and fits its projections so its estimated page shares
+   match the target's (KL divergence, a listwise ranking loss); its int8 code scales are then set
+   from the training keys. The prefetch router (``router.Router``) fits its logits with KL
+   divergence plus a focal loss on membership of the target's top-k at the read budget.
 3. **Report.** On held-out text: hit rate and attention-mass recall at the read budget of the
    scorer, Quest, recent pages and the oracle (the teacher's own top-k), per epoch.
+4. **Per-layer mix** (``mix``). Each routed layer is handed to Quest or recent pages where, on the
+   held-out text, reading their pages gives a lower attention-output error than the scorer's
+   (``choose_layers``); the choice is saved with the router (``files.py``).
 
 Train on the Gutenberg books in ``shared/data``, never on the evaluation text (WikiText).
 """
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from kvfactory.cache import attention_layout
+from kvfactory.selectors.oval.files import MIXED, load_module
 from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
 from kvfactory.selectors.teacher import PAGE, Chunk, candidates, cap, chosen_count, collect, tokens_of
@@ -68,22 +73,36 @@ def query_shares(scorer: LowRankScorer, chunk: Chunk, quantized: bool = False) -
     return torch.stack(shares, 1)
 
 
-def query_loss(scorer: LowRankScorer, chunk: Chunk) -> torch.Tensor:
-    """KL(teacher mass || estimated shares), both over the candidate pages."""
+OBJECTIVES = ("mass", "output")  # what a scorer is fitted to: page mass, or page impact on the output
+
+
+def check_objective(objective: str) -> None:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: one of {OBJECTIVES}")
+
+
+def target_of(chunk: Chunk, objective: str) -> torch.Tensor:
+    """``[S, L, Hkv, P]``: the teacher's per-page target for ``objective`` (``OBJECTIVES``)."""
+    check_objective(objective)
+    return chunk.mass if objective == "mass" else chunk.impact
+
+
+def query_loss(scorer: LowRankScorer, chunk: Chunk, objective: str = "mass") -> torch.Tensor:
+    """KL(teacher target || estimated shares), both over the candidate pages."""
     allowed = candidates(chunk.current, chunk.mass.shape[-1])[:, None, None, :]
-    target = chunk.mass.float().masked_fill(~allowed, 0)
+    target = target_of(chunk, objective).float().masked_fill(~allowed, 0)
     target = target / target.sum(-1, keepdim=True).clamp(min=1e-9)
     estimate = query_shares(scorer, chunk).masked_fill(~allowed, 0)
     estimate = estimate / estimate.sum(-1, keepdim=True).clamp(min=1e-12)
     return (target * (target.clamp(min=1e-9).log() - estimate.clamp(min=1e-12).log())).sum(-1).mean()
 
 
-def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0, gamma: float = 2.0
-         ) -> torch.Tensor:
-    """KL(teacher mass || router softmax) over the candidates, plus a focal loss on top-k membership."""
+def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0, gamma: float = 2.0,
+         objective: str = "mass") -> torch.Tensor:
+    """KL(teacher target || router softmax) over the candidates, plus a focal loss on top-k membership."""
     logits = router_logits(router, chunk)
     allowed = candidates(chunk.current, logits.shape[-1])[:, None, None, :]
-    mass = chunk.mass.float().masked_fill(~allowed, 0)
+    mass = target_of(chunk, objective).float().masked_fill(~allowed, 0)
     target = mass / mass.sum(-1, keepdim=True).clamp(min=1e-9)
     log_probs = logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
     kl = torch.where(allowed & (target > 0), target * (target.clamp(min=1e-9).log() - log_probs), 0).sum(-1)
@@ -204,7 +223,8 @@ EPOCHS = {"query": 8, "prefetch": 40}  # the query scorer has 2 x rank x head_di
 
 
 def train(router: Scorer, chunks: Sequence[Chunk], epochs: int, budget: float, lr: float | None = None,
-          seed: int = 0, on_epoch: Callable[[int, float], None] = lambda epoch, loss: None) -> None:
+          seed: int = 0, on_epoch: Callable[[int, float], None] = lambda epoch, loss: None,
+          objective: str = "mass") -> None:
     """Adam over the chunks, one chunk (all its positions) per step, shuffled each epoch; a query
     scorer starts from the chunks' principal key directions and gets its code scales at the end."""
     gen = random.Random(seed)
@@ -219,7 +239,8 @@ def train(router: Scorer, chunks: Sequence[Chunk], epochs: int, budget: float, l
         total = 0.0
         for i in order:
             optimizer.zero_grad()
-            value = query_loss(router, chunks[i]) if query else loss(router, chunks[i], budget)
+            value = (query_loss(router, chunks[i], objective) if query
+                     else loss(router, chunks[i], budget, objective=objective))
             value.backward()
             optimizer.step()
             total += value.item()
@@ -249,6 +270,14 @@ def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch")
     return Router(RouterShape(config.hidden_size, config.num_key_value_heads, head_dim, layers, model=name))
 
 
+def choose_layers(report: dict[str, dict[str, Any]]) -> dict[int, str]:
+    """From ``evaluate(detail=True)`` on chunks with values: the layers where Quest's or recent pages'
+    attention-output error is below the scorer's (``"router"``), each to the lower of the two."""
+    errors = {name: report[name]["output_error_per_layer"] for name in ("router", *MIXED)}
+    chosen = {layer: min(errors, key=lambda name: errors[name][layer]) for layer in errors["router"]}
+    return {layer: name for layer, name in chosen.items() if name != "router"}
+
+
 def fit_summary(report: dict[str, dict[str, float]]) -> str:
     return ", ".join(f"{name} recall {v['recall']:.3f} hit {v['hit_rate']:.3f}" for name, v in report.items())
 
@@ -261,8 +290,11 @@ def learning_curve_points(epochs: int) -> set[int]:
 def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Sequence[str], out: str,
         name: str, dense_layers: int = 2, chunk: int = 2048, positions: int = 32, train_chunks: int = 48,
         val_chunks: int = 12, epochs: int | None = None, budget: float = 0.125,
-        console: Any = None, kind: str = "query") -> dict[str, Any]:
-    """Collect, train, evaluate per epoch on held-out text, save to ``out``; returns the report."""
+        console: Any = None, kind: str = "query", objective: str = "mass", mix: bool = True
+        ) -> dict[str, Any]:
+    """Collect, train, evaluate per epoch on held-out text, choose the per-layer mix there (``mix``),
+    save to ``out``; returns the report."""
+    check_objective(objective)  # before any work
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     router = new_router(model, dense_layers, name, kind)
@@ -278,7 +310,8 @@ def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Seque
         train_set = collect(model, train_ids, layers, positions, chunk, 0, lambda: progress.advance(task),
                             keys)
         task = progress.add_task("teacher: held-out text", total=val_ids.numel() // chunk)
-        val_set = collect(model, val_ids, layers, positions, chunk, 1, lambda: progress.advance(task), keys)
+        val_set = collect(model, val_ids, layers, positions, chunk, 1, lambda: progress.advance(task),
+                          keys or mix, values=mix)
         task = progress.add_task("training the router", total=epochs)
         points = learning_curve_points(epochs)
 
@@ -290,9 +323,33 @@ def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Seque
                 progress.console.print(f"epoch {epoch + 1}: loss {value:.4f}; held-out at read budget "
                                        f"{budget:g}: {fit_summary(held_out)}")
 
-        train(router, train_set, epochs, budget, on_epoch=on_epoch)
+        train(router, train_set, epochs, budget, on_epoch=on_epoch, objective=objective)
+    errors = choose_mix(router, val_set, budget) if mix else None
     router.save(out)
     return {"router": str(out), "kind": kind, "model": name, "layers": list(layers), "budget": budget,
             "chunk": chunk,
             "positions": positions, "train_tokens": train_ids.numel(), "val_tokens": val_ids.numel(),
-            "epochs": epochs, "curve": curve}
+            "epochs": epochs, "objective": objective, "curve": curve,
+            "layer_selectors": router.layer_selectors,
+            "output_error_per_layer": errors}
+
+
+def choose_mix(router: Scorer, chunks: Sequence[Chunk], budget: float) -> dict[str, dict[int, float]]:
+    """Set ``router.layer_selectors`` from held-out ``chunks`` with values (``choose_layers``); returns
+    the per-layer output errors it chose by, the oracle's too."""
+    detail = evaluate(router, chunks, budget, detail=True)
+    router.layer_selectors = choose_layers(detail)
+    return {name: detail[name]["output_error_per_layer"] for name in ("router", *MIXED, "oracle")}
+
+
+def mix_router(model: Any, tokenizer: Any, path: str, val_texts: Sequence[str], chunk: int = 2048,
+        positions: int = 32, val_chunks: int = 12, budget: float = 0.125,
+        advance: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Choose the per-layer mix of the router in ``path`` on held-out text and save it there."""
+    router = load_module(path)
+    ids = cap(tokens_of(tokenizer, val_texts), val_chunks, chunk)
+    chunks = collect(model, ids, router.shape.layers, positions, chunk, 1, advance, keys=True, values=True)
+    errors = choose_mix(router, chunks, budget)
+    router.save(path)
+    return {"router": path, "chunk": chunk, "val_tokens": ids.numel(), "budget": budget,
+            "layer_selectors": router.layer_selectors, "output_error_per_layer": errors}
