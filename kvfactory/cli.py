@@ -410,9 +410,10 @@ def oval_train(
     val_text: Annotated[list[Path], typer.Option(help="held-out UTF-8 text for the hit-rate curves")],
     out: Annotated[Path, typer.Option(help="the router file to write (safetensors)")]
     = Path("router.safetensors"),
-    kind: Annotated[Literal["query", "prefetch"], typer.Option(
-        help="query: the step's query against learned key codes; prefetch: pages predicted from the "
-             "previous step's hidden state")] = "query",
+    kind: Annotated[Literal["query", "gate", "prefetch"], typer.Option(
+        help="query: the step's query against learned key codes; gate: the step's pooled queries against "
+             "learned page embeddings; prefetch: pages predicted from the previous step's hidden state")
+    ] = "query",
     model: ModelOption = models.EMBEDDED,
     dense_layers: DenseLayersOption = 2,
     chunks: Annotated[int, typer.Option(min=1, help="training chunks of --chunk tokens")] = 48,
@@ -420,7 +421,8 @@ def oval_train(
     chunk: Annotated[int, typer.Option(min=256, help="tokens per chunk")] = 2048,
     positions: Annotated[int, typer.Option(min=1, help="query positions sampled per chunk")] = 32,
     epochs: Annotated[int | None, typer.Option(min=1, help="training epochs [default: 8 for a query "
-                                                           "scorer, 40 for a prefetch router]",
+                                                           "scorer, 12 for a gate, 40 for a prefetch "
+                                                           "router]",
                                                show_default=False)] = None,
     budget: Annotated[float, typer.Option(min=0.01, max=1.0, help="read budget of the top-k target")] = 0.125,
     objective: Annotated[Literal["mass", "output"], typer.Option(

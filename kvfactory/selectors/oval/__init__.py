@@ -1,17 +1,19 @@
 """OVAL: learned page selection, scored against what each page keeps.
 
-A router file holds one of two trained scorers (``files.py``, ``docs/sparse-reads.md``):
+A router file holds one of three trained scorers (``files.py``, ``docs/sparse-reads.md``):
 
 - ``"query"`` (``lowrank.LowRankScorer``, shipped as ``router = "embedded"`` for SmolLM2 and Gemma 3
   270M: a cache takes the one trained for its model): the step's own query
   at each layer, projected to a few learned channels, against int8 codes of every stored key in
   the same channels: an estimate of each page's attention mass from a quarter of Quest's bytes.
+- ``"gate"`` (``gate.BlockGate``, SeerAttention's block gate): the step's queries of a KV head,
+  joined into one gate query, against a learned embedding of each page's key summary.
 - ``"prefetch"`` (``router.Router``, shipped as ``router = "embedded-prefetch"``): pages predicted
   from the decoder's last hidden state of the previous step (``RoutingContext.hidden``, handed over
   by ``kvfactory.cache.watch_hidden_states``, which kvfactory installs on the cache's first
   forward), known before the layer runs, so a slower tier could prefetch them.
 
-``kvfactory oval train`` (``train.py``) trains either for any model, and chooses on held-out text
+``kvfactory oval train`` (``train.py``) trains any kind for any model, and chooses on held-out text
 which routed layers Quest or recent pages read with a lower attention-output error; ``"mix": true``
 reads those layers with them (the per-layer mix, ``files.py``).
 """
@@ -30,6 +32,7 @@ import torch
 from kvfactory.errors import ConfigError
 from kvfactory.selectors.base import RoutingContext, Selector
 from kvfactory.selectors.oval.files import load_module
+from kvfactory.selectors.oval.gate import BlockGate, GateShape
 from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
 from kvfactory.selectors.pages import PageSummaries
@@ -51,7 +54,7 @@ def router_path(name: str) -> Path:
     return Path(name)
 
 
-def fits(shape: LowRankShape | RouterShape, model_config: Any) -> bool:
+def fits(shape: LowRankShape | RouterShape | GateShape, model_config: Any) -> bool:
     """Whether a router of ``shape`` scores this model: its KV heads, head size (and hidden size for a
     prefetch router), and layers that are full-attention layers of the model."""
     from kvfactory.cache import attention_layout
@@ -85,7 +88,7 @@ class RouterSlot:
     """The scorer every selector of one router file reads, held in one place so that a retrained
     scorer (``drift.DriftRetrainer``) replaces it for all of them with one assignment."""
 
-    module: Router | LowRankScorer
+    module: Router | LowRankScorer | BlockGate
 
 
 def router_slot(path: str) -> RouterSlot:
@@ -93,7 +96,7 @@ def router_slot(path: str) -> RouterSlot:
     return _router_slot(path, Path(path).stat().st_mtime_ns)
 
 
-def load_router(path: str) -> Router | LowRankScorer:
+def load_router(path: str) -> Router | LowRankScorer | BlockGate:
     """The scorer in ``path`` as the selectors read it now (``router_slot``)."""
     return router_slot(path).module
 
@@ -142,8 +145,8 @@ class OvalSelector(Selector):
         return {layer: name for layer, name in handed.items() if layer in layers}
 
     @property
-    def uses_mean(self) -> bool:  # the prefetch router embeds the page's mean key too
-        return isinstance(self.loaded_router, Router)
+    def uses_mean(self) -> bool:  # the prefetch router and the gate embed the page's mean key too
+        return isinstance(self.loaded_router, Router | BlockGate)
 
     def bind(self, layer_idx: int, num_layers: int) -> None:
         self._layer = layer_idx
@@ -156,7 +159,7 @@ class OvalSelector(Selector):
         return self._slot
 
     @property
-    def loaded_router(self) -> Router | LowRankScorer:
+    def loaded_router(self) -> Router | LowRankScorer | BlockGate:
         """The scorer as it is now: each layer's scoring reads it once (a retrained one may replace it)."""
         return self.slot.module
 
@@ -171,6 +174,9 @@ class OvalSelector(Selector):
                                   f"head (this one was trained for {router.group} query heads per KV head, "
                                   f"{router.shape.model}): train one with `kvfactory oval train`")
             return router.page_log_mass(queries, summaries.codes, self._layer, summaries.page_size)
+        if isinstance(router, BlockGate):
+            self._check_shape(queries.shape[1], queries.shape[-1])
+            return router.page_logits(queries, summaries.embedded, self._layer)
         if context.hidden is None:
             raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
                                "received: its model ran outside transformers' decoder forward; call "
@@ -209,6 +215,13 @@ class OvalSelector(Selector):
 
     def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         router = self.loaded_router
+        if isinstance(router, BlockGate):
+            router.shape.index_of(self._layer)  # a layer it was not trained for is refused at create_cache()
+
+            def gate(features: torch.Tensor) -> torch.Tensor:
+                self._check_shape(features.shape[1], features.shape[-1] // 3)
+                return self.loaded_router.embed_pages(features, self._layer)
+            return gate
         if not isinstance(router, Router):
             return None
 

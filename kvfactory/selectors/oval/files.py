@@ -1,8 +1,9 @@
 """Router files: a trained OVAL scorer's weights, kind and architecture in one safetensors file.
 
-Two kinds (``docs/sparse-reads.md``): ``"query"`` (``lowrank.LowRankScorer``, the step's own query
-against learned low-rank key codes) and ``"prefetch"`` (``router.Router``, pages predicted from the
-previous step's hidden state). Files written before the kinds existed hold a prefetch router.
+Three kinds (``docs/sparse-reads.md``): ``"query"`` (``lowrank.LowRankScorer``, the step's own query
+against learned low-rank key codes), ``"gate"`` (``gate.BlockGate``, the step's pooled queries against
+learned page embeddings) and ``"prefetch"`` (``router.Router``, pages predicted from the previous
+step's hidden state). Files written before the kinds existed hold a prefetch router.
 
 A file may also name routed layers another selector reads better (``layer_selectors``, ``{layer:
 "quest" | "recent"}``, chosen on held-out text by ``kvfactory oval train``): the per-layer mix a
@@ -61,10 +62,11 @@ def check_layer_selectors(choice: dict[Any, Any], layers: tuple[int, ...]) -> di
 def load_module(path: str | Path, expected: type[Module] | None = None) -> Any:
     """The scorer in ``path`` (of class ``expected`` when given), in eval mode; a ``ConfigError`` naming
     the file for anything else."""
+    from kvfactory.selectors.oval.gate import BlockGate
     from kvfactory.selectors.oval.lowrank import LowRankScorer
     from kvfactory.selectors.oval.router import Router
 
-    kinds = {cls.kind: cls for cls in (LowRankScorer, Router)}
+    kinds = {cls.kind: cls for cls in (LowRankScorer, Router, BlockGate)}
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}

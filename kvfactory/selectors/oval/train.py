@@ -33,11 +33,12 @@ import torch
 
 from kvfactory.cache import attention_layout
 from kvfactory.selectors.oval.files import MIXED, load_module
+from kvfactory.selectors.oval.gate import BlockGate, GateShape
 from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
 from kvfactory.selectors.teacher import PAGE, Chunk, candidates, cap, chosen_count, collect, tokens_of
 
-Scorer = Router | LowRankScorer
+Scorer = Router | LowRankScorer | BlockGate
 
 
 def router_logits(router: Router, chunk: Chunk, decay: bool = True) -> torch.Tensor:
@@ -97,6 +98,27 @@ def query_loss(scorer: LowRankScorer, chunk: Chunk, objective: str = "mass") -> 
     return (target * (target.clamp(min=1e-9).log() - estimate.clamp(min=1e-12).log())).sum(-1).mean()
 
 
+def gate_logits(gate: BlockGate, chunk: Chunk) -> torch.Tensor:
+    """``[S, L, Hkv, P]``: the gate's page logits at every sampled position and layer of ``chunk``."""
+    s, hkv = chunk.queries.shape[0], gate.shape.kv_heads
+    logits = []
+    for at, layer in enumerate(chunk.layers):
+        embedded = gate.embed_pages(chunk.features[at][None].float(), layer)  # [1, Hkv, P, E]
+        queries = chunk.queries[:, at].float().view(s, hkv, gate.group, -1)  # one new token per position
+        logits.append(gate.page_logits(queries, embedded.expand(s, -1, -1, -1), layer))
+    return torch.stack(logits, 1)
+
+
+def gate_loss(gate: BlockGate, chunk: Chunk, objective: str = "mass") -> torch.Tensor:
+    """KL(teacher target || gate softmax), both over the candidate pages."""
+    allowed = candidates(chunk.current, chunk.mass.shape[-1])[:, None, None, :]
+    target = target_of(chunk, objective).float().masked_fill(~allowed, 0)
+    target = target / target.sum(-1, keepdim=True).clamp(min=1e-9)
+    log_probs = gate_logits(gate, chunk).masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    return torch.where(allowed & (target > 0), target * (target.clamp(min=1e-9).log() - log_probs), 0
+                       ).sum(-1).mean()
+
+
 def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0, gamma: float = 2.0,
          objective: str = "mass") -> torch.Tensor:
     """KL(teacher target || router softmax) over the candidates, plus a focal loss on top-k membership."""
@@ -119,6 +141,8 @@ def ranking(scorer: Scorer, chunk: Chunk) -> torch.Tensor:
     """``[S, L, Hkv, P]``: how ``scorer`` ranks the pages, as decode would (query scorer: int8 codes)."""
     if isinstance(scorer, LowRankScorer):
         return query_shares(scorer, chunk, quantized=True)
+    if isinstance(scorer, BlockGate):
+        return gate_logits(scorer, chunk)
     return router_logits(scorer, chunk)
 
 
@@ -218,18 +242,19 @@ def _top(scores: torch.Tensor, allowed: torch.Tensor, count: torch.Tensor) -> to
     return (rank < count) & allowed
 
 
-LEARNING_RATES = {"query": 1e-2, "prefetch": 3e-3}
-EPOCHS = {"query": 8, "prefetch": 40}  # the query scorer has 2 x rank x head_dim weights per head
+LEARNING_RATES = {"query": 1e-2, "prefetch": 3e-3, "gate": 3e-3}
+EPOCHS = {"query": 8, "prefetch": 40, "gate": 12}  # the query scorer has 2 x rank x head_dim weights per head
 
 
 def train(router: Scorer, chunks: Sequence[Chunk], epochs: int, budget: float, lr: float | None = None,
           seed: int = 0, on_epoch: Callable[[int, float], None] = lambda epoch, loss: None,
           objective: str = "mass") -> None:
     """Adam over the chunks, one chunk (all its positions) per step, shuffled each epoch; a query
-    scorer starts from the chunks' principal key directions and gets its code scales at the end."""
+    scorer or a gate starts from the chunks' principal key directions, a query scorer gets its code
+    scales at the end."""
     gen = random.Random(seed)
     query = isinstance(router, LowRankScorer)
-    if query:
+    if query or isinstance(router, BlockGate):
         router.init_from_keys(_sample_keys(chunks))
     optimizer = torch.optim.Adam(router.parameters(), lr=lr or LEARNING_RATES[router.kind])
     order = list(range(len(chunks)))
@@ -239,8 +264,12 @@ def train(router: Scorer, chunks: Sequence[Chunk], epochs: int, budget: float, l
         total = 0.0
         for i in order:
             optimizer.zero_grad()
-            value = (query_loss(router, chunks[i], objective) if query
-                     else loss(router, chunks[i], budget, objective=objective))
+            if isinstance(router, BlockGate):
+                value = gate_loss(router, chunks[i], objective)
+            elif query:
+                value = query_loss(router, chunks[i], objective)
+            else:
+                value = loss(router, chunks[i], budget, objective=objective)
             value.backward()
             optimizer.step()
             total += value.item()
@@ -267,6 +296,8 @@ def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch")
     torch.manual_seed(0)
     if kind == "query":
         return LowRankScorer(LowRankShape(heads, config.num_key_value_heads, head_dim, layers, model=name))
+    if kind == "gate":
+        return BlockGate(GateShape(heads, config.num_key_value_heads, head_dim, layers, model=name))
     return Router(RouterShape(config.hidden_size, config.num_key_value_heads, head_dim, layers, model=name))
 
 
@@ -298,7 +329,7 @@ def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Seque
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     router = new_router(model, dense_layers, name, kind)
-    keys, epochs = kind == "query", epochs or EPOCHS[kind]
+    keys, epochs = kind in ("query", "gate"), epochs or EPOCHS[kind]
     layers = router.shape.layers
     train_ids = cap(tokens_of(tokenizer, train_texts), train_chunks, chunk)
     val_ids = cap(tokens_of(tokenizer, val_texts), val_chunks, chunk)

@@ -1,0 +1,97 @@
+"""OVAL's block gate: the step's queries of a KV head, pooled, against a learned embedding of each page.
+
+In the spirit of SeerAttention (Gao et al., 2024, "SeerAttention: Learning Intrinsic Sparse Attention
+in Your LLMs") and SeerAttention-R (2025): per routed layer and KV head, a page's key maximum, minimum
+and mean per channel (``3 * head_dim`` numbers) go through a learned projection to ``dim`` (32)
+numbers, kept as float16 with the page summaries (64 bytes per page and KV head, what the query
+scorer's int8 codes take); a decode step joins the query heads that share the KV head (GQA) into
+one gate query by a learned projection of their concatenation, and a page's logit is that query
+dotted with the page's embedding. The projections are distilled from the frozen model's own page
+attention (``train.py``), with the model's weights untouched; they start from each layer's
+principal key directions applied to the page mean (a training-free, Loki-like gate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvfactory.selectors.oval.files import layer_index, save_module
+
+
+@dataclass(frozen=True)
+class GateShape:
+    """The architecture a gate file was trained for."""
+
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    layers: tuple[int, ...]  # model layers it gates (the sparse ones)
+    dim: int = 32  # numbers per page embedding
+    model: str = ""  # what it was trained on (informational)
+
+    def index_of(self, layer_idx: int) -> int:
+        return layer_index(self.layers, layer_idx)
+
+
+class BlockGate(torch.nn.Module):
+    """Learned page and pooled-query projections per gated layer (see the module docstring)."""
+
+    kind = "gate"
+
+    def __init__(self, shape: GateShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads (``files.py``)
+        layers, d, e = len(shape.layers), shape.head_dim, shape.dim
+        self.page = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, 3 * d, e))
+        self.query = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, self.group * d, e))
+
+    @property
+    def group(self) -> int:
+        return self.shape.query_heads // self.shape.kv_heads
+
+    def init_from_keys(self, keys: torch.Tensor) -> None:
+        """Start from each layer's and KV head's ``dim`` principal key directions: pages embedded by
+        their mean key in that basis, each query head projected alike and averaged (``keys [layers,
+        Hkv, T, D]``)."""
+        keys = keys.float()
+        d = self.shape.head_dim
+        e = min(d, self.shape.dim)  # channels beyond head_dim start small and random
+        moment = keys.transpose(-1, -2) @ keys / keys.shape[2]
+        basis = torch.linalg.eigh(moment).eigenvectors[..., -e:].flip(-1)  # [L, Hkv, D, e]
+        with torch.no_grad():
+            self.page.normal_(std=1e-3)
+            self.query.normal_(std=1e-3)
+            self.page[:, :, 2 * d:, :e] = basis
+            self.query[..., :e] = basis.repeat(1, 1, self.group, 1) / self.group
+
+    def embed_pages(self, features: torch.Tensor, layer: int) -> torch.Tensor:
+        """Page features ``[B, Hkv, n, 3 * head_dim]`` of model layer ``layer`` -> ``[B, Hkv, n, dim]``."""
+        page = self.page[self.shape.index_of(layer)]
+        return torch.einsum("bhpf,hfe->bhpe", features.to(page.dtype), page)
+
+    def gate_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
+        """``queries [B, Hkv, R, D]`` (R = the KV head's query heads x new tokens, head-major) -> one gate
+        query per new token, ``[B, Hkv, new, dim]``."""
+        b, h, rows, d = queries.shape
+        joined = queries.view(b, h, self.group, rows // self.group, d).transpose(2, 3).flatten(3)
+        projection = self.query[self.shape.index_of(layer)]
+        return torch.einsum("bhnf,hfe->bhne", joined.to(projection.dtype), projection)
+
+    def page_logits(self, queries: torch.Tensor, embedded: torch.Tensor, layer: int) -> torch.Tensor:
+        """``[B, Hkv, pages]``: the best new token's logit of each page, from ``queries [B, Hkv, R, D]``
+        and the pages' ``embedded [B, Hkv, pages, dim]``."""
+        gate = self.gate_queries(queries, layer).float()
+        return (gate @ embedded.float().transpose(-1, -2)).amax(2) / math.sqrt(self.shape.dim)
+
+    def save(self, path: str | Path) -> None:
+        """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
+        save_module(self, path, self.kind, asdict(self.shape))
+
+    @classmethod
+    def from_metadata(cls, shape: dict) -> BlockGate:
+        return cls(GateShape(**(shape | {"layers": tuple(shape["layers"])})))
