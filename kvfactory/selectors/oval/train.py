@@ -88,14 +88,25 @@ def target_of(chunk: Chunk, objective: str) -> torch.Tensor:
     return chunk.mass if objective == "mass" else chunk.impact
 
 
-def query_loss(scorer: LowRankScorer, chunk: Chunk, objective: str = "mass") -> torch.Tensor:
-    """KL(teacher target || estimated shares), both over the candidate pages."""
+def _shares(chunk: Chunk, objective: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate pages ``[S, 1, 1, P]`` and the teacher's target over them as shares."""
     allowed = candidates(chunk.current, chunk.mass.shape[-1])[:, None, None, :]
     target = target_of(chunk, objective).float().masked_fill(~allowed, 0)
-    target = target / target.sum(-1, keepdim=True).clamp(min=1e-9)
+    return allowed, target / target.sum(-1, keepdim=True).clamp(min=1e-9)
+
+
+def _kl(target: torch.Tensor, log_probs: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``[S, L, Hkv]``: KL(target || probs) over the allowed pages (a listwise ranking loss)."""
+    inside = allowed & (target > 0)
+    return torch.where(inside, target * (target.clamp(min=1e-9).log() - log_probs), 0).sum(-1)
+
+
+def query_loss(scorer: LowRankScorer, chunk: Chunk, objective: str = "mass") -> torch.Tensor:
+    """KL(teacher target || estimated shares), both over the candidate pages."""
+    allowed, target = _shares(chunk, objective)
     estimate = query_shares(scorer, chunk).masked_fill(~allowed, 0)
     estimate = estimate / estimate.sum(-1, keepdim=True).clamp(min=1e-12)
-    return (target * (target.clamp(min=1e-9).log() - estimate.clamp(min=1e-12).log())).sum(-1).mean()
+    return _kl(target, estimate.clamp(min=1e-12).log(), allowed).mean()
 
 
 def gate_logits(gate: BlockGate, chunk: Chunk) -> torch.Tensor:
@@ -111,25 +122,19 @@ def gate_logits(gate: BlockGate, chunk: Chunk) -> torch.Tensor:
 
 def gate_loss(gate: BlockGate, chunk: Chunk, objective: str = "mass") -> torch.Tensor:
     """KL(teacher target || gate softmax), both over the candidate pages."""
-    allowed = candidates(chunk.current, chunk.mass.shape[-1])[:, None, None, :]
-    target = target_of(chunk, objective).float().masked_fill(~allowed, 0)
-    target = target / target.sum(-1, keepdim=True).clamp(min=1e-9)
-    log_probs = gate_logits(gate, chunk).masked_fill(~allowed, float("-inf")).log_softmax(-1)
-    return torch.where(allowed & (target > 0), target * (target.clamp(min=1e-9).log() - log_probs), 0
-                       ).sum(-1).mean()
+    allowed, target = _shares(chunk, objective)
+    return _kl(target, gate_logits(gate, chunk).masked_fill(~allowed, float("-inf")).log_softmax(-1),
+               allowed).mean()
 
 
 def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0, gamma: float = 2.0,
          objective: str = "mass") -> torch.Tensor:
     """KL(teacher target || router softmax) over the candidates, plus a focal loss on top-k membership."""
     logits = router_logits(router, chunk)
-    allowed = candidates(chunk.current, logits.shape[-1])[:, None, None, :]
-    mass = target_of(chunk, objective).float().masked_fill(~allowed, 0)
-    target = mass / mass.sum(-1, keepdim=True).clamp(min=1e-9)
-    log_probs = logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
-    kl = torch.where(allowed & (target > 0), target * (target.clamp(min=1e-9).log() - log_probs), 0).sum(-1)
+    allowed, target = _shares(chunk, objective)
+    kl = _kl(target, logits.masked_fill(~allowed, float("-inf")).log_softmax(-1), allowed)
     k = chosen_count(chunk.current, budget)
-    rank = mass.argsort(-1, descending=True).argsort(-1)  # 0 = most mass
+    rank = target.argsort(-1, descending=True).argsort(-1)  # 0 = the most of the target
     member = (rank < k[:, None, None, None]) & allowed
     p = torch.sigmoid(logits)
     p_true = torch.where(member, p, 1 - p)
@@ -137,13 +142,19 @@ def loss(router: Router, chunk: Chunk, budget: float, focal_weight: float = 1.0,
     return kl.mean() + focal_weight * focal.sum(-1).mean() / allowed.sum(-1).clamp(min=1).float().mean()
 
 
+# per scorer kind: its training loss (scorer, chunk, budget, objective) and its ranking as decode's
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "query": lambda scorer, chunk, budget, objective: query_loss(scorer, chunk, objective),
+    "gate": lambda scorer, chunk, budget, objective: gate_loss(scorer, chunk, objective),
+    "prefetch": lambda scorer, chunk, budget, objective: loss(scorer, chunk, budget, objective=objective)}
+RANKINGS: dict[str, Callable[..., torch.Tensor]] = {
+    "query": lambda scorer, chunk: query_shares(scorer, chunk, quantized=True),
+    "gate": gate_logits, "prefetch": router_logits}
+
+
 def ranking(scorer: Scorer, chunk: Chunk) -> torch.Tensor:
     """``[S, L, Hkv, P]``: how ``scorer`` ranks the pages, as decode would (query scorer: int8 codes)."""
-    if isinstance(scorer, LowRankScorer):
-        return query_shares(scorer, chunk, quantized=True)
-    if isinstance(scorer, BlockGate):
-        return gate_logits(scorer, chunk)
-    return router_logits(scorer, chunk)
+    return RANKINGS[scorer.kind](scorer, chunk)
 
 
 @torch.no_grad()
@@ -253,8 +264,7 @@ def train(router: Scorer, chunks: Sequence[Chunk], epochs: int, budget: float, l
     scorer or a gate starts from the chunks' principal key directions, a query scorer gets its code
     scales at the end."""
     gen = random.Random(seed)
-    query = isinstance(router, LowRankScorer)
-    if query or isinstance(router, BlockGate):
+    if hasattr(router, "init_from_keys"):
         router.init_from_keys(_sample_keys(chunks))
     optimizer = torch.optim.Adam(router.parameters(), lr=lr or LEARNING_RATES[router.kind])
     order = list(range(len(chunks)))
@@ -264,16 +274,11 @@ def train(router: Scorer, chunks: Sequence[Chunk], epochs: int, budget: float, l
         total = 0.0
         for i in order:
             optimizer.zero_grad()
-            if isinstance(router, BlockGate):
-                value = gate_loss(router, chunks[i], objective)
-            elif query:
-                value = query_loss(router, chunks[i], objective)
-            else:
-                value = loss(router, chunks[i], budget, objective=objective)
+            value = LOSSES[router.kind](router, chunks[i], budget, objective)
             value.backward()
             optimizer.step()
             total += value.item()
-        if query:
+        if hasattr(router, "fit_code_scales"):
             router.fit_code_scales(_sample_keys(chunks))
         on_epoch(epoch, total / max(len(order), 1))
     router.eval()
