@@ -66,6 +66,8 @@ SUMMARIES, MIXED = "+summaries", "mixed"
 MATRIX_ARCHS = ("llama", "gemma3")
 ROUTER = "<tiny OVAL router>"  # replaced by a router file for the tiny model's shapes (a query scorer)
 PREFETCH_ROUTER = "<tiny OVAL prefetch router>"  # the same, a prefetch router
+GATE_ROUTER = "<tiny OVAL gate>"  # the same, a block gate
+ROUTER_KINDS = {ROUTER: "query", PREFETCH_ROUTER: "prefetch", GATE_ROUTER: "gate"}
 
 # What a cache the manager does not take raises, and what a cache that cannot fork raises.
 NOT_MANAGED = (ConfigError, "paged storage")
@@ -110,8 +112,8 @@ class Row:
         """The cache config at ``level`` ("small" or "demanding") for tiny model ``arch``, a fresh copy."""
         config = copy.deepcopy(getattr(self, level))
         for entry in config.get("strategies", []):
-            if entry.get("router") in (ROUTER, PREFETCH_ROUTER):
-                kind = "query" if entry["router"] == ROUTER else "prefetch"
+            if entry.get("router") in ROUTER_KINDS:
+                kind = ROUTER_KINDS[entry["router"]]
                 model_config = tiny_config(arch)
                 full = tuple(i for i, window in enumerate(attention_layout(model_config)) if window is None)
                 entry["router"] = tiny_router(TINY_HIDDEN, model_config.num_key_value_heads,
@@ -214,6 +216,7 @@ ROWS: list[Row] = [
     selector("quest", 0.7),
     selector("oval", 0.7, router=ROUTER),
     selector("oval", 0.7, router=PREFETCH_ROUTER, variant="-prefetch"),
+    selector("oval", 0.7, router=GATE_ROUTER, variant="-gate"),
     selector("random", 0.7),
     selector("recent", 0.7),
     selector("full", 0.15, quantization={"codec": "int4", **KIVI_SMALL}, summaries=False),

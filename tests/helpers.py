@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvfactory.selectors.oval.gate import BlockGate, GateShape
 from kvfactory.selectors.oval.lowrank import LowRankScorer, LowRankShape
 from kvfactory.selectors.oval.router import Router, RouterShape
 from kvfactory.texts import shipped_text
@@ -145,12 +146,17 @@ def attn_implementation(model: torch.nn.Module, name: str):
 def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ...], kind: str = "query",
                 query_heads: int = 4) -> str:
     """An untrained OVAL router file of ``kind`` for these shapes (the matrix checks mechanics, not
-    routing): a query scorer with random projections and code scales fitted to random keys, or a
-    prefetch router."""
+    routing): a query scorer with random projections and code scales fitted to random keys, a
+    block gate started from random keys' principal directions, or a prefetch router."""
     path = Path(tempfile.mkdtemp()) / "router.safetensors"
     torch.manual_seed(0)
     if kind == "prefetch":
         Router(RouterShape(hidden, kv_heads, head_dim, layers, group_size=1)).save(path)
+        return str(path)
+    if kind == "gate":
+        gate = BlockGate(GateShape(query_heads, kv_heads, head_dim, layers))
+        gate.init_from_keys(torch.randn(len(layers), kv_heads, 256, head_dim))
+        gate.save(path)
         return str(path)
     scorer = LowRankScorer(LowRankShape(query_heads, kv_heads, head_dim, layers))
     with torch.no_grad():

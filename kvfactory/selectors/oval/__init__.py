@@ -6,8 +6,9 @@ A router file holds one of three trained scorers (``files.py``, ``docs/sparse-re
   270M: a cache takes the one trained for its model): the step's own query
   at each layer, projected to a few learned channels, against int8 codes of every stored key in
   the same channels: an estimate of each page's attention mass from a quarter of Quest's bytes.
-- ``"gate"`` (``gate.BlockGate``, SeerAttention's block gate): the step's queries of a KV head,
-  joined into one gate query, against a learned embedding of each page's key summary.
+- ``"gate"`` (``gate.BlockGate``, SeerAttention's block gate, shipped as ``router =
+  "embedded-gate"``): the step's queries of a KV head, joined into one gate query, against a
+  learned embedding of each page's key summary.
 - ``"prefetch"`` (``router.Router``, shipped as ``router = "embedded-prefetch"``): pages predicted
   from the decoder's last hidden state of the previous step (``RoutingContext.hidden``, handed over
   by ``kvfactory.cache.watch_hidden_states``, which kvfactory installs on the cache's first
@@ -39,6 +40,7 @@ from kvfactory.selectors.pages import PageSummaries
 
 # The routers shipped with the package, per name; a cache takes the one trained for its model's shapes.
 SHIPPED = {"embedded": ("smollm2_lowrank.safetensors", "gemma3_270m_lowrank.safetensors"),
+           "embedded-gate": ("smollm2_gate.safetensors",),
            "embedded-prefetch": ("smollm2_router.safetensors",)}
 EMBEDDED = {name: files[0] for name, files in SHIPPED.items()}  # the embedded model's (SmolLM2's)
 
@@ -48,7 +50,7 @@ def _shipped_file(file: str) -> Path:
 
 
 def router_path(name: str) -> Path:
-    """``"embedded"`` / ``"embedded-prefetch"``: a router shipped for the embedded model; else a path."""
+    """A name of ``SHIPPED``: the router shipped under it for the embedded model; else a path."""
     if name in EMBEDDED:
         return _shipped_file(EMBEDDED[name])
     return Path(name)
@@ -110,8 +112,9 @@ def _router_slot(path: str, version: int) -> RouterSlot:
 
 @dataclass
 class OvalSelector(Selector):
-    """``router``: a router file, ``"embedded"`` (the query scorer shipped for the embedded model) or
-    ``"embedded-prefetch"`` (the prefetch router shipped for it). ``mix``: read the layers the router
+    """``router``: a router file, ``"embedded"`` (the query scorer shipped for the embedded model),
+    ``"embedded-gate"`` (the block gate shipped for it) or ``"embedded-prefetch"`` (the prefetch
+    router shipped for it). ``mix``: read the layers the router
     file hands to Quest or recent pages with them. A prefetch router's positional decay is part of it
     (its weight is trained), always applied."""
 
