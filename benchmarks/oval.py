@@ -40,12 +40,15 @@ CONFIGS = {
     # true fractions of every stored token (``token_read_fraction``): 1/8 with every layer routed or
     # with the first 2 of 30 read whole and the others at 1/16, and 1/16 with every layer routed (the
     # shipped per-layer split covers layers 2..29 only, so those split evenly); "oval-prefetch" is
-    # OVAL's prefetch router (layers 2..29)
+    # OVAL's prefetch router (layers 2..29), "oval-gate" its block gate
     **{f"{name}/{budget}/dense0": paged(name, budget, dense_layers=0, layer_budgets="uniform")
        for name in ("quest", "oval", "recent", "random") for budget in (0.125, 0.0625)},
     "quest/0.0625/dense2": paged("quest", 0.0625, dense_layers=2),
     "oval/0.0625/dense2": paged("oval", 0.0625, dense_layers=2),
     "oval-prefetch/0.0625/dense2": paged("oval", 0.0625, dense_layers=2, router="embedded-prefetch"),
+    # OVAL's block gate, every layer routed
+    **{f"oval-gate/{budget}/dense0": paged("oval", budget, dense_layers=0, layer_budgets="uniform",
+                                           router="embedded-gate") for budget in (0.125, 0.0625)},
 }
 
 if __name__ == "__main__":
