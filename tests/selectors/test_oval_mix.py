@@ -62,6 +62,8 @@ def test_the_mix_reads_each_layer_with_its_selector_at_its_own_budget() -> None:
     more bytes than OVAL's codes; recent pages read none). Without ``mix`` OVAL reads every layer."""
     model = tiny_model("llama", num_hidden_layers=4)
     router = mixed_router({1: "quest", 3: "recent"})
+    with pytest.raises(ConfigError, match="mix"):
+        KVCacheFactory(model.config, config(router, mix="yes"))
     plain = KVCacheFactory(model.config, config(router))
     assert {spec.selector for spec in plain.layer_selectors.values()} == {"oval"}
     factory = KVCacheFactory(model.config, config(router, mix=True))

@@ -114,9 +114,9 @@ def _router_slot(path: str, version: int) -> RouterSlot:
 class OvalSelector(Selector):
     """``router``: a router file, ``"embedded"`` (the query scorer shipped for the embedded model),
     ``"embedded-gate"`` (the block gate shipped for it) or ``"embedded-prefetch"`` (the prefetch
-    router shipped for it). ``mix``: read the layers the router
-    file hands to Quest or recent pages with them. A prefetch router's positional decay is part of it
-    (its weight is trained), always applied."""
+    router shipped for it). ``mix``: read the layers the router file hands to Quest or recent pages
+    with them. A prefetch router's positional decay is part of it (its weight is trained), always
+    applied."""
 
     router: str = "embedded"
     mix: bool = False
