@@ -48,8 +48,10 @@ class Chunk:
 
 
 class _Recorder:
-    def __init__(self, positions: torch.Tensor, layers: Sequence[int], keys: bool, values: bool) -> None:
+    def __init__(self, positions: torch.Tensor, layers: Sequence[int], keys: bool, values: bool, impact: bool
+                 ) -> None:
         self.positions, self.layers, self.keys, self.values = positions, set(layers), keys, values
+        self.impact = impact
         self.out: dict[int, PageRecord] = {}
         self.raw: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.value: dict[int, torch.Tensor] = {}
@@ -65,7 +67,8 @@ def _teacher_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     layer = getattr(module, "layer_idx", None)
     if _recording is not None and layer in _recording.layers:
-        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"), value)
+        _recording.out[layer] = page_record(query, key, _recording.positions, kwargs.get("scaling"),
+                                            value if _recording.impact else None)
         pages = key.shape[2] // PAGE
         if _recording.keys:
             _recording.raw[layer] = (query[0, :, _recording.positions].transpose(0, 1).half(),
@@ -128,11 +131,12 @@ def page_impact(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int, chunk: int, seed: int,
-            advance: Callable[[], None] = lambda: None, keys: bool = False, values: bool = False
-            ) -> list[Chunk]:
+            advance: Callable[[], None] = lambda: None, keys: bool = False, values: bool = False,
+            impact: bool = False) -> list[Chunk]:
     """Teacher records of consecutive ``chunk``-token windows of ``ids`` (1-D), ``positions`` query
     positions each (uniform beyond the first eighth); with ``keys`` the keys and sampled queries too,
-    with ``values`` (and ``keys``) the values and the score scale."""
+    with ``values`` (and ``keys``) the values and the score scale, with ``impact`` each page's
+    ``impact``."""
     if values and not keys:
         raise ValueError("values=True needs keys=True: an attention output needs the keys and queries")
     global _recording
@@ -144,14 +148,14 @@ def collect(model: Any, ids: torch.Tensor, layers: Sequence[int], positions: int
         for start in range(0, ids.numel() - chunk + 1, chunk):
             window = ids[start:start + chunk][None]
             at = torch.tensor(sorted(gen.sample(range(chunk // 8, chunk), positions)))
-            _recording = _Recorder(at, layers, keys, values)
+            _recording = _Recorder(at, layers, keys, values, impact)
             hidden = model.get_decoder()(input_ids=window).last_hidden_state[0]
             out = [_recording.out[layer] for layer in layers]
             record = Chunk(
                 features=torch.stack([o.features for o in out]).half(), hidden=hidden[at - 1].float(),
                 current=at // PAGE, mass=torch.stack([o.mass for o in out], 1).half(),
                 quest=torch.stack([o.quest for o in out], 1).half(), layers=tuple(layers),
-                impact=torch.stack([o.impact for o in out], 1).half())
+                impact=torch.stack([o.impact for o in out], 1).half() if impact else None)
             if keys:
                 record.queries = torch.stack([_recording.raw[layer][0] for layer in layers], 1)
                 record.keys = torch.stack([_recording.raw[layer][1] for layer in layers])

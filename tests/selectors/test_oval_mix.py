@@ -103,7 +103,10 @@ def test_a_scorer_fitted_to_the_output_ranks_pages_as_that_teacher_does() -> Non
     model = tiny_model("llama", max_position_embeddings=1024)
     ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
     scorer = oval_train.new_router(model, 0, "tiny", "query")
-    chunks = teacher.collect(model, ids, scorer.shape.layers, 8, 256, seed=0, keys=True)
+    with pytest.raises(ValueError, match="impact=True"):
+        oval_train.query_loss(scorer, teacher.collect(model, ids, scorer.shape.layers, 8, 256, seed=0,
+                                                      keys=True)[0], "output")
+    chunks = teacher.collect(model, ids, scorer.shape.layers, 8, 256, seed=0, keys=True, impact=True)
     assert chunks[0].impact.shape == chunks[0].mass.shape
 
     def agreement(ranked: str) -> float:

@@ -85,6 +85,8 @@ def check_objective(objective: str) -> None:
 def target_of(chunk: Chunk, objective: str) -> torch.Tensor:
     """``[S, L, Hkv, P]``: the teacher's per-page target for ``objective`` (``OBJECTIVES``)."""
     check_objective(objective)
+    if objective == "output" and chunk.impact is None:
+        raise ValueError("objective 'output' fits each page's impact: collect the chunks with impact=True")
     return chunk.mass if objective == "mass" else chunk.impact
 
 
@@ -344,7 +346,7 @@ def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Seque
         task = progress.add_task("teacher: full attention on the training text",
                                  total=train_ids.numel() // chunk)
         train_set = collect(model, train_ids, layers, positions, chunk, 0, lambda: progress.advance(task),
-                            keys)
+                            keys, impact=objective == "output")
         task = progress.add_task("teacher: held-out text", total=val_ids.numel() // chunk)
         val_set = collect(model, val_ids, layers, positions, chunk, 1, lambda: progress.advance(task),
                           keys or mix, values=mix)
