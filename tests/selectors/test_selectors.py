@@ -3,6 +3,7 @@ bound, the page summaries and the routing metrics against direct computations.""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -551,14 +552,18 @@ def test_a_router_for_another_model_is_refused(tmp_path) -> None:
 
 
 def test_the_shipped_router_is_the_one_trained_for_the_model() -> None:
-    """``"embedded"`` resolves per model: SmolLM2's scorer for SmolLM2 (every layer), Gemma 3 270M's
-    for its full-attention layers 5, 11 and 17; a model none was trained for is told the command."""
-    for name, layers in (("smollm2", range(2, 30)), ("gemma3-270m", (5, 11, 17))):
-        config = sparse("oval", router="embedded", read_budget=0.125, dense_layers=2)
+    """``"embedded"`` and ``"embedded-gate"`` resolve per model: SmolLM2's router for SmolLM2 (every
+    layer), Gemma 3 270M's for its full-attention layers 5, 11 and 17; a model none was trained for
+    is told the command."""
+    models_layers = (("smollm2", range(2, 30)), ("gemma3-270m", (5, 11, 17)))
+    for (name, layers), shipped in itertools.product(models_layers, ("embedded", "embedded-gate")):
+        config = sparse("oval", router=shipped, read_budget=0.125, dense_layers=2)
         factory = KVCacheFactory(models.load_config(name), config)
         assert sorted(factory.layer_selectors) == list(layers)
         routers = {spec.options["router"] for spec in factory.layer_selectors.values()}
-        assert len(routers) == 1 and load_router(routers.pop()).shape.model == name
+        router = load_router(routers.pop())
+        assert not routers and router.shape.model == name
+        assert router.kind == ("query" if shipped == "embedded" else "gate")
     with pytest.raises(ConfigError, match="'embedded' for gemma3-270m, smollm2 only.*kvfactory oval train"):
         KVCacheFactory(tiny_model("llama").config, sparse("oval", router="embedded", read_budget=0.5))
 

@@ -7,7 +7,7 @@ A router file holds one of three trained scorers (``files.py``, ``docs/sparse-re
   at each layer, projected to a few learned channels, against int8 codes of every stored key in
   the same channels: an estimate of each page's attention mass from a quarter of Quest's bytes.
 - ``"gate"`` (``gate.BlockGate``, SeerAttention's block gate, shipped as ``router =
-  "embedded-gate"``): the step's queries of a KV head, joined into one gate query, against a
+  "embedded-gate"`` for both models): the step's queries of a KV head, joined into one gate query, against a
   learned embedding of each page's key summary.
 - ``"prefetch"`` (``router.Router``, shipped as ``router = "embedded-prefetch"``): pages predicted
   from the decoder's last hidden state of the previous step (``RoutingContext.hidden``, handed over
@@ -40,7 +40,7 @@ from kvfactory.selectors.pages import PageSummaries
 
 # The routers shipped with the package, per name; a cache takes the one trained for its model's shapes.
 SHIPPED = {"embedded": ("smollm2_lowrank.safetensors", "gemma3_270m_lowrank.safetensors"),
-           "embedded-gate": ("smollm2_gate.safetensors",),
+           "embedded-gate": ("smollm2_gate.safetensors", "gemma3_270m_gate.safetensors"),
            "embedded-prefetch": ("smollm2_router.safetensors",)}
 EMBEDDED = {name: files[0] for name, files in SHIPPED.items()}  # the embedded model's (SmolLM2's)
 
