@@ -48,7 +48,7 @@ def test_the_gate_learns_its_teachers_page_mass_and_ranks_as_decode_does() -> No
         summaries.set_embedding(lambda features: gate.embed_pages(features, layer))
         summaries.append(chunk.keys[layer, :, :position + 1][None].float())
         queries = chunk.queries[s, layer].float().view(1, 2, 2, 16)  # [B, Hkv, query heads, D]
-        scored = gate.page_logits(queries, summaries.embedded, layer)[0]
+        scored = gate.score_pages(queries, summaries.embedded, layer)[0]
         whole = position // teacher.PAGE  # the pages full at this position score as in training
         torch.testing.assert_close(scored[:, :whole], logits[s, layer, :, :whole], atol=1e-4, rtol=1e-4)
 

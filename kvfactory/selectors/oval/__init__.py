@@ -179,7 +179,7 @@ class OvalSelector(Selector):
             return router.page_log_mass(queries, summaries.codes, self._layer, summaries.page_size)
         if isinstance(router, BlockGate):
             self._check_shape(queries.shape[1], queries.shape[-1])
-            return router.page_logits(queries, summaries.embedded, self._layer)
+            return router.score_pages(queries, summaries.embedded, self._layer)
         if context.hidden is None:
             raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
                                "received: its model ran outside transformers' decoder forward; call "

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvfactory.selectors.oval.files import layer_index, save_module
+from kvfactory.selectors.pages import best_dot
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,14 @@ class BlockGate(torch.nn.Module):
     def page_logits(self, queries: torch.Tensor, embedded: torch.Tensor, layer: int) -> torch.Tensor:
         """``[B, Hkv, pages]``: the best new token's logit of each page, from ``queries [B, Hkv, R, D]``
         and the pages' ``embedded [B, Hkv, pages, dim]``."""
-        gate = self.gate_queries(queries, layer).float()
-        return (gate @ embedded.float().transpose(-1, -2)).amax(2) / math.sqrt(self.shape.dim)
+        gate = self.gate_queries(queries, layer).float() / math.sqrt(self.shape.dim)
+        return (gate @ embedded.float().transpose(-1, -2)).amax(2)
+
+    @torch.no_grad()
+    def score_pages(self, queries: torch.Tensor, embedded: torch.Tensor, layer: int) -> torch.Tensor:
+        """``page_logits`` for a decode step, through ``best_dot`` (``kernels/pages.c`` on the CPU: the
+        stored float16 embeddings read in place, no float copy)."""
+        return best_dot(self.gate_queries(queries, layer).float() / math.sqrt(self.shape.dim), embedded)
 
     def save(self, path: str | Path) -> None:
         """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
