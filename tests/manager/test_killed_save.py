@@ -18,13 +18,19 @@ from kvfactory.manager.persist import load_state, save_state
 from kvfactory.manager.state import SequenceState
 
 CACHE_CONFIG = {"type": "paged", "page_size": 4}
-BIG_TOKENS = 2**20  # 512 MiB of K/V over 2 layers: a write long enough to be caught in the middle
+BIG_TOKENS = 2**16  # 32 MiB of K/V over 2 layers
+# The saver stalls in the flush before its rename, so the kill always lands while the save is
+# unfinished, however fast the disk takes the bytes (a kill racing a fast write found the save done).
 SAVER = f"""
+import os
 import sys
+import time
 import torch
 from tiny_models import tiny_config
 from kvfactory.manager.persist import save_state
 from kvfactory.manager.state import SequenceState
+
+os.fsync = lambda fd: time.sleep(600)
 
 tokens = int(sys.argv[2])
 layers = [{{"keys": torch.ones(1, 2, tokens, 16), "values": torch.ones(1, 2, tokens, 16)}} for _ in range(2)]
