@@ -6,7 +6,9 @@ and KV head the summaries keep the per-channel maximum and minimum of its keys, 
 and, for selectors that embed pages (OVAL's prefetch router), the mean key; side by side in one
 ``[B, Hkv, pages, 2 or 3 * D]`` tensor so that scoring is one pass over them. They are updated as
 tokens are appended, one vectorised reduction per append. A selector that scores every token from
-a small code of its key (OVAL's query scorer) has the codes kept here instead (``set_token_codes``).
+a small code of its key (OVAL's query scorer) has the codes kept here instead (``set_token_codes``);
+one that embeds pages (OVAL's block gate and prefetch router) has each page's embedding kept, and the
+features of the open (last, partly filled) page only (``set_embedding``).
 
 Every decode step reads each sparse layer's summaries whole, so they are stored in float16 by default
 (half the bytes of float32 keys): maxima rounded up and minima rounded down, so Quest's bound stays
@@ -75,7 +77,7 @@ INF = float("inf")
 
 class PageSummaries:
     """Per-page key statistics of one layer's stored tokens: ``[kmax | kmin]`` (+ ``| kmean``), stored
-    in ``dtype`` (None: the keys' own)."""
+    in ``dtype`` (None: the keys' own); with an embedding, the open page's only."""
 
     def __init__(self, page_size: int, with_mean: bool = False, dtype: torch.dtype | None = torch.float16
                  ) -> None:
@@ -83,7 +85,7 @@ class PageSummaries:
         self.length = 0
         self.embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # see ``set_embedding``
         self._embedded: torch.Tensor | None = None  # [B, Hkv, capacity, E]
-        self._summaries: torch.Tensor | None = None  # [B, Hkv, capacity, (2 or 3) * D]
+        self._summaries: torch.Tensor | None = None  # [B, Hkv, capacity (1 with an embedding), (2 or 3) * D]
         self.encode: Callable[[torch.Tensor], torch.Tensor] | None = None  # see ``set_token_codes``
         self._codes: torch.Tensor | None = None  # [B, Hkv, C, capacity in tokens]: channel-major
 
@@ -94,6 +96,9 @@ class PageSummaries:
     @property
     def features(self) -> torch.Tensor:
         """``[B, Hkv, pages, (2 or 3) * D]``: per-channel key maximum, minimum (and mean) per page."""
+        if self.embed is not None:
+            raise ValueError("page summaries with an embedding keep the open page's features only: score "
+                             "the pages from `embedded`")
         return self._summaries[:, :, :self.pages]
 
     @property
@@ -160,25 +165,35 @@ class PageSummaries:
         self._codes[..., self.length:end] = codes
 
     def set_embedding(self, embed: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """Keep ``embed(features)`` of every page up to date as well (OVAL's page embeddings), in the
-        storage dtype: a selector that scores ``E`` numbers per page reads those instead of the
-        features' ``3 * D``."""
-        self.embed, self._embedded = embed, None
-        if embed is not None and self._summaries is not None and self.pages:
-            self._embed(0, self.pages)
+        """Keep ``embed(features)`` of every page (OVAL's page embeddings, in the storage dtype) instead
+        of the features (set before the first append): a selector that scores ``E`` numbers per page
+        reads those, and only the open page's features are held, to update it as tokens arrive."""
+        if self.length:
+            raise ValueError(f"a page embedding is set before any token is appended ({self.length} held)")
+        self.embed, self._embedded, self._summaries = embed, None, None
+
+    def _held(self, page: int) -> torch.Tensor:
+        """``[B, Hkv, F]``: the held features of ``page`` (with an embedding, only the open page's)."""
+        return self._summaries[:, :, 0 if self.embed is not None else page]
 
     def _write(self, first: int, last: int, new: torch.Tensor) -> None:
         """Store the features ``new [B, Hkv, last - first, F]`` of pages ``[first, last)``."""
-        self._summaries[:, :, first:last] = self._stored(new)
-        if self.embed is not None:
-            self._embed(first, last)
+        stored = self._stored(new)
+        if self.embed is None:
+            self._summaries[:, :, first:last] = stored
+            return
+        self._summaries[:, :, 0] = stored[:, :, -1]
+        self._embed(first, last, stored)
 
     @torch.no_grad()
-    def _embed(self, first: int, last: int) -> None:
-        """Embed pages ``[first, last)``; the pages before ``first`` are embedded already."""
-        embedded = self.embed(self._summaries[:, :, first:last]).to(self._summaries.dtype)
-        if self._embedded is None or self._embedded.shape[2] < self._summaries.shape[2]:
-            grown = embedded.new_empty((*self._summaries.shape[:3], embedded.shape[-1]))
+    def _embed(self, first: int, last: int, stored: torch.Tensor) -> None:
+        """Embed pages ``[first, last)`` from their ``stored`` features; the pages before ``first`` are
+        embedded already."""
+        embedded = self.embed(stored).to(stored.dtype)
+        if self._embedded is None or self._embedded.shape[2] < last:
+            held = 0 if self._embedded is None else self._embedded.shape[2]
+            grown = embedded.new_empty((*embedded.shape[:2], max(last, math.ceil(held * GROWTH)),
+                                        embedded.shape[-1]))
             if self._embedded is not None:
                 grown[:, :, :first] = self._embedded[:, :, :first]
             self._embedded = grown
@@ -212,18 +227,18 @@ class PageSummaries:
             starts = torch.arange(first, last, device=keys.device) * ps
             filled = (self.length + n - starts).clamp_(max=ps)  # tokens each page holds after the append
             if offset:
-                total[:, :, 0] += self._summaries[:, :, first, 2 * d:] * offset
+                total[:, :, 0] += self._held(first)[..., 2 * d:] * offset
             parts.append(total / filled[:, None].to(total.dtype))
         new = torch.cat(parts, -1)
         if offset:  # the first page already holds tokens: combine with its bounds
-            old = self._summaries[:, :, first]
+            old = self._held(first)
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
             new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
         self._write(first, last, new)
         self.length += n
 
     def _add_one(self, key: torch.Tensor, page: int, offset: int, d: int) -> None:
-        slot = self._summaries[:, :, page]
+        slot = self._held(page)
         if offset:
             parts = [torch.maximum(slot[..., :d], key), torch.minimum(slot[..., d:2 * d], key)]
             if self.with_mean:
@@ -246,6 +261,8 @@ class PageSummaries:
         return torch.cat([up, new[..., 2 * d:].to(self.dtype)], -1) if self.with_mean else up
 
     def _reserve(self, pages: int, like: torch.Tensor) -> None:
+        if self.embed is not None:  # the open page's features only
+            pages = 1
         if self._summaries is not None and self._summaries.shape[2] >= pages:
             return
         b, h, _, d = like.shape
@@ -254,7 +271,7 @@ class PageSummaries:
         width = (3 if self.with_mean else 2) * d
         grown = like.new_empty((b, h, capacity, width), dtype=self.dtype or like.dtype)
         if self._summaries is not None:
-            grown[:, :, :self.pages] = self.features
+            grown[:, :, :self.pages] = self._summaries[:, :, :self.pages]
         self._summaries = grown
 
     def select_rows(self, rows: torch.Tensor) -> None:

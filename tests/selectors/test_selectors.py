@@ -571,22 +571,32 @@ def test_the_shipped_router_is_the_one_trained_for_the_model() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_page_embeddings_follow_the_summaries_and_score_as_the_raw_features(dtype: torch.dtype) -> None:
     """OVAL reads each page's router embedding (projection applied to the page) instead of its raw
-    features (projection applied to the query): the same logits, kept up to date by every append."""
+    features (projection applied to the query): the same logits, kept up to date by every append,
+    with only the open page's features held beside the embeddings."""
     router = Router.load(tiny_router(64, 2, 16, (0, 1), "prefetch"))
     gen = torch.Generator().manual_seed(3)
     summaries = PageSummaries(PAGE, with_mean=True, dtype=dtype)
-    summaries.append(torch.randn(2, 2, 6, 16, generator=gen))
-    summaries.set_embedding(lambda features: router.embed_pages(features, 1))  # pages held already: embedded
-    for n in (1, 1, 7, 16, 3, 1):
-        summaries.append(torch.randn(2, 2, n, 16, generator=gen))
+    summaries.set_embedding(lambda features: router.embed_pages(features, 1))
+    plain = PageSummaries(PAGE, with_mean=True, dtype=dtype)  # the same keys, every page's features
+    for n in (6, 1, 1, 7, 16, 3, 1):
+        keys = torch.randn(2, 2, n, 16, generator=gen)
+        summaries.append(keys)
+        plain.append(keys)
     hidden = torch.randn(2, 64, generator=gen)
-    raw = router.logits(router.key_vectors(hidden)[:, 1], summaries.features, None)
+    raw = router.logits(router.key_vectors(hidden)[:, 1], plain.features, None)
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
     embedded = router.logits(router.routing_queries(hidden)[:, 1], summaries.embedded, None)
     torch.testing.assert_close(embedded, raw, **tolerance)
     assert summaries.scored is summaries.embedded or torch.equal(summaries.scored, summaries.embedded)
+    held_features = summaries.nbytes - summaries._embedded.nbytes
+    assert held_features == plain.features[:, :, :1].nbytes  # one page's, not all pages'
+    with pytest.raises(ValueError, match="open page's features only"):
+        _ = summaries.features
+    with pytest.raises(ValueError, match="before any token is appended"):
+        summaries.set_embedding(None)
     summaries.select_rows(torch.tensor([1, 1]))
-    expected = router.embed_pages(summaries.features, 1).detach().to(dtype)
+    plain.select_rows(torch.tensor([1, 1]))
+    expected = router.embed_pages(plain.features, 1).detach().to(dtype)
     torch.testing.assert_close(summaries.embedded, expected)
 
 
