@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvfactory.selectors.oval.basis import principal_key_directions
 from kvfactory.selectors.oval.files import layer_index, save_module
 from kvfactory.selectors.pages import best_dot
 
@@ -59,11 +60,9 @@ class BlockGate(torch.nn.Module):
         """Start from each layer's and KV head's ``dim`` principal key directions: pages embedded by
         their mean key in that basis, each query head projected alike and averaged (``keys [layers,
         Hkv, T, D]``)."""
-        keys = keys.float()
         d = self.shape.head_dim
         e = min(d, self.shape.dim)  # channels beyond head_dim start small and random
-        moment = keys.transpose(-1, -2) @ keys / keys.shape[2]
-        basis = torch.linalg.eigh(moment).eigenvectors[..., -e:].flip(-1)  # [L, Hkv, D, e]
+        basis = principal_key_directions(keys, e)  # [L, Hkv, D, e]
         with torch.no_grad():
             self.page.normal_(std=1e-3)
             self.query.normal_(std=1e-3)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfactory import kernels
+from kvfactory.selectors.oval.basis import principal_key_directions
 from kvfactory.selectors.oval.files import layer_index, save_module
 
 CODE_LIMIT = 127  # int8 codes in [-127, 127]
@@ -65,9 +66,7 @@ class LowRankScorer(torch.nn.Module):
     def init_from_keys(self, keys: torch.Tensor) -> None:
         """Start from each layer's and KV head's principal key directions (Loki's training-free basis):
         ``keys [layers, Hkv, T, D]``, both projections."""
-        keys = keys.float()
-        moment = keys.transpose(-1, -2) @ keys / keys.shape[2]
-        basis = torch.linalg.eigh(moment).eigenvectors[..., -self.shape.rank:].flip(-1)
+        basis = principal_key_directions(keys, self.shape.rank)
         with torch.no_grad():
             self.key.copy_(basis)
             self.query.copy_(basis.repeat_interleave(self.group, 1))
