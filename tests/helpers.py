@@ -167,6 +167,29 @@ def tiny_router(hidden: int, kv_heads: int, head_dim: int, layers: tuple[int, ..
     return str(path)
 
 
+def fit_tiny_scorer(kind: str, epochs: int) -> tuple[Any, list[Any], float, float]:
+    """A ``kind`` scorer (``"query"`` or ``"gate"``) trained on a tiny llama's own page attention (two
+    512-token prompts, 8 positions per 256-token chunk, keys kept): the scorer, the teacher's chunks and
+    the summed loss from the principal key directions before training and after."""
+    from tiny_models import random_prompt, tiny_model
+
+    from kvfactory.selectors import teacher
+    from kvfactory.selectors.oval import train as oval_train
+
+    model = tiny_model("llama", max_position_embeddings=1024)
+    ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
+    scorer = oval_train.new_router(model, 0, "tiny", kind)
+    chunks = teacher.collect(model, ids, scorer.shape.layers, 8, 256, seed=0, keys=True)
+    scorer.init_from_keys(oval_train._sample_keys(chunks))
+
+    def total() -> float:
+        with torch.no_grad():
+            return sum(float(oval_train.LOSSES[kind](scorer, c, 0.25, "mass")) for c in chunks)
+    before = total()
+    oval_train.train(scorer, chunks, epochs=epochs, budget=0.25)
+    return scorer, chunks, before, total()
+
+
 @torch.no_grad()
 def greedy_tokens(model: Any, prompt: list[int], new_tokens: int, cache: Any = None) -> list[int]:
     """``new_tokens`` greedy tokens after ``prompt`` with ``cache`` (default ``DynamicCache``), one

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from helpers import generate
+from helpers import fit_tiny_scorer, generate
 from tiny_models import random_prompt, tiny_model
 
 from kvfactory import KVCacheFactory
@@ -20,17 +20,7 @@ from kvfactory.selectors.pages import PageSummaries
 
 
 def trained_gate() -> tuple[BlockGate, list[teacher.Chunk], float, float]:
-    model = tiny_model("llama", max_position_embeddings=1024)
-    ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
-    gate = oval_train.new_router(model, 0, "tiny", "gate")
-    chunks = teacher.collect(model, ids, gate.shape.layers, 8, 256, seed=0, keys=True)
-    gate.init_from_keys(oval_train._sample_keys(chunks))
-    with torch.no_grad():
-        before = sum(float(oval_train.gate_loss(gate, c)) for c in chunks)
-    oval_train.train(gate, chunks, epochs=15, budget=0.25)
-    with torch.no_grad():
-        after = sum(float(oval_train.gate_loss(gate, c)) for c in chunks)
-    return gate, chunks, before, after
+    return fit_tiny_scorer("gate", epochs=15)
 
 
 def test_the_gate_learns_its_teachers_page_mass_and_ranks_as_decode_does() -> None:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import fit_tiny_scorer
 from tiny_models import random_prompt, tiny_model
 from typer.testing import CliRunner
 
@@ -128,18 +129,9 @@ def test_output_errors_are_the_attention_over_the_pages_read() -> None:
 def test_the_query_scorer_learns_the_teachers_page_mass_and_ranks_as_decode_does() -> None:
     """Trained end to end on a tiny model: the loss falls; the ranking the evaluation scores (int8
     codes) is the one a decode step computes from the codes its page summaries keep."""
-    model = tiny_model("llama", max_position_embeddings=1024)
-    ids = torch.cat([random_prompt(512, seed=s)[0] for s in range(2)])
-    scorer = oval_train.new_router(model, 0, "tiny", "query")
-    chunks = teacher.collect(model, ids, scorer.shape.layers, 8, 256, seed=0, keys=True)
+    scorer, chunks, before, after = fit_tiny_scorer("query", epochs=10)
     chunk = chunks[0]
     assert chunk.keys.shape == (2, 2, 256, 16) and chunk.queries.shape == (8, 2, 4, 16)
-    scorer.init_from_keys(oval_train._sample_keys(chunks))
-    with torch.no_grad():
-        before = sum(float(oval_train.query_loss(scorer, c)) for c in chunks)
-    oval_train.train(scorer, chunks, epochs=10, budget=0.25)
-    with torch.no_grad():
-        after = sum(float(oval_train.query_loss(scorer, c)) for c in chunks)
     assert after < before
     report = oval_train.evaluate(scorer, chunks, 0.25)
     assert set(report) == {"router", "quest", "recent", "oracle"}
