@@ -43,6 +43,7 @@ SHIPPED = {"embedded": ("smollm2_lowrank.safetensors", "gemma3_270m_lowrank.safe
            "embedded-gate": ("smollm2_gate.safetensors", "gemma3_270m_gate.safetensors"),
            "embedded-prefetch": ("smollm2_router.safetensors",)}
 EMBEDDED = {name: files[0] for name, files in SHIPPED.items()}  # the embedded model's (SmolLM2's)
+EMBEDS_PAGES = ("gate", "prefetch")  # kinds that score a learned embedding of each page's summaries
 
 
 def _shipped_file(file: str) -> Path:
@@ -149,7 +150,7 @@ class OvalSelector(Selector):
 
     @property
     def uses_mean(self) -> bool:  # the prefetch router and the gate embed the page's mean key too
-        return isinstance(self.loaded_router, Router | BlockGate)
+        return self.loaded_router.kind in EMBEDS_PAGES
 
     def bind(self, layer_idx: int, num_layers: int) -> None:
         self._layer = layer_idx
@@ -169,17 +170,26 @@ class OvalSelector(Selector):
     @torch.no_grad()
     def page_scores(self, queries: torch.Tensor, summaries: PageSummaries, context: RoutingContext
                     ) -> torch.Tensor:
+        """The scores of the router file's kind (``SCORING``)."""
         router = self.loaded_router
-        if isinstance(router, LowRankScorer):
-            self._check_shape(queries.shape[1], queries.shape[-1])
-            if queries.shape[2] % router.group:
-                raise ConfigError("router", self.router, f"a router for {queries.shape[2]} query rows per KV "
-                                  f"head (this one was trained for {router.group} query heads per KV head, "
-                                  f"{router.shape.model}): train one with `kvfactory oval train`")
-            return router.page_log_mass(queries, summaries.codes, self._layer, summaries.page_size)
-        if isinstance(router, BlockGate):
-            self._check_shape(queries.shape[1], queries.shape[-1])
-            return router.score_pages(queries, summaries.embedded, self._layer)
+        return self.SCORING[router.kind](self, router, queries, summaries, context)
+
+    def _query_scores(self, scorer: LowRankScorer, queries: torch.Tensor, summaries: PageSummaries,
+                      context: RoutingContext) -> torch.Tensor:
+        self._check_shape(queries.shape[1], queries.shape[-1])
+        if queries.shape[2] % scorer.group:
+            raise ConfigError("router", self.router, f"a router for {queries.shape[2]} query rows per KV "
+                              f"head (this one was trained for {scorer.group} query heads per KV head, "
+                              f"{scorer.shape.model}): train one with `kvfactory oval train`")
+        return scorer.page_log_mass(queries, summaries.codes, self._layer, summaries.page_size)
+
+    def _gate_scores(self, gate: BlockGate, queries: torch.Tensor, summaries: PageSummaries,
+                     context: RoutingContext) -> torch.Tensor:
+        self._check_shape(queries.shape[1], queries.shape[-1])
+        return gate.score_pages(queries, summaries.embedded, self._layer)
+
+    def _prefetch_scores(self, router: Router, queries: torch.Tensor, summaries: PageSummaries,
+                         context: RoutingContext) -> torch.Tensor:
         if context.hidden is None:
             raise RuntimeError("OVAL routes from the decoder's last hidden state, which this cache never "
                                "received: its model ran outside transformers' decoder forward; call "
@@ -194,6 +204,10 @@ class OvalSelector(Selector):
         positional = context.remember("oval.decay", lambda: router.positional(pages, queries.device))
         return router.logits(queries[:, group], summaries.embedded, positional)
 
+    # how each kind of router file scores a decode step's pages (its ``kind``, ``files.py``)
+    SCORING: ClassVar[dict[str, Callable[..., torch.Tensor]]] = {
+        "query": _query_scores, "gate": _gate_scores, "prefetch": _prefetch_scores}
+
     def with_prompt(self, scores: torch.Tensor, prompt: torch.Tensor, head_dim: int) -> torch.Tensor:
         """The query scorer's log page shares, or the prefetch router's logits, as shares."""
         return scores.float().softmax(-1).add_(prompt)
@@ -207,7 +221,7 @@ class OvalSelector(Selector):
 
     def token_codes(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         router = self.loaded_router
-        if not isinstance(router, LowRankScorer):
+        if router.kind != "query":
             return None
         router.shape.index_of(self._layer)  # a layer it was not trained for is refused at create_cache()
 
@@ -218,14 +232,14 @@ class OvalSelector(Selector):
 
     def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         router = self.loaded_router
-        if isinstance(router, BlockGate):
+        if router.kind == "gate":
             router.shape.index_of(self._layer)  # a layer it was not trained for is refused at create_cache()
 
             def gate(features: torch.Tensor) -> torch.Tensor:
                 self._check_shape(features.shape[1], features.shape[-1] // 3)
                 return self.loaded_router.embed_pages(features, self._layer)
             return gate
-        if not isinstance(router, Router):
+        if router.kind != "prefetch":
             return None
 
         def embed(features: torch.Tensor) -> torch.Tensor:
