@@ -72,7 +72,7 @@ class BlockGate(torch.nn.Module):
     def embed_pages(self, features: torch.Tensor, layer: int) -> torch.Tensor:
         """Page features ``[B, Hkv, n, 3 * head_dim]`` of model layer ``layer`` -> ``[B, Hkv, n, dim]``."""
         page = self.page[self.shape.index_of(layer)]
-        return torch.einsum("bhpf,hfe->bhpe", features.to(page.dtype), page)
+        return features.to(page.dtype) @ page  # [Hkv, 3D, E] broadcast over the batch
 
     def gate_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
         """``queries [B, Hkv, R, D]`` (R = the KV head's query heads x new tokens, head-major) -> one gate
@@ -80,7 +80,7 @@ class BlockGate(torch.nn.Module):
         b, h, rows, d = queries.shape
         joined = queries.view(b, h, self.group, rows // self.group, d).transpose(2, 3).flatten(3)
         projection = self.query[self.shape.index_of(layer)]
-        return torch.einsum("bhnf,hfe->bhne", joined.to(projection.dtype), projection)
+        return joined.to(projection.dtype) @ projection
 
     def page_logits(self, queries: torch.Tensor, embedded: torch.Tensor, layer: int) -> torch.Tensor:
         """``[B, Hkv, pages]``: the best new token's logit of each page, from ``queries [B, Hkv, R, D]``
