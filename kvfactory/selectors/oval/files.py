@@ -13,8 +13,9 @@ selector config turns on with ``"mix": true``.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -47,6 +48,27 @@ def save_module(module: torch.nn.Module, path: str | Path, kind: str, shape: dic
                 "layer_selectors": json.dumps(getattr(module, "layer_selectors", {}))}
     save_file(tensors, str(tmp), metadata=metadata)
     tmp.replace(path)
+
+
+class RouterModule(torch.nn.Module):
+    """What every kind of router file holds: its ``kind``, its architecture (``shape``, a frozen
+    dataclass of ``shape_type``) and the routed layers it hands to another selector."""
+
+    kind: ClassVar[str]
+    shape_type: ClassVar[type]
+
+    def __init__(self, shape: Any) -> None:
+        super().__init__()
+        self.shape = shape
+        self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads
+
+    def save(self, path: str | Path) -> None:
+        """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
+        save_module(self, path, self.kind, asdict(self.shape))
+
+    @classmethod
+    def from_metadata(cls, shape: dict[str, Any]) -> RouterModule:
+        return cls(cls.shape_type(**(shape | {"layers": tuple(shape["layers"])})))
 
 
 def check_layer_selectors(choice: dict[Any, Any], layers: tuple[int, ...]) -> dict[int, str]:

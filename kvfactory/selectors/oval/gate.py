@@ -14,13 +14,12 @@ principal key directions applied to the page mean (a training-free, Loki-like ga
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from kvfactory.selectors.oval.basis import principal_key_directions
-from kvfactory.selectors.oval.files import layer_index, save_module
+from kvfactory.selectors.oval.files import RouterModule, layer_index
 from kvfactory.selectors.pages import best_dot
 
 
@@ -39,15 +38,14 @@ class GateShape:
         return layer_index(self.layers, layer_idx)
 
 
-class BlockGate(torch.nn.Module):
+class BlockGate(RouterModule):
     """Learned page and pooled-query projections per gated layer (see the module docstring)."""
 
+    shape_type = GateShape
     kind = "gate"
 
     def __init__(self, shape: GateShape) -> None:
-        super().__init__()
-        self.shape = shape
-        self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads (``files.py``)
+        super().__init__(shape)
         layers, d, e = len(shape.layers), shape.head_dim, shape.dim
         self.page = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, 3 * d, e))
         self.query = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, self.group * d, e))
@@ -93,11 +91,3 @@ class BlockGate(torch.nn.Module):
         """``page_logits`` for a decode step, through ``best_dot`` (``kernels/pages.c`` on the CPU: the
         stored float16 embeddings read in place, no float copy)."""
         return best_dot(self.gate_queries(queries, layer).float() / math.sqrt(self.shape.dim), embedded)
-
-    def save(self, path: str | Path) -> None:
-        """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
-        save_module(self, path, self.kind, asdict(self.shape))
-
-    @classmethod
-    def from_metadata(cls, shape: dict) -> BlockGate:
-        return cls(GateShape(**(shape | {"layers": tuple(shape["layers"])})))

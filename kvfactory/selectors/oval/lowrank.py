@@ -16,15 +16,14 @@ attention it must rank, not from the keys' variance alone.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvfactory import kernels
 from kvfactory.selectors.oval.basis import principal_key_directions
-from kvfactory.selectors.oval.files import layer_index, save_module
+from kvfactory.selectors.oval.files import RouterModule, layer_index
 
 CODE_LIMIT = 127  # int8 codes in [-127, 127]
 SCALE_QUANTILE = 0.999  # a channel's code scale covers this quantile of its training values
@@ -45,15 +44,14 @@ class LowRankShape:
         return layer_index(self.layers, layer_idx)
 
 
-class LowRankScorer(torch.nn.Module):
+class LowRankScorer(RouterModule):
     """Learned query and key projections per routed layer (see the module docstring)."""
 
+    shape_type = LowRankShape
     kind = "query"
 
     def __init__(self, shape: LowRankShape) -> None:
-        super().__init__()
-        self.shape = shape
-        self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads (``files.py``)
+        super().__init__(shape)
         layers, d, r = len(shape.layers), shape.head_dim, shape.rank
         self.query = torch.nn.Parameter(torch.zeros(layers, shape.query_heads, d, r))
         self.key = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, d, r))
@@ -131,11 +129,3 @@ class LowRankScorer(torch.nn.Module):
                             codes.data_ptr(), *codes.stride()[:3], out.data_ptr()):
             raise MemoryError(f"token_shares: no memory for {rows} x {tokens} scores")
         return out
-
-    def save(self, path: str | Path) -> None:
-        """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
-        save_module(self, path, self.kind, asdict(self.shape))
-
-    @classmethod
-    def from_metadata(cls, shape: dict) -> LowRankScorer:
-        return cls(LowRankShape(**(shape | {"layers": tuple(shape["layers"])})))

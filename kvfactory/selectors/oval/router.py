@@ -18,13 +18,13 @@ safetensors file.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kvfactory.selectors.oval.files import layer_index, load_module, save_module
+from kvfactory.selectors.oval.files import RouterModule, layer_index, load_module
 from kvfactory.selectors.pages import best_dot
 
 DECAY_PAGES = 32.0
@@ -52,13 +52,14 @@ class RouterShape:
         return layer_index(self.layers, layer_idx) // self.group_size
 
 
-class Router(torch.nn.Module):
+class Router(RouterModule):
     """The OVAL router (see the module docstring)."""
 
+    shape_type = RouterShape
+    kind = "prefetch"
+
     def __init__(self, shape: RouterShape) -> None:
-        super().__init__()
-        self.shape = shape
-        self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads (``files.py``)
+        super().__init__(shape)
         out = shape.groups * shape.kv_heads * shape.dim
         self.inp = torch.nn.Linear(shape.hidden_size, shape.width)
         self.out = torch.nn.Linear(shape.width, out)  # the base, frozen when only the LoRA adapts
@@ -103,16 +104,6 @@ class Router(torch.nn.Module):
         features), plus the ``positional`` term (None: the decay ablated)."""
         scores = best_dot(vectors[..., None, :], features)
         return scores if positional is None else scores + positional.to(scores.dtype)
-
-    kind = "prefetch"
-
-    def save(self, path: str | Path) -> None:
-        """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
-        save_module(self, path, self.kind, asdict(self.shape))
-
-    @classmethod
-    def from_metadata(cls, shape: dict) -> Router:
-        return cls(RouterShape(**(shape | {"layers": tuple(shape["layers"])})))
 
     @classmethod
     def load(cls, path: str | Path) -> Router:
