@@ -38,18 +38,6 @@ def layer_index(layers: tuple[int, ...], layer_idx: int) -> int:
 MIXED = ("quest", "recent")  # selectors a router file may hand a layer to
 
 
-def save_module(module: torch.nn.Module, path: str | Path, kind: str, shape: dict[str, Any]) -> None:
-    """``module``'s state with its ``kind``, ``shape`` and ``layer_selectors`` as metadata, written to a
-    temporary name and renamed, so a failed write leaves any earlier file whole."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tensors = {name: t.detach().contiguous() for name, t in module.state_dict().items()}
-    metadata = {"kind": kind, "shape": json.dumps(shape),
-                "layer_selectors": json.dumps(getattr(module, "layer_selectors", {}))}
-    save_file(tensors, str(tmp), metadata=metadata)
-    tmp.replace(path)
-
-
 class RouterModule(torch.nn.Module):
     """What every kind of router file holds: its ``kind``, its architecture (``shape``, a frozen
     dataclass of ``shape_type``) and the routed layers it hands to another selector."""
@@ -63,8 +51,15 @@ class RouterModule(torch.nn.Module):
         self.layer_selectors: dict[int, str] = {}  # routed layers another selector reads
 
     def save(self, path: str | Path) -> None:
-        """Weights and shape in one safetensors file (written to a temporary name, then renamed)."""
-        save_module(self, path, self.kind, asdict(self.shape))
+        """Weights with ``kind``, ``shape`` and ``layer_selectors`` as metadata in one safetensors file,
+        written to a temporary name and renamed, so a failed write leaves any earlier file whole."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tensors = {name: t.detach().contiguous() for name, t in self.state_dict().items()}
+        metadata = {"kind": self.kind, "shape": json.dumps(asdict(self.shape)),
+                    "layer_selectors": json.dumps(self.layer_selectors)}
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(path)
 
     @classmethod
     def from_metadata(cls, shape: dict[str, Any]) -> RouterModule:
