@@ -43,7 +43,6 @@ SHIPPED = {"embedded": ("smollm2_lowrank.safetensors", "gemma3_270m_lowrank.safe
            "embedded-gate": ("smollm2_gate.safetensors", "gemma3_270m_gate.safetensors"),
            "embedded-prefetch": ("smollm2_router.safetensors",)}
 EMBEDDED = {name: files[0] for name, files in SHIPPED.items()}  # the embedded model's (SmolLM2's)
-EMBEDS_PAGES = ("gate", "prefetch")  # kinds that score a learned embedding of each page's summaries
 
 
 def _shipped_file(file: str) -> Path:
@@ -149,8 +148,8 @@ class OvalSelector(Selector):
         return {layer: name for layer, name in handed.items() if layer in layers}
 
     @property
-    def uses_mean(self) -> bool:  # the prefetch router and the gate embed the page's mean key too
-        return self.loaded_router.kind in EMBEDS_PAGES
+    def uses_mean(self) -> bool:  # routers that embed pages embed the page's mean key too
+        return self.loaded_router.embeds_pages
 
     def bind(self, layer_idx: int, num_layers: int) -> None:
         self._layer = layer_idx
@@ -221,7 +220,7 @@ class OvalSelector(Selector):
 
     def token_codes(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         router = self.loaded_router
-        if router.kind != "query":
+        if not router.encodes_keys:
             return None
         router.shape.index_of(self._layer)  # a layer it was not trained for is refused at create_cache()
 
@@ -232,22 +231,11 @@ class OvalSelector(Selector):
 
     def page_embedding(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         router = self.loaded_router
-        if router.kind == "gate":
-            router.shape.index_of(self._layer)  # a layer it was not trained for is refused at create_cache()
-
-            def gate(features: torch.Tensor) -> torch.Tensor:
-                self._check_shape(features.shape[1], features.shape[-1] // 3)
-                return self.loaded_router.embed_pages(features, self._layer)
-            return gate
-        if router.kind != "prefetch":
+        if not router.embeds_pages:
             return None
+        router.shape.index_of(self._layer)  # a layer it was not trained for is refused at create_cache()
 
         def embed(features: torch.Tensor) -> torch.Tensor:
-            shape = router.shape
-            if features.shape[1] != shape.kv_heads or features.shape[-1] != 3 * shape.head_dim:
-                raise ConfigError("router", self.router, f"a router for {features.shape[1]} KV heads of "
-                                  f"{features.shape[-1] // 3} channels (this one was trained for "
-                                  f"{shape.kv_heads} of {shape.head_dim}, {shape.model}): train one with "
-                                  f"`kvfactory oval train`")
-            return router.embed_pages(features, shape.group_of(self._layer))
+            self._check_shape(features.shape[1], features.shape[-1] // 3)
+            return self.loaded_router.embed_pages(features, self._layer)
         return embed

@@ -40,10 +40,14 @@ MIXED = ("quest", "recent")  # selectors a router file may hand a layer to
 
 class RouterModule(torch.nn.Module):
     """What every kind of router file holds: its ``kind``, its architecture (``shape``, a frozen
-    dataclass of ``shape_type``) and the routed layers it hands to another selector."""
+    dataclass of ``shape_type``) and the routed layers it hands to another selector. What the page
+    summaries keep for it is declared: ``encodes_keys``, a code per token (``encode(keys, layer)``);
+    ``embeds_pages``, an embedding per page (``embed_pages(features, layer)``)."""
 
     kind: ClassVar[str]
     shape_type: ClassVar[type]
+    encodes_keys: ClassVar[bool] = False
+    embeds_pages: ClassVar[bool] = False
 
     def __init__(self, shape: Any) -> None:
         super().__init__()

@@ -43,6 +43,7 @@ class BlockGate(RouterModule):
 
     shape_type = GateShape
     kind = "gate"
+    embeds_pages = True
 
     def __init__(self, shape: GateShape) -> None:
         super().__init__(shape)

@@ -49,6 +49,7 @@ class LowRankScorer(RouterModule):
 
     shape_type = LowRankShape
     kind = "query"
+    encodes_keys = True
 
     def __init__(self, shape: LowRankShape) -> None:
         super().__init__(shape)

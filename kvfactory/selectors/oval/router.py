@@ -48,8 +48,11 @@ class RouterShape:
     def groups(self) -> int:
         return math.ceil(len(self.layers) / self.group_size)
 
+    def index_of(self, layer_idx: int) -> int:
+        return layer_index(self.layers, layer_idx)
+
     def group_of(self, layer_idx: int) -> int:
-        return layer_index(self.layers, layer_idx) // self.group_size
+        return self.index_of(layer_idx) // self.group_size
 
 
 class Router(RouterModule):
@@ -57,6 +60,7 @@ class Router(RouterModule):
 
     shape_type = RouterShape
     kind = "prefetch"
+    embeds_pages = True
 
     def __init__(self, shape: RouterShape) -> None:
         super().__init__(shape)
@@ -84,10 +88,12 @@ class Router(RouterModule):
         through its group's page projection (training scores raw page features with these)."""
         return torch.einsum("nghr,ghrf->nghf", self.routing_queries(hidden), self.page)
 
-    def embed_pages(self, features: torch.Tensor, group: int) -> torch.Tensor:
-        """Page features ``[B, Hkv, n, 3 * head_dim]`` through group ``group``'s projection: ``[B, Hkv,
-        n, dim]``, so that inference reads ``dim`` numbers per page instead of ``3 * head_dim``."""
-        return torch.einsum("bhpf,hrf->bhpr", features.to(self.page.dtype), self.page[group])
+    def embed_pages(self, features: torch.Tensor, layer: int) -> torch.Tensor:
+        """Page features ``[B, Hkv, n, 3 * head_dim]`` of model layer ``layer`` through its group's
+        projection: ``[B, Hkv, n, dim]``, so that inference reads ``dim`` numbers per page instead of
+        ``3 * head_dim``."""
+        page = self.page[self.shape.group_of(layer)]
+        return torch.einsum("bhpf,hrf->bhpr", features.to(self.page.dtype), page)
 
     def decay_bonus(self, distance: torch.Tensor) -> torch.Tensor:
         """The positional term of pages ``distance`` pages behind the current one."""
