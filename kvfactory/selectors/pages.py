@@ -176,28 +176,35 @@ class PageSummaries:
         """``[B, Hkv, F]``: the held features of ``page`` (with an embedding, only the open page's)."""
         return self._summaries[:, :, 0 if self.embed is not None else page]
 
-    def _write(self, first: int, last: int, new: torch.Tensor) -> None:
-        """Store the features ``new [B, Hkv, last - first, F]`` of pages ``[first, last)``."""
+    def _write(self, first: int, last: int, new: torch.Tensor, end: int) -> None:
+        """Store the features ``new [B, Hkv, last - first, F]`` of pages ``[first, last)``, which then hold
+        ``end`` tokens."""
         stored = self._stored(new)
         if self.embed is None:
             self._summaries[:, :, first:last] = stored
             return
         self._summaries[:, :, 0] = stored[:, :, -1]
-        self._embed(first, last, stored)
+        self._embed(first, last, stored, end)
 
     @torch.no_grad()
-    def _embed(self, first: int, last: int, stored: torch.Tensor) -> None:
-        """Embed pages ``[first, last)`` from their ``stored`` features; the pages before ``first`` are
-        embedded already."""
-        embedded = self.embed(stored).to(stored.dtype)
-        if self._embedded is None or self._embedded.shape[2] < last:
+    def _embed(self, first: int, last: int, stored: torch.Tensor, end: int) -> None:
+        """Embed pages ``[first, last)`` from their ``stored`` features as they fill (those before
+        ``first`` are embedded already). A page still filling is embedded only where the embeddings
+        grow: a decode step always reads the page of its newest token whole and never ranks it, so its
+        slot only has to hold numbers until the page fills."""
+        grow = self._embedded is None or self._embedded.shape[2] < last
+        full = last if grow else min(last, end // self.page_size)
+        if full <= first:
+            return
+        embedded = self.embed(stored[:, :, :full - first]).to(stored.dtype)
+        if grow:
             held = 0 if self._embedded is None else self._embedded.shape[2]
-            grown = embedded.new_empty((*embedded.shape[:2], max(last, math.ceil(held * GROWTH)),
+            grown = embedded.new_zeros((*embedded.shape[:2], max(last, math.ceil(held * GROWTH)),
                                         embedded.shape[-1]))
             if self._embedded is not None:
                 grown[:, :, :first] = self._embedded[:, :, :first]
             self._embedded = grown
-        self._embedded[:, :, first:last] = embedded
+        self._embedded[:, :, first:full] = embedded
 
     def append(self, keys: torch.Tensor) -> None:
         """Add ``keys [B, Hkv, n, D]`` after the ``length`` tokens already covered."""
@@ -234,7 +241,7 @@ class PageSummaries:
             old = self._held(first)
             new[:, :, 0, :d] = torch.maximum(new[:, :, 0, :d], old[..., :d])
             new[:, :, 0, d:2 * d] = torch.minimum(new[:, :, 0, d:2 * d], old[..., d:2 * d])
-        self._write(first, last, new)
+        self._write(first, last, new, self.length + n)
         self.length += n
 
     def _add_one(self, key: torch.Tensor, page: int, offset: int, d: int) -> None:
@@ -245,7 +252,7 @@ class PageSummaries:
                 parts.append((slot[..., 2 * d:] * offset + key) / (offset + 1))
         else:
             parts = [key] * (3 if self.with_mean else 2)
-        self._write(page, page + 1, torch.cat(parts, -1)[:, :, None])
+        self._write(page, page + 1, torch.cat(parts, -1)[:, :, None], self.length + 1)
         self.length += 1
 
     def _stored(self, new: torch.Tensor) -> torch.Tensor:
