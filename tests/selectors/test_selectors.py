@@ -603,6 +603,24 @@ def test_page_embeddings_follow_the_summaries_and_score_as_the_raw_features(dtyp
     torch.testing.assert_close(summaries.embedded[:, :, :full], expected[:, :, :full])
 
 
+def test_decode_steps_embed_a_page_once_it_fills() -> None:
+    """A decode step never ranks the page it writes, so single-token appends embed a page when it fills
+    (and the open page where the embedding buffer grows, so its slot holds numbers), not at every token."""
+    router = Router.load(tiny_router(64, 2, 16, (0, 1), "prefetch"))
+    calls = []
+    summaries = PageSummaries(PAGE, with_mean=True)
+    def embed(features: torch.Tensor) -> torch.Tensor:
+        calls.append(features.shape[2])  # pages embedded by this call
+        return router.embed_pages(features, 1)
+    summaries.set_embedding(embed)
+    expected = 0
+    for key in torch.randn(1, 2, 10 * PAGE, 16, generator=torch.Generator().manual_seed(5)).split(1, dim=2):
+        capacity = None if summaries._embedded is None else summaries._embedded.shape[2]
+        summaries.append(key)
+        expected += summaries.length % PAGE == 0 or capacity != summaries._embedded.shape[2]
+    assert calls == [1] * expected and expected < 2 * 10  # a page per call; 40 tokens, 10 pages
+
+
 def test_a_router_file_round_trips_and_names_its_kind(tmp_path) -> None:
     path = tiny_router(64, 2, 16, (0, 1), "prefetch")
     router = Router.load(path)
