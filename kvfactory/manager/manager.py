@@ -559,9 +559,9 @@ class KVCacheManager:
         if tokens is None or min(len(tokens), limit) // page <= record.hashed_tokens // page:
             return
         blocks = cache.prefix_blocks()
-        if blocks is None:
-            return
         start = record.hashed_tokens // page
+        if blocks is None or min(len(ids) for ids in blocks) <= start:  # no block filled since (quantized
+            return  # pages fill a whole group of tokens at a time)
         names = self.index.add_filled(tokens[:limit], self._pools(self.layout.kind), blocks, start)
         record.hashed_tokens = len(names) * page
         if self.tiers is not None:

@@ -273,6 +273,10 @@ class QuantizedStore(LayerStore):
                 self._sample_error(key[:, :, :flush], value[:, :, :flush], ek, ev)
         self._flushes += 1
         self.packed.append(ek, ev, self._like)
+        if flush <= held:  # only held tokens were encoded: the window gives back their pages, keeps the rest
+            self.inner.drop_front(flush)
+            self.inner.append(*(x[:, :, held:] for x in (key, value)))
+            return
         self.inner.clear()
         if key.shape[2] > flush:
             self.inner.append(key[:, :, flush:].contiguous(), value[:, :, flush:].contiguous())

@@ -79,8 +79,10 @@ class PoolSpec:
         return sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in self.tensors)
 
     def same_blocks(self, other: PoolSpec) -> bool:
-        """Whether ``other`` (a layer of the same group) takes blocks of this layout."""
-        return dataclasses.replace(other, layer_idx=self.layer_idx) == self
+        """Whether ``other`` (a layer of the same group) takes blocks of this layout: every field but the
+        layer equal (asked at each write's checks, so compared without building a copy)."""
+        return other is self or all(getattr(other, f.name) == getattr(self, f.name)
+                                    for f in dataclasses.fields(self) if f.name != "layer_idx")
 
     @classmethod
     def for_kv(cls, kind: str, layer_idx: int, page_size: int, key: torch.Tensor,
@@ -330,18 +332,19 @@ class PagedPool:
     def _check_spec(self, spec: PoolSpec) -> BlockPool | None:
         """The block pool ``spec`` writes into (None: not allocated yet, or emptied and dropped to take
         ``spec``'s dtype and device); ``ShapeError`` for a spec that fits neither the model nor it."""
+        pool = self.pools.get(spec.key)
+        if pool is not None and pool.spec is spec:  # the spec the pool was made for: checked then
+            return pool
         if self.layout is not None:
             kv_heads, head_dim = self.layout
             plain = spec.kind != "packed"  # packed codes have codec-specific trailing shapes
             if any(shape[0] != kv_heads or plain and shape[-1] != head_dim for _, shape, _ in spec.tensors):
                 raise ShapeError(f"layer {spec.layer_idx}: {spec.kind} blocks of {describe(spec)} do not fit "
                                  f"the model's kv_heads={kv_heads}, head_dim={head_dim}")
-        key = spec.key
-        pool = self.pools.get(key)
         if pool is None or pool.spec.same_blocks(spec):
             return pool
         if not pool.refcount.any():
-            del self.pools[key]
+            del self.pools[spec.key]
             return None
         raise ShapeError(f"layer {spec.layer_idx}: {spec.kind} blocks of {describe(spec)} do not fit the "
                          f"pool's {describe(pool.spec)}, which holds blocks in use")

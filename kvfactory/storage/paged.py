@@ -79,6 +79,7 @@ class PagedStore(LayerStore):
     # that do not hold the sequence from its first token are never offered as a prefix (``block_ids``)
     _dropped: int = field(default=0, init=False, repr=False)
     _gapped: bool = field(default=False, init=False, repr=False)
+    _last_spec: tuple[tuple, PoolSpec] | None = field(default=None, init=False, repr=False)  # ``_spec``'s
 
     def __post_init__(self) -> None:
         for key in ("page_size", "pool_tokens", "pool_blocks", "pool_bytes"):
@@ -119,7 +120,14 @@ class PagedStore(LayerStore):
         return self._table.ids
 
     def _spec(self, key: torch.Tensor, value: torch.Tensor) -> PoolSpec:
-        return PoolSpec.for_kv(self.kind, self.layer_idx, self.page_size, key, value, self.group)
+        """The blocks a write shaped like ``key`` / ``value`` takes; the last one made is kept, since every
+        write of a layer asks it again (a decode step, once per sequence and layer)."""
+        shapes = (key.shape[1], key.shape[3], value.shape[1], value.shape[3], key.dtype, value.dtype,
+                  key.device, self.layer_idx, self.group)
+        if self._last_spec is None or self._last_spec[0] != shapes:
+            self._last_spec = shapes, PoolSpec.for_kv(self.kind, self.layer_idx, self.page_size, key, value,
+                                                      self.group)
+        return self._last_spec[1]
 
     def block_requests(self, new_tokens: int, batch: int, key: torch.Tensor,
                        value: torch.Tensor) -> list[tuple[PoolSpec, int]]:

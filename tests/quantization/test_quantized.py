@@ -147,6 +147,17 @@ def test_window_keeps_recent_tokens_exact_and_encodes_whole_units(codec: str, in
         assert torch.equal(got_k[:, :, quantized:], keys[:, :, quantized:])  # the window is exact
 
 
+def test_a_decode_flush_gives_the_encoded_pages_back_and_leaves_the_window_in_place() -> None:
+    s = store("int4", residual=8, inner="paged", page_size=4)  # units of 4 tokens: one page each
+    s.append(*kv(11, batch=1))  # 8 + 3 held: no whole unit beyond the window yet
+    window = s.inner._table
+    before, pool = window.ids.clone(), window.blocks.pool
+    s.append(*kv(1, batch=1, seed=1))  # 12 held: the oldest unit is encoded
+    assert s.quantized_tokens == 4 and s.inner.size() == 8
+    assert torch.equal(window.ids, before[:, 1:])  # the kept tokens stay in their pages, not rewritten
+    assert pool.refcount[int(before[0, 0])] == 0  # the encoded unit's page went back
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 @pytest.mark.parametrize("inner", ["dense", "paged"])
 def test_packed_bytes_are_real(codec: str, inner: str) -> None:
