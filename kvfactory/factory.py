@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,16 @@ class KVCacheFactory:
         # caches of a factory (or of one pool) share memory: their forwards take turns
         self.forward_lock = pool.forward_lock if pool is not None else ForwardLock()
         # layers that hold the same tokens share blocks and one block table per sequence; eviction and
-        # quantized pages keep each layer's own
-        groupable = (pool is not None and not storage.cls.evicts and self.config.eviction is None
-                     and self.config.quantization is None)
-        self.groups = layer_groups(self.windows) if groupable else [(i,) for i in range(len(self.windows))]
+        # quantized pages keep each layer's own, while the full-precision windows in front of quantized
+        # pages share one table per group of layers of one window size and codec (``table_groups``)
+        groupable = pool is not None and not storage.cls.evicts and self.config.eviction is None
+        alone = [(i,) for i in range(len(self.windows))]
+        quantization = self.config.quantization
+        self.groups = layer_groups(self.windows) if groupable and quantization is None else alone
+        codecs = [None if quantization is None else quantization.codec_name(i, len(self.windows))
+                  for i in range(len(self.windows))]
+        self.table_groups = layer_groups(list(zip(self.windows, codecs, strict=True))) if groupable \
+            else alone
         selector = self.config.selector
         self.layer_selectors = {} if selector is None else selector.per_layer(model_config, [
             i for i, window in enumerate(self.windows) if window is None and i >= selector.dense_layers])
@@ -117,7 +124,7 @@ class KVCacheFactory:
     def _stores(self, routing: RoutingMetrics | None, context: RoutingContext | None) -> list[LayerStore]:
         """A new store per layer (``kvfactory.compose.compose_layer``); a group's share one block table."""
         shared = {}
-        for group in self.groups:
+        for group in self.table_groups:
             blocks = BlockIds(self.pool.page_size) if len(group) > 1 else None
             shared.update({layer_idx: (group, blocks) for layer_idx in group})
         return [compose_layer(self.config, LayerContext(
@@ -127,10 +134,11 @@ class KVCacheFactory:
             for layer_idx, window in enumerate(self.windows)]
 
 
-def layer_groups(windows: list[int | None]) -> list[tuple[int, ...]]:
-    """Layers that hold the same tokens, by their first layer: full attention (``None``) together,
-    sliding layers by window size, as vLLM's KV-cache groups."""
-    groups: dict[int | None, list[int]] = {}
-    for layer_idx, window in enumerate(windows):
-        groups.setdefault(window, []).append(layer_idx)
+def layer_groups(kinds: list[Hashable]) -> list[tuple[int, ...]]:
+    """Layers that hold the same tokens, by their first layer: those of one kind together (a layer's
+    sliding window, ``None`` for full attention, as vLLM's KV-cache groups; with its codec, for the
+    full-precision windows of quantized pages)."""
+    groups: dict[Hashable, list[int]] = {}
+    for layer_idx, kind in enumerate(kinds):
+        groups.setdefault(kind, []).append(layer_idx)
     return sorted(tuple(layers) for layers in groups.values())

@@ -166,20 +166,27 @@ class _StepRead(attention.BatchRead):
 
     def _quantized(self, quantized: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                    out: torch.Tensor) -> None:
-        """Write the decode tokens of KIVI pages (with one copy into the windows they join; through
-        the store where one fills its window), then attend with one kernel call for the packed
-        blocks and one for the windows."""
+        """Write the decode tokens of KIVI pages (with one copy into the windows they join, planned once
+        for a group's windows; through the store where one fills its window), then attend with one
+        kernel call for the packed blocks and one for the windows."""
         at = torch.tensor([start for start, _ in quantized], device=query.device)
         fits = [layer.store.fits_window(1) for _, layer in quantized]
         windowed = [i for i, fit in enumerate(fits) if fit]  # most steps: the token joins the window
+        plan = None
         if windowed:
             layers = [quantized[i][1] for i in windowed]
-            self._write_each(layers, [layer.store.inner for layer in layers], at[windowed])
+            stores = [layer.store.inner for layer in layers]
+            keys, values = (x[0, :, at[windowed]].transpose(0, 1)[:, :, None] for x in (self.key, self.value))
+            plan = self._plan(stores, None, keys, values)  # the windows of a group share their tables
+            write_slots(stores[0].blocks, plan.slots, keys, values)
+            for i, layer in enumerate(layers):
+                layer.written(keys[i:i + 1])
         for (start, layer), fit in zip(quantized, fits, strict=True):
             if not fit:  # the window is full: the store encodes a group as it writes
                 layer.append(self.key[:, :, start:start + 1], self.value[:, :, start:start + 1])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
-        out[0, at] = quantized_decode(q, [layer.store for _, layer in quantized], scaling)
+        windows = (plan.tables, plan.starts, plan.lengths) if len(windowed) == len(quantized) else None
+        out[0, at] = quantized_decode(q, [layer.store for _, layer in quantized], scaling, windows)
 
     def _sparse(self, sparse: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                 out: torch.Tensor) -> None:
@@ -206,14 +213,6 @@ class _StepRead(attention.BatchRead):
             tables = block_tables([blocks[head] for blocks, _ in picks])
             out[0, at, heads] = paged_decode(q[:, heads], pool.k[head:head + 1], pool.v[head:head + 1],
                                              tables, starts, lengths, scaling, check=False)
-
-    def _write_each(self, layers: list[KVLayer], stores: list[PagedStore], at: torch.Tensor) -> None:
-        """Store the decode token at packed position ``at[i]`` in ``stores[i]`` (``layers[i]``'s pages)
-        with one copy per tensor, and count it in the layer."""
-        keys, values = self.key[0, :, at].transpose(0, 1), self.value[0, :, at].transpose(0, 1)
-        append_one_each(stores, keys[:, :, None], values[:, :, None])
-        for i, layer in enumerate(layers):
-            layer.written(keys[i:i + 1, :, None])
 
 
 def decode_plan(stores: list[PagedStore], window: int | None, key: torch.Tensor, value: torch.Tensor

@@ -42,18 +42,23 @@ def in_place(store: object, query_heads: int) -> bool:
                                     and packed.block_tokens <= MAX_BLOCK)))
 
 
-def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float) -> torch.Tensor:
+def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float,
+                     windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each sequence's query ``[S, Hq, D]`` over store ``stores[s]`` (each ``in_place``, of one layer
-    and pool, its new token written): ``[S, Hq, D]`` in ``query``'s dtype."""
+    and pool, its new token written): ``[S, Hq, D]`` in ``query``'s dtype. ``windows``: the windows'
+    block tables, starts and lengths as ``paged_decode`` takes them, where the caller planned them
+    (the layers of a group share them), else read from each store."""
     packed = [store.runs if store.quantized_tokens else None for store in stores]
-    windows = [store.inner.pages_in_place() for store in stores]
-    if all(view is None for view in windows):  # no residual window (``residual: 0``) held a token
-        return _packed_decode(query, stores, packed, scale)[0].to(query.dtype)
-    window_pool = next(view[0] for view in windows if view is not None)
-    empty = torch.zeros(0, dtype=torch.long)
-    tables = block_tables([empty if v is None else v[1] for v in windows])
-    starts = torch.tensor([0 if v is None else v[2] for v in windows])
-    lengths = torch.tensor([0 if v is None else v[3] for v in windows])
+    if windows is None:
+        views = [store.inner.pages_in_place() for store in stores]
+        if all(view is None for view in views):  # no residual window (``residual: 0``) held a token
+            return _packed_decode(query, stores, packed, scale)[0].to(query.dtype)
+        empty = torch.zeros(0, dtype=torch.long)
+        windows = (block_tables([empty if v is None else v[1] for v in views]),
+                   torch.tensor([0 if v is None else v[2] for v in views]),
+                   torch.tensor([0 if v is None else v[3] for v in views]))
+    window_pool = next(store.inner.blocks for store in stores if store.inner.blocks is not None)
+    tables, starts, lengths = windows
     out, lse = paged_decode(query, window_pool.k, window_pool.v, tables, starts, lengths, scale,
                             check=False, return_lse=True)
     if all(runs is None for runs in packed):

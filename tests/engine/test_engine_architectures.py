@@ -61,8 +61,8 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
     calls = []
     real = batch.quantized_decode
     monkeypatch.setattr(batch, "quantized_decode",
-                        lambda query, stores, scale: calls.append(max(s.quantized_tokens for s in stores))
-                        or real(query, stores, scale))
+                        lambda query, stores, scale, windows: calls.append(
+                            max(s.quantized_tokens for s in stores)) or real(query, stores, scale, windows))
     model = tiny_model(name)
     quantization = {"codec": "int4", "group_size": 8, "residual": 4}
     config = {"type": "paged", "page_size": 4, "quantization": quantization}

@@ -272,6 +272,32 @@ def test_the_layers_of_a_group_share_one_block_table_and_each_block_is_allocated
     assert [(spec.layers, blocks) for spec, blocks in requests] == [((0, 2), 1), ((1, 3), 1)]
 
 
+def test_quantized_layers_share_their_windows_table_and_keep_their_own_quantized_pages() -> None:
+    """KIVI pages: a layer's packed blocks are its own (a prefix cache names them layer by layer), while
+    the full-precision windows in front of them, which every layer fills and empties at the same
+    tokens, share one block table per group; generation equals the same codecs over dense storage."""
+    torch.manual_seed(0)
+    config = tiny_config("gemma3", num_hidden_layers=4, layer_types=list(GEMMA3_LAYERS * 2))
+    model = AutoModelForCausalLM.from_config(config).eval()
+    quantization = {"codec": "int4", "group_size": 8, "residual": 4}
+    factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 4, "quantization": quantization})
+    assert factory.groups == [(0,), (1,), (2,), (3,)] and factory.table_groups == [(0, 2), (1, 3)]
+    cache, prompt = factory.create_cache(), random_prompt(30)
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+    out = generate(model, inputs, cache, max_new_tokens=12)
+    dense = KVCacheFactory(model.config, {"type": "dense", "quantization": quantization}).create_cache()
+    assert_same_generation(generate(model, inputs, dense, max_new_tokens=12), out)
+    for group in factory.table_groups:
+        first, second = (cache.layers[layer].store for layer in group)
+        assert first.inner.held_blocks() is second.inner.held_blocks()  # one window table
+    first, second = cache.layers[1].store, cache.layers[3].store  # full attention: quantized pages too
+    assert first.quantized_tokens == second.quantized_tokens == 32
+    assert [pool.layers for pool in factory.pool.block_pools("packed")] == [(0,), (1,), (2,), (3,)]
+    windows = factory.pool.block_pools("window")
+    assert [pool.layers for pool in windows] == [(0, 2), (1, 3)]
+    assert all(set(pool.refcount[pool.refcount > 0]) == {1} for pool in windows)  # allocated once
+
+
 def test_a_fork_copies_a_shared_block_once_per_group_on_write() -> None:
     model = tiny_model("llama")
     factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 4})
