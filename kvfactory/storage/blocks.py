@@ -652,9 +652,11 @@ class BlockTable:
         return max(self.blocks_for(self.start + self.length + new_tokens) - have, 0)
 
     def cow_rows(self) -> torch.Tensor | None:
-        """Rows whose block receiving the next write is shared and must be copied first."""
+        """Rows whose block receiving the next write is shared and must be copied first (a block the
+        table already holds there: one partly filled, or one another layer of the group still reads
+        after this layer gave its tokens back)."""
         fill, ids = self.start + self.length, self.ids
-        if ids is None or fill % self.page_size == 0 or not self.pool.any_shared:
+        if ids is None or fill // self.page_size >= ids.shape[1] or not self.pool.any_shared:
             return None
         col = ids[:, fill // self.page_size]
         shared = (self.pool.refcount[col.numpy()] > 1).nonzero()[0]
