@@ -320,11 +320,17 @@ class KVLayer(CacheLayerMixin):
         if excess > 0:
             self.store.drop_front(excess)
 
-    def adopt(self, ids: torch.Tensor, tokens: int, device: torch.device) -> None:
+    def adopt(self, ids: torch.Tensor, tokens: int, device: torch.device, window: torch.Tensor | None = None
+              ) -> None:
         """Start from the sequence's first ``tokens`` tokens held in blocks ``ids [batch, blocks]`` of
-        this layer's pool, from the sequence's block 0: a sliding layer takes only its window's."""
-        first = tokens - min(tokens, self.sliding_window - 1) if self.is_sliding else 0
-        self.store.adopt(ids, tokens, first)
+        this layer's pool, from the sequence's block 0: a sliding layer takes only its window's. With
+        ``window``, the last of them are in these full-precision window pages after quantized pages
+        ``ids`` (``QuantizedStore.adopt_window``)."""
+        if window is not None:
+            self.store.adopt_window(ids, window, tokens)
+        else:
+            first = tokens - min(tokens, self.sliding_window - 1) if self.is_sliding else 0
+            self.store.adopt(ids, tokens, first)
         self.seen, self.is_initialized, self.device = tokens, True, device
 
     def get_seq_length(self) -> int:
@@ -531,17 +537,19 @@ class KVCache(Cache):
         return forked
 
     def adopt_blocks(self, ids: list[torch.Tensor], tokens: int, device: torch.device,
-                     token_ids: list[int] | None = None) -> None:
+                     token_ids: list[int] | None = None, windows: list[torch.Tensor] | None = None) -> None:
         """Start this empty cache from ``tokens`` tokens already in the pool: blocks ``ids`` (per layer group,
         ``groups``, ``[batch, blocks]``), referenced and copied on write (a cached or shared prefix of the
-        tokens ``token_ids``, None if unknown)."""
+        tokens ``token_ids``, None if unknown); ``windows``: per layer, the full-precision window pages
+        ``[1, pages]`` holding the last tokens after quantized pages (``KVLayer.adopt``)."""
         if self.get_seq_length():
             raise SequenceStateError(f"adopt_blocks into a cache holding {self.get_seq_length()} tokens")
         if token_ids is not None and len(token_ids) != tokens:
             raise ShapeError(f"adopt_blocks: {len(token_ids)} token ids for {tokens} tokens")
         for group, group_ids in zip(self.groups, ids, strict=True):
             for layer in group:
-                self.layers[layer].adopt(group_ids, tokens, device)
+                window = None if windows is None else windows[layer]
+                self.layers[layer].adopt(group_ids, tokens, device, window)
         self.token_ids = None if token_ids is None else list(token_ids)
 
     # -- the block-table API of kvfactory.manager (``storage.paged.BlockTableStore``) --------------

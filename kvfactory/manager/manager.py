@@ -67,6 +67,7 @@ from kvfactory.manager.prefix import PrefixIndex, block_hashes
 from kvfactory.manager.sequence import Sequence, SequenceStatus
 from kvfactory.manager.state import SequenceState
 from kvfactory.manager.tiered import ChunkRun, PrefixTiers
+from kvfactory.manager.window_pages import WindowPages
 from kvfactory.sizing import KVShape
 from kvfactory.storage.base import PrefixLayout
 from kvfactory.storage.blocks import BlockPool, PagedPool
@@ -75,6 +76,7 @@ from kvfactory.storage.paged import PagedStore
 Prompt = abc.Sequence[int] | torch.Tensor
 
 SILENT_LOOKUPS = 8  # prompts looked up without a single cached block before the manager warns
+WINDOW_BLOCKS = 32  # prompt blocks whose full-precision window pages stay kept for hits (``WindowPages``)
 
 
 @dataclass
@@ -146,6 +148,10 @@ class KVCacheManager:
         windows = attention_layout(model_config)  # layers adopting from token 0 are cached as full attention
         self.index = PrefixIndex([None if self.layout.from_start else windows[group[0]]
                                   for group in self.factory.groups], self.layout.block_tokens)
+        # quantized pages: a hit also adopts the full-precision window's pages where they were seen
+        window_hits = (self.prefix_caching and self.layout.window > 0 and config.selector is None
+                       and all(window is None for window in windows))
+        self.window_pages = WindowPages(WINDOW_BLOCKS) if window_hits else None
         self.pool.reclaimers.append(self._reclaim)
         self._sequences: dict[str, Sequence] = {}
         self._shared: dict[str, _Shared] = {}
@@ -172,10 +178,17 @@ class KVCacheManager:
             names = block_hashes(shareable, self.layout.block_tokens)
             found = self.index.match(names)
             cached = len(found) * self.layout.block_tokens
+            hit = self._window_hit(tokens, len(found))
+            if hit is not None:  # the quantized pages and then the window's pages: nothing to compute again
+                blocks, windows = hit
+                found = found[:blocks - self.layout.window // self.layout.block_tokens]
+                cached = blocks * self.layout.block_tokens
             if found:
                 ids = torch.tensor([entry.ids for entry in found]).T  # [layer groups, blocks]
-                cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached])
-                record.cached_tokens = record.hashed_tokens = cached
+                cache.adopt_blocks([row[None] for row in ids], cached, self._device(), tokens[:cached],
+                                   None if hit is None else windows)
+                record.cached_tokens, record.hashed_tokens = cached, len(found) * self.layout.block_tokens
+                record.window_blocks = 0 if hit is None else blocks
             if self.tiers is not None:
                 record.cached_tokens = self._load_chunks(record, tokens, cached, tier_chunks)
             self._count_prompt(len(tokens), record.cached_tokens)
@@ -276,6 +289,8 @@ class KVCacheManager:
         for shared_id in list(self._shared):
             self.release_shared(shared_id)
         self.index.clear()
+        if self.window_pages is not None:
+            self.window_pages.clear()
         if self._reclaim in self.pool.reclaimers:
             self.pool.reclaimers.remove(self._reclaim)
         if self._prefetcher is not None:
@@ -486,17 +501,19 @@ class KVCacheManager:
         free = sum(len(p.free) for p in pools)
         c, index = self.counters, self.index
         looked = index.hit_blocks + index.missed_blocks
+        windows = 0 if self.window_pages is None else self.window_pages.idle_blocks
         return {
             "sequences": len(self._sequences),
             "paused": sum(record.paused for record in self._sequences.values()),
             "shared_prefixes": len(self._shared),
             "pool_blocks": total, "pool_blocks_free": free, "pool_blocks_used": total - free,
-            "pool_blocks_held": total - free - index.idle_blocks,  # by sequences, not idle cached prefixes
+            "pool_blocks_held": total - free - index.idle_blocks - windows,  # by sequences, not idle cached
             "prefix_cached_blocks": len(index),
             "prefix_pinned_blocks": sum(e.pinned for e in index.entries.values()),
             "prefix_hit_blocks": index.hit_blocks, "prefix_missed_blocks": index.missed_blocks,
             "prefix_hit_rate": index.hit_blocks / looked if looked else float("nan"),
             "prefix_evicted_blocks": index.evicted,
+            "prefix_window_blocks": 0 if self.window_pages is None else len(self.window_pages),
             "prompt_tokens": c.prompt_tokens, "prompt_tokens_cached": c.prompt_tokens_cached,
             "host_bytes": self._host_bytes(), "host_budget_bytes": self.host_bytes,
             "bytes_to_host": c.bytes_to_host, "bytes_from_host": c.bytes_from_host,
@@ -556,7 +573,10 @@ class KVCacheManager:
         if limit is None or record.paused:
             return
         tokens = cache.written_tokens()
-        if tokens is None or min(len(tokens), limit) // page <= record.hashed_tokens // page:
+        if tokens is None:
+            return
+        self._name_windows(record, tokens[:limit])
+        if min(len(tokens), limit) // page <= record.hashed_tokens // page:
             return
         blocks = cache.prefix_blocks()
         start = record.hashed_tokens // page
@@ -566,6 +586,48 @@ class KVCacheManager:
         record.hashed_tokens = len(names) * page
         if self.tiers is not None:
             self._store_chunks(record, tokens, names)
+
+    def _name_windows(self, record: Sequence, tokens: list[int]) -> None:
+        """Keep the full-precision window pages of the prompt blocks ``tokens`` that fill them
+        (``WindowPages``), each layer group's, from those not named yet."""
+        if self.window_pages is None:
+            return
+        groups = self.factory.table_groups
+        views = [record.cache.layers[group[0]].store.window_pages() for group in groups]
+        if any(view is None for view in views) or len({view[0] for view in views}) != 1:
+            return
+        block, per = self.layout.block_tokens, self.layout.block_tokens // self.page_size
+        first = views[0][0]
+        start = max(first // block, record.window_blocks)
+        end = min(len(tokens), record.cache.get_seq_length()) // block
+        if end <= start:
+            return
+        names = block_hashes(tokens[:end * block], block)
+        pools = [self.pool.pools[("window", group)] for group in groups]
+        for b in range(start, end):
+            at = (b * block - first) // self.page_size
+            self.window_pages.add(names[b], [(pool, view[1][at:at + per])
+                                             for pool, view in zip(pools, views, strict=True)])
+        record.window_blocks = end
+
+    def _window_hit(self, tokens: list[int], packed: int) -> tuple[int, list[torch.Tensor]] | None:
+        """The most blocks of ``tokens`` a new sequence can start from with the window's pages kept
+        (``WindowPages``) after quantized pages among the ``packed`` blocks the prefix cache found, if
+        more than ``packed``: the blocks and, per layer, the window's pages ``[1, pages]``."""
+        if self.window_pages is None:
+            return None
+        block = self.layout.block_tokens
+        span = self.layout.window // block
+        names = block_hashes(tokens[:-1], block)  # a token is left to compute
+        for blocks in range(min(packed + span, len(names)), max(packed, span), -1):
+            pages = self.window_pages.find(names[blocks - span:blocks])
+            if pages is not None:
+                windows: list[torch.Tensor] = [None] * len(self.factory.windows)
+                for group, group_pages in zip(self.factory.table_groups, pages, strict=True):
+                    for layer in group:
+                        windows[layer] = group_pages
+                return blocks, windows
+        return None
 
     def _load_chunks(self, record: Sequence, tokens: list[int], cached: int, read: ChunkRun | None = None
                      ) -> int:

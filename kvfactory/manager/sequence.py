@@ -62,8 +62,10 @@ class Sequence:
     (None: created without a prompt, or prefix caching is off); ``cached_tokens``: the tokens it
     started with from cached or shared blocks; ``host``: its K/V in the host tier while paused;
     ``prefetch``: the staged copy on its way back; ``hashed_tokens``: the tokens whose full blocks
-    were offered to the prefix cache; ``tier_chunks``: the leading chunks of its prompt the tiers
-    hold (``PrefixTiers``); ``last_used``: when the manager last handed it out (LRU).
+    were offered to the prefix cache; ``window_blocks``: the prompt blocks before which every block's
+    full-precision window pages were named (``WindowPages``); ``tier_chunks``: the leading chunks of
+    its prompt the tiers hold (``PrefixTiers``); ``last_used``: when the manager last handed it out
+    (LRU).
     """
 
     seq_id: str
@@ -74,6 +76,7 @@ class Sequence:
     host: SequenceState | None = None
     prefetch: Future[SequenceState] | None = None
     hashed_tokens: int = 0
+    window_blocks: int = 0
     tier_chunks: int = 0
     last_used: int = 0
     on_written: Callable[[Sequence], None] | None = field(default=None, repr=False)  # the fill point

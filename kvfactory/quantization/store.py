@@ -422,7 +422,12 @@ class QuantizedStore(LayerStore):
         if not isinstance(self.inner, PagedStore):
             return None
         block_tokens = math.lcm(self.inner.page_size, self.key_codec.unit, self.value_codec.unit)
-        return PrefixLayout(block_tokens, "packed", self.residual, from_start=True)
+        calibrating = any(c.first_use is not None for c in (self.key_codec, self.value_codec))
+        # after a hit of whole quantized pages the window holds exactly the last ``residual`` tokens when
+        # those are whole quantized pages too and flushes wait for no calibration: adoptable pages
+        window = self.residual if (block_tokens == self.unit and self.residual % self.unit == 0
+                                   and not calibrating) else 0
+        return PrefixLayout(block_tokens, "packed", self.residual, from_start=True, window=window)
 
     def sequence_blocks(self) -> torch.Tensor | None:
         """The full quantized pages ``[batch, blocks]`` from the sequence's token 0 (None when there are
@@ -434,6 +439,26 @@ class QuantizedStore(LayerStore):
 
     def stored_from(self) -> int:
         return 0
+
+    def window_pages(self) -> tuple[int, torch.Tensor] | None:
+        """The full-precision window's first token (its codes' end) and its pages ``[pages]``, the first
+        page starting there; None unless one row holds the sequence from token 0 in paged storage."""
+        view = self.inner.pages_in_place() if isinstance(self.inner, PagedStore) else None
+        if view is None or self._realigned or self.batch_size != 1 or view[2]:
+            return None
+        return self.quantized_tokens, view[1]
+
+    def adopt_window(self, ids: torch.Tensor, pages: torch.Tensor, tokens: int) -> None:
+        """Start from a cached prefix of ``tokens`` tokens: the quantized pages ``ids [1, blocks]`` from
+        token 0, then the full-precision window's pages ``pages [1, n]`` holding the rest, both referenced
+        (``PrefixLayout.window``): the state computing those tokens leaves, with nothing to compute again."""
+        packed = ids.shape[1] * self.packed.block_tokens
+        page = self.inner.page_size
+        if tokens - packed != pages.shape[1] * page or packed % page or ids.shape[0] != 1:
+            raise ShapeError(f"layer {self.layer_idx}: {ids.shape[1]} quantized pages and {pages.shape[1]} "
+                             f"window pages of {page} do not hold {tokens} tokens")
+        self.adopt(ids, packed)
+        self.inner.adopt(torch.cat([pages.new_full((1, packed // page), -1), pages], 1), tokens, packed)
 
     def adopt(self, ids: torch.Tensor, tokens: int, first: int = 0) -> None:
         """Start from a cached prefix's quantized pages ``ids [batch, blocks]`` holding tokens ``[0, tokens)``

@@ -57,12 +57,15 @@ class PrefixLayout:
     newest prompt tokens a hit leaves to compute (quantized pages: the full-precision window, so the
     codes after a hit are those computing the prompt makes); ``from_start``: the store adopts every
     block from token 0, also in a sliding-window layer (codes aligned there), which gives its past back
-    after the next write."""
+    after the next write; ``window``: the tokens of full-precision window pages a hit may adopt after
+    the quantized pages instead of computing them again (``QuantizedStore.adopt_window``), 0 where
+    it may not."""
 
     block_tokens: int
     kind: str = "kv"
     recompute: int = 0
     from_start: bool = False
+    window: int = 0
 
     @staticmethod
     def common(layouts: list[PrefixLayout | None]) -> PrefixLayout | None:
@@ -74,8 +77,9 @@ class PrefixLayout:
         if any((layout.block_tokens, layout.kind, layout.from_start)
                != (first.block_tokens, first.kind, first.from_start) for layout in layouts):
             return None
+        window = first.window if all(layout.window == first.window for layout in layouts) else 0
         return PrefixLayout(first.block_tokens, first.kind, max(layout.recompute for layout in layouts),
-                            first.from_start)
+                            first.from_start, window)
 
 
 def take_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -242,6 +246,12 @@ class LayerStore(ABC):
         """How a prefix cache may name its blocks and another sequence adopt them (``KVCache.prefix_blocks``,
         ``adopt``): plain pages, quantized pages, also under a page selector; None for a store whose
         blocks do not depend on the prefix alone (eviction) or that has no blocks (dense)."""
+        return None
+
+    def window_pages(self) -> tuple[int, torch.Tensor] | None:
+        """Where a full-precision window in front of quantized pages starts in the sequence and its pages'
+        ids ``[pages]`` (a prefix cache keeps them for a later hit: ``PrefixLayout.window``); None for a
+        store without one."""
         return None
 
     def reads_blocks(self) -> bool:

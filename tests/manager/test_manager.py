@@ -463,6 +463,38 @@ def test_quantized_pages_share_cached_prefixes_and_generate_as_if_computed(arch:
     assert manager.stats()["pool_blocks_used"] == 0
 
 
+def test_a_prefix_hit_on_kivi_pages_adopts_the_window_seen_where_an_earlier_prompt_ended() -> None:
+    """A system prompt computed first leaves its last ``residual`` tokens in full-precision window pages;
+    a prompt starting with it adopts its quantized pages and those window pages, computes only its own
+    tokens, and generates exactly what computing it in two chunks split there does (quantized prefill
+    depends on where chunks end: a chunk's tokens are encoded before it attends). A prompt ending
+    inside those tokens finds no window and computes the window again, as computing it whole does."""
+    model = tiny_model("llama")
+    quantization = {"codec": "int4", "residual": 8, "group_size": 8}
+    config = PAGED | {"quantization": quantization}
+    manager = KVCacheManager(model.config, config)
+    assert manager.layout.window == 8 and manager.layout.block_tokens == 8
+    system = random_prompt(48, seed=1)
+    first = torch.cat([system, random_prompt(1, seed=2)], 1)  # its write ends with the window [40, 49)
+    generate(model, {"input_ids": first}, manager.create("system", prompt=first[0]), max_new_tokens=2)
+    assert manager.stats()["prefix_window_blocks"] >= 1
+    prompts = [torch.cat([system, random_prompt(12, seed=3)], 1), torch.cat([system[:, :44],
+                                                                           random_prompt(9, seed=4)], 1)]
+    outputs = [generate(model, {"input_ids": ids}, manager.create(f"s{i}", prompt=ids[0]), max_new_tokens=6)
+               for i, ids in enumerate(prompts)]
+    assert [manager.cached_tokens(f"s{i}") for i in range(2)] == [48, 40]  # 40: quantized pages alone
+    store = manager.get("s0").layers[0].store
+    assert store.quantized_tokens >= 48 and store.size() == 48 + 12 + 5
+    for ids, out, split in zip(prompts, outputs, (48, 0), strict=True):
+        alone = KVCacheFactory(model.config, config).create_cache()
+        if split:
+            with torch.no_grad():
+                model(input_ids=ids[:, :split], past_key_values=alone)
+        assert_same_generation(generate(model, {"input_ids": ids}, alone, max_new_tokens=6), out)
+    manager.close()
+    assert manager.stats()["pool_blocks_used"] == 0
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
 def test_quantized_pages_fork_pause_and_save_packed(codec: str, tmp_path: Path) -> None:
     model = tiny_model("llama")
