@@ -8,7 +8,8 @@ floating point. A read decodes the packed part and copies the
 residual into one workspace shared by every layer (``ReadWorkspace``), so decode allocates no
 fresh full-size tensor per step and holds at most one layer's K/V in floating point.
 
-Telemetry: every ``sample_every``-th flush (and the first) also decodes what it encoded and adds
+Telemetry: every ``sample_every``-th flush (and the first, unless the store started from another
+sequence's quantized pages, whose first flush was sampled) also decodes what it encoded and adds
 the squared error and squared norm of K and V to running sums: ``quantization_error()`` gives the
 relative MSE of this layer's keys and values so far, measured on what was really stored.
 
@@ -471,6 +472,7 @@ class QuantizedStore(LayerStore):
             raise ShapeError(f"layer {self.layer_idx}: {tokens} tokens are not {ids.shape[1]} whole "
                              f"quantized pages of this store")
         self._like, self._realigned = runs.adopt(ids), False
+        self._flushes = 1  # the sequence that encoded these pages sampled its first flush: sample later ones
 
     # -- page reads (sparse decode over quantized pages, ``kvfactory.selectors``) ------------------
     @property
