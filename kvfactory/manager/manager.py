@@ -390,7 +390,7 @@ class KVCacheManager:
             raise  # still paused (or prefetching, its staged copy kept for the next resume)
         record.move("resume")
         record.host = record.prefetch = None
-        record.hashed_tokens = 0  # its blocks are new: offer them to the prefix cache again
+        record.hashed_tokens, record.looked_blocks = 0, -1  # its blocks are new: offer them again
         self._hash_filled(record)
         self._touch(record)
         self.counters.bytes_from_host += state.nbytes
@@ -572,9 +572,13 @@ class KVCacheManager:
         cache, limit, page = record.cache, record.prompt_tokens, self.layout.block_tokens
         if limit is None or record.paused:
             return
+        filled = cache.get_seq_length() // page
+        if filled == record.looked_blocks:  # blocks fill, and quantized pages flush, as a block ends
+            return
         tokens = cache.written_tokens()
         if tokens is None:
             return
+        record.looked_blocks = filled
         self._name_windows(record, tokens[:limit])
         if min(len(tokens), limit) // page <= record.hashed_tokens // page:
             return

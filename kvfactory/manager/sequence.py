@@ -76,6 +76,7 @@ class Sequence:
     host: SequenceState | None = None
     prefetch: Future[SequenceState] | None = None
     hashed_tokens: int = 0
+    looked_blocks: int = -1  # the whole blocks it held when the fill point last looked
     window_blocks: int = 0
     tier_chunks: int = 0
     last_used: int = 0
@@ -117,3 +118,4 @@ class Sequence:
 
     def truncated(self, cache: KVCache) -> None:
         self.hashed_tokens = min(self.hashed_tokens, cache.get_seq_length())
+        self.looked_blocks = -1
