@@ -174,11 +174,11 @@ class KVCacheManager:
             cache.hold_window_until_written()  # sliding layers' blocks are named before given back
             tokens = torch.as_tensor(prompt).flatten().tolist()
             # at least one token is left to prefill, and a quantized layer's full-precision window
-            shareable = tokens[:len(tokens) - max(1, self.layout.recompute)]
-            names = block_hashes(shareable, self.layout.block_tokens)
-            found = self.index.match(names)
+            named = block_hashes(tokens[:-1], self.layout.block_tokens)  # chained: a prefix's are a prefix
+            found = self.index.match(named[:max(0, len(tokens) - max(1, self.layout.recompute))
+                                           // self.layout.block_tokens])
             cached = len(found) * self.layout.block_tokens
-            hit = self._window_hit(tokens, len(found))
+            hit = self._window_hit(named, len(found))
             if hit is not None:  # the quantized pages and then the window's pages: nothing to compute again
                 blocks, windows = hit
                 found = found[:blocks - self.layout.window // self.layout.block_tokens]
@@ -614,15 +614,14 @@ class KVCacheManager:
                                              for pool, view in zip(pools, views, strict=True)])
         record.window_blocks = end
 
-    def _window_hit(self, tokens: list[int], packed: int) -> tuple[int, list[torch.Tensor]] | None:
-        """The most blocks of ``tokens`` a new sequence can start from with the window's pages kept
-        (``WindowPages``) after quantized pages among the ``packed`` blocks the prefix cache found, if
-        more than ``packed``: the blocks and, per layer, the window's pages ``[1, pages]``."""
+    def _window_hit(self, names: list[bytes], packed: int) -> tuple[int, list[torch.Tensor]] | None:
+        """The most of a prompt's blocks ``names`` (those before its last token) a new sequence can start
+        from with the window's pages kept (``WindowPages``) after quantized pages among the ``packed``
+        blocks the prefix cache found, if more than ``packed``: the blocks and, per layer, the window's
+        pages ``[1, pages]``."""
         if self.window_pages is None:
             return None
-        block = self.layout.block_tokens
-        span = self.layout.window // block
-        names = block_hashes(tokens[:-1], block)  # a token is left to compute
+        span = self.layout.window // self.layout.block_tokens
         for blocks in range(min(packed + span, len(names)), max(packed, span), -1):
             pages = self.window_pages.find(names[blocks - span:blocks])
             if pages is not None:
