@@ -31,7 +31,7 @@ import torch
 
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
-from kvfactory.quantization.ragged import in_place, quantized_decode
+from kvfactory.quantization.ragged import flush_windows, in_place, quantized_decode
 from kvfactory.storage.blocks import BlockIds
 from kvfactory.storage.paged import PagedStore, append_one_each, write_slots
 from kvfactory.storage.ragged import block_tables, paged_decode
@@ -167,18 +167,23 @@ class _StepRead(attention.BatchRead):
     def _quantized(self, quantized: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                    out: torch.Tensor) -> None:
         """Write the decode tokens of KIVI pages (with one copy into the windows they join, planned once
-        for a group's windows; through the store where one fills its window), then attend with one
-        kernel call for the packed blocks and one for the windows."""
+        for a group's windows, after the full windows encoded their oldest group in one batch; through
+        the store where it encodes as it writes), then attend with one kernel call for the packed blocks
+        and one for the windows."""
         at = torch.tensor([start for start, _ in quantized], device=query.device)
-        fits = [layer.store.fits_window(1) for _, layer in quantized]
+        stores = [layer.store for _, layer in quantized]
+        flushes = [store.batch_flush(1) for store in stores]
+        for tokens in set(flushes) - {0}:  # full windows encode their oldest group first, in one batch
+            flush_windows([store for store, n in zip(stores, flushes, strict=True) if n == tokens], tokens)
+        fits = [store.fits_window(1) for store in stores]
         windowed = [i for i, fit in enumerate(fits) if fit]  # most steps: the token joins the window
         plan = None
         if windowed:
             layers = [quantized[i][1] for i in windowed]
-            stores = [layer.store.inner for layer in layers]
+            inner = [layer.store.inner for layer in layers]
             keys, values = (x[0, :, at[windowed]].transpose(0, 1)[:, :, None] for x in (self.key, self.value))
-            plan = self._plan(stores, None, keys, values)  # the windows of a group share their tables
-            write_slots(stores[0].blocks, plan.slots, keys, values)
+            plan = self._plan(inner, None, keys, values)  # the windows of a group share their tables
+            write_slots(inner[0].blocks, plan.slots, keys, values)
             for i, layer in enumerate(layers):
                 layer.written(keys[i:i + 1])
         for (start, layer), fit in zip(quantized, fits, strict=True):
@@ -186,7 +191,7 @@ class _StepRead(attention.BatchRead):
                 layer.append(self.key[:, :, start:start + 1], self.value[:, :, start:start + 1])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
         windows = (plan.tables, plan.starts, plan.lengths) if len(windowed) == len(quantized) else None
-        out[0, at] = quantized_decode(q, [layer.store for _, layer in quantized], scaling, windows)
+        out[0, at] = quantized_decode(q, stores, scaling, windows)
 
     def _sparse(self, sparse: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                 out: torch.Tensor) -> None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from kvfactory import kernels
-from kvfactory.codecs import native
-from kvfactory.quantization.store import PagedRuns, QuantizedStore
+from kvfactory.codecs import Encoded, native
+from kvfactory.quantization.store import PagedRuns, QuantizedStore, append_runs
+from kvfactory.storage.paged import front_tokens
 from kvfactory.storage.ragged import block_tables, paged_decode
 
 MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
@@ -40,6 +41,22 @@ def in_place(store: object, query_heads: int) -> bool:
             and query_heads // kv_heads <= MAX_ROWS
             and (packed is None or (isinstance(packed, PagedRuns) and packed.table.start == 0
                                     and packed.block_tokens <= MAX_BLOCK)))
+
+
+def flush_windows(stores: list[QuantizedStore], tokens: int) -> None:
+    """Encode the oldest ``tokens`` of each store's window (one-row stores of one layer and pool, built
+    from one config, each ``batch_flush``-ing that many) with one codec call per side, write the codes
+    into their quantized pages with one copy per stream and give the windows' pages back: what each
+    store's ``append`` does before its next token joins the window, batched over the sequences."""
+    first = stores[0]
+    keys, values = front_tokens([store.inner for store in stores], tokens)
+    codecs = first.key_codec, first.value_codec
+    with torch.no_grad():
+        ek, ev = codecs[0].encode(keys), codecs[1].encode(values)
+    append_runs([store.packed for store in stores], ek, ev, first.like)
+    for i, store in enumerate(stores):
+        row = [Encoded({name: t[i:i + 1] for name, t in enc.tensors.items()}, tokens) for enc in (ek, ev)]
+        store.took_front(keys[i:i + 1], values[i:i + 1], *row, codecs)
 
 
 def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float,

@@ -19,6 +19,7 @@ again; per-token codecs and KIVI's min/max groups reproduce their codes, so this
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from kvfactory.codecs import Codec, Encoded, fused, native
 from kvfactory.codecs.calibration import FIRST_USE_TOKENS
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv, take_tokens
-from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec
+from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec, append_each
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
@@ -176,6 +177,16 @@ class PagedRuns:
         return [(self.spec(like), self.table.blocks_needed(tokens, batch))] if tokens else []
 
 
+def append_runs(runs: list[PagedRuns], ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]
+                ) -> None:
+    """Append row ``i`` of ``ek`` / ``ev`` to ``runs[i]`` (one-row quantized pages of one layer's pool,
+    tokens shaped like ``like``), one copy per stream for them all."""
+    blocks = [r.pool.layer_blocks(r.spec(like)) for r in runs]
+    if any(b is not blocks[0] for b in blocks):
+        raise ShapeError("append_runs: the runs write into different block pools")
+    append_each([r.table for r in runs], blocks[0], _streams(ek, ev), ek.tokens)
+
+
 class QuantizedStore(LayerStore):
     """One layer's K/V: codec-packed runs plus up to ``residual`` + one unit newest tokens in ``inner``
     (built for that role by ``kvfactory.compose``: paged blocks of kind ``window``, dense headroom
@@ -234,8 +245,38 @@ class QuantizedStore(LayerStore):
         """Whether codes may be written with ``total`` tokens held: scales fixed on first use wait
         for ``FIRST_USE_TOKENS`` of them (kept in the full-precision window meanwhile), unless another
         cache of the factory fixed them already."""
+        return self._scales_fixed() or total >= FIRST_USE_TOKENS
+
+    def _scales_fixed(self) -> bool:
         cells = [c.first_use for c in (self.key_codec, self.value_codec) if c.first_use is not None]
-        return all(cell.fixed for cell in cells) or total >= FIRST_USE_TOKENS
+        return all(cell.fixed for cell in cells)
+
+    def batch_flush(self, new_tokens: int) -> int:
+        """Tokens at the front of the window that ``kvfactory.quantization.ragged.flush_windows`` encodes
+        for this store, batched with other sequences' stores of the layer, before ``new_tokens`` more
+        join the window: those ``append`` would encode, where the window holds them all, the scales are
+        fixed and the codes go to quantized pages; else 0 (``append`` encodes as it writes)."""
+        if self._like is None or not isinstance(self.inner, PagedStore) or not self._scales_fixed():
+            return 0
+        held = self.inner.size()
+        flush = self._flush_count(held + new_tokens)
+        return flush if flush <= held else 0
+
+    def took_front(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded,
+                   codecs: tuple[Codec, Codec]) -> None:
+        """The window's oldest tokens ``key`` / ``value`` ``[1, H, n, D]`` were encoded by ``codecs`` (of
+        this store's config) as ``ek`` / ``ev`` and written into this store's quantized pages by a
+        batched flush: counted as ``append``'s own flush would be, then given back by the window."""
+        self._count_flush(key, value, ek, ev, codecs)
+        self.inner.drop_front(key.shape[2])
+
+    def _count_flush(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded,
+                     codecs: tuple[Codec, Codec]) -> None:
+        """Count one flush, sampling its quantization error every ``sample_every``-th time."""
+        if self._flushes % self.sample_every == 0:
+            with torch.no_grad():
+                self._sample_error(key, value, ek, ev, codecs)
+        self._flushes += 1
 
     def _flush_count(self, total: int) -> int:
         """Tokens to encode when ``total`` sit in the window: whole units beyond ``residual``."""
@@ -270,9 +311,7 @@ class QuantizedStore(LayerStore):
         self.value_codec.fix_first_use(value)
         with torch.no_grad():  # codes are not differentiable (a forward outside no_grad works all the same)
             ek, ev = self.key_codec.encode(key[:, :, :flush]), self.value_codec.encode(value[:, :, :flush])
-            if self._flushes % self.sample_every == 0:
-                self._sample_error(key[:, :, :flush], value[:, :, :flush], ek, ev)
-        self._flushes += 1
+        self._count_flush(key[:, :, :flush], value[:, :, :flush], ek, ev, (self.key_codec, self.value_codec))
         self.packed.append(ek, ev, self._like)
         if flush <= held:  # only held tokens were encoded: the window gives back their pages, keeps the rest
             self.inner.drop_front(flush)
@@ -282,9 +321,10 @@ class QuantizedStore(LayerStore):
         if key.shape[2] > flush:
             self.inner.append(key[:, :, flush:].contiguous(), value[:, :, flush:].contiguous())
 
-    def _sample_error(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded) -> None:
+    def _sample_error(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded,
+                      codecs: tuple[Codec, Codec]) -> None:
         sums = []
-        for x, codec, enc in ((key, self.key_codec, ek), (value, self.value_codec, ev)):
+        for x, codec, enc in ((key, codecs[0], ek), (value, codecs[1], ev)):
             x = x.double()
             sums += [(codec.decode(enc).double() - x).square().sum(), x.square().sum()]
         self._error += torch.stack(sums).cpu()
@@ -562,9 +602,7 @@ class QuantizedRead(DeferredRead):
     chunk_bytes = 4 << 20
 
     def __init__(self, store: QuantizedStore) -> None:
-        self.store, self.quantized = store, store.quantized_tokens
-        self.encoded = store.packed.encoded()
-        self.window = store.inner.gather() if store.inner.size() else store._like
+        self.store, self.quantized, self.held = store, store.quantized_tokens, store.inner.size()
         b, h, _, d = store._like[0].shape
         unit = store.unit
         self.chunk = max(unit, self.chunk_bytes // (b * h * d * store._like[0].element_size()) // unit * unit)
@@ -572,13 +610,24 @@ class QuantizedRead(DeferredRead):
         if store.key_codec.reads_whole(device) and store.value_codec.reads_whole(device):
             self.chunk = max(self.chunk, self.quantized)
 
+    @functools.cached_property
+    def encoded(self) -> tuple[Encoded, Encoded]:
+        """The packed runs, looked up at the first read of them (a chunk that ``materialize``s never
+        does)."""
+        return self.store.packed.encoded()
+
+    @functools.cached_property
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-precision window, likewise gathered at its first read."""
+        return self.store.inner.gather() if self.held else self.store._like
+
     @property
     def length(self) -> int:
-        return self.quantized + self.window[0].shape[2]
+        return self.quantized + self.held
 
     @property
     def kv_heads(self) -> int:
-        return self.window[0].shape[1]
+        return self.store._like[0].shape[1]
 
     def tail(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window

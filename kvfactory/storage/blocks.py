@@ -795,3 +795,34 @@ class BlockTable:
         return MemoryReport(allocated=unique.numel() * block_bytes,
                             used=int(filled.sum()) * block_bytes // self.page_size,
                             tokens=self.batch_size * self.length)
+
+
+def append_each(tables: list[BlockTable], blocks: LayerBlocks, tensors: dict[str, torch.Tensor],
+                tokens: int) -> None:
+    """Write ``tokens`` more tokens into each one-row table ``tables[i]`` of one layer's ``blocks``: row
+    ``i`` of ``tensors[name]`` (``[S, kv_heads, units, *rest]``), one copy per tensor for every table (a
+    batched step's write). Nothing is written unless every block the tables need can be handed out."""
+    blocks.pool.check(sum(table.blocks_needed(tokens, 1) for table in tables))
+    for table in tables:
+        if table.ids is None:
+            table.shared.pool = blocks.pool
+            table.ids = torch.empty((1, 0), dtype=torch.long)
+        elif table.ids.shape[0] != 1:
+            raise ShapeError(f"layer {blocks.layer_idx}: append_each writes one-row tables; one holds "
+                             f"{table.ids.shape[0]} rows")
+        table.blocks = blocks
+        table._make_room(1, tokens)
+    page = tables[0].page_size
+    fills = torch.tensor([table.start + table.length for table in tables])
+    ids = torch.nn.utils.rnn.pad_sequence([table.ids[0] for table in tables], batch_first=True)
+    for name, x in tensors.items():
+        pool_tensor = blocks.tensors[name]
+        h, num_blocks, per_block = pool_tensor.shape[:3]
+        unit = page // per_block
+        at = fills[:, None] + torch.arange(0, tokens, unit)  # [S, units]: each unit's first token
+        slots = ids.gather(1, at // page) * per_block + at % page // unit
+        flat = raw(pool_tensor).view(h, num_blocks * per_block, *pool_tensor.shape[3:])
+        rows = raw(x).transpose(0, 1).reshape(h, -1, *x.shape[3:])
+        flat.index_copy_(1, slots.flatten().to(x.device), rows)
+    for table in tables:
+        table.length += tokens

@@ -18,6 +18,7 @@ import torch
 from kvfactory.errors import ConfigError, ShapeError, UnsupportedError
 from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv
 from kvfactory.storage.blocks import BlockIds, BlockTable, LayerBlocks, PagedPool, PoolSpec, raw
+from kvfactory.storage.ragged import block_tables
 
 MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
 
@@ -397,3 +398,22 @@ def write_tokens(pool_tensor: torch.Tensor, slots: torch.Tensor, tokens: torch.T
     h, num_blocks, page = pool_tensor.shape[:3]
     flat = raw(pool_tensor).view(h, num_blocks * page, *pool_tensor.shape[3:])
     flat.index_copy_(1, slots, raw(tokens))
+
+
+def front_tokens(stores: list[PagedStore], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oldest ``tokens`` held by each one-row store ``stores[i]`` of one layer's pool (each holding
+    that many), as K and V ``[S, kv_heads, tokens, head_dim]``, gathered with one copy per tensor."""
+    views = [store.pages_in_place() for store in stores]
+    blocks, page = views[0][0], stores[0].page_size
+    if any(view is None or view[0] is not blocks or view[3] < tokens for view in views):
+        raise ShapeError(f"front_tokens: every store must hold {tokens} tokens in one layer's blocks")
+    at = torch.tensor([view[2] for view in views])[:, None] + torch.arange(tokens)  # [S, tokens]
+    slots = block_tables([view[1] for view in views]).gather(1, at // page) * page + at % page
+    out = []
+    for name in ("k", "v"):
+        pool_tensor = blocks.tensors[name]
+        h, num_blocks = pool_tensor.shape[:2]
+        flat = pool_tensor.view(h, num_blocks * page, *pool_tensor.shape[3:])
+        rows = flat.index_select(1, slots.flatten().to(flat.device))
+        out.append(rows.view(h, len(stores), tokens, *rows.shape[2:]).transpose(0, 1))
+    return out[0], out[1]

@@ -54,15 +54,18 @@ def test_sparse_reads_under_chunked_prefill(selector: str) -> None:
 @pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)
 def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
     """KIVI pages decoded by the batched in-place kernels (``quantized_decode``, over packed blocks and
-    windows) give the tokens each sequence's own cache gives (``in_place_decode=False``); sliding layers
-    (Mistral's) keep reading through their caches."""
+    windows, full windows encoding their oldest group in one batch: ``flush_windows``) give the tokens
+    each sequence's own cache gives (``in_place_decode=False``); sliding layers (Mistral's) keep reading
+    through their caches."""
     from kvfactory.engine import batch
 
-    calls = []
-    real = batch.quantized_decode
+    calls, flushed = [], []
+    real, real_flush = batch.quantized_decode, batch.flush_windows
     monkeypatch.setattr(batch, "quantized_decode",
                         lambda query, stores, scale, windows: calls.append(
                             max(s.quantized_tokens for s in stores)) or real(query, stores, scale, windows))
+    monkeypatch.setattr(batch, "flush_windows",
+                        lambda stores, tokens: flushed.append(len(stores)) or real_flush(stores, tokens))
     model = tiny_model(name)
     quantization = {"codec": "int4", "group_size": 8, "residual": 4}
     config = {"type": "paged", "page_size": 4, "quantization": quantization}
@@ -74,6 +77,7 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
     assert outputs[True] == outputs[False]
     if getattr(model.config, "sliding_window", None) is None:  # sliding layers read through their caches
         assert calls and max(calls) > 0  # the packed part was read in place
+        assert flushed and max(flushed) > 1  # several sequences' windows encoded in one batch
 
 
 @pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)

@@ -14,7 +14,7 @@ from transformers import LlamaConfig
 
 from kvfactory import kernels
 from kvfactory.manager import KVCacheManager
-from kvfactory.quantization.ragged import in_place, quantized_decode
+from kvfactory.quantization.ragged import flush_windows, in_place, quantized_decode
 
 pytestmark = pytest.mark.skipif(kernels.load("kivi") is None or kernels.load("ragged") is None,
                                 reason="no C compiler")
@@ -101,3 +101,25 @@ def test_reads_a_store_whose_front_was_dropped() -> None:
     query = torch.randn(2, 9, 64)
     torch.testing.assert_close(quantized_decode(query, stores, 0.125), reference(query, stores, 0.125),
                                atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_a_batched_flush_stores_what_each_store_would(page_size: int) -> None:
+    """``flush_windows`` encodes the oldest group of every full window in one batch: the stores then
+    hold, read and count (sampled quantization error included) exactly what each store's own ``append``
+    of the next token leaves; stores whose window is not full are not flushed."""
+    config = {"type": "paged", "page_size": page_size, "quantization": "int4"}
+    lengths = [159, 191, 703, 100]  # 128 + 31 held in the first three: the next token flushes 32
+    (_, batched), (_, each) = (stores_of(config, 9, 3, 64, lengths, seed=3) for _ in range(2))
+    assert [store.batch_flush(1) for store in batched] == [32, 32, 32, 0]
+    flush_windows(batched[:3], 32)
+    new = torch.randn(len(lengths), 2, 1, 3, 1, 64, generator=torch.Generator().manual_seed(9))
+    for i, (a, b) in enumerate(zip(batched, each, strict=True)):
+        assert a.fits_window(1)
+        a.append(new[i, 0], new[i, 1])
+        b.append(new[i, 0], new[i, 1])
+        assert (a.quantized_tokens, a.inner.size()) == (b.quantized_tokens, b.inner.size())
+        assert all(torch.equal(x, y) for x, y in zip(a.gather(), b.gather(), strict=True))
+        assert a.quantization_error() == pytest.approx(b.quantization_error(), nan_ok=True)
+    query = torch.randn(len(lengths), 9, 64, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(quantized_decode(query, batched, 0.125), quantized_decode(query, each, 0.125))

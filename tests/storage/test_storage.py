@@ -18,7 +18,8 @@ from kvfactory import (
     ShapeError,
     TensorTypeError,
 )
-from kvfactory.storage.blocks import PoolSpec, memory_bytes
+from kvfactory.storage.blocks import PoolSpec, append_each, memory_bytes
+from kvfactory.storage.paged import front_tokens
 
 B, H, D = 2, 3, 8  # batch rows, kv heads, head dim
 SLOT = 2 * H * D * 4  # bytes of one token's K and V in one layer (fp32)
@@ -354,6 +355,34 @@ def test_full_pool_raises_before_writing() -> None:
     assert torch.equal(store.gather()[0], snapshot[0])
     store.append(*kv(44, batch=1, seed=5))  # exactly what is left still fits
     assert len(pool.free) == 0
+
+
+def test_append_each_writes_every_table_or_none() -> None:
+    """A batched write of several tokens into several one-row tables (a batched flush's) stores each
+    row's tokens after its own; a write the pool cannot hold for them all changes nothing."""
+    pool = PagedStore.make_shared({"page_size": 4, "pool_tokens": 24}, 1)  # 6 blocks
+    stores = []
+    for seed in range(2):
+        store = PagedStore(page_size=4)
+        store.bind(0)
+        store.attach(pool)
+        store.append(*kv(6, batch=1, seed=seed))  # 2 blocks each, the second partly filled
+        stores.append(store)
+    blocks, tables = stores[0].blocks, [store._table for store in stores]
+    before = [store.gather() for store in stores]
+    more = kv(7, batch=2, seed=5)
+    with pytest.raises(CacheFullError) as exc:
+        append_each(tables, blocks, {"k": more[0], "v": more[1]}, 7)  # 2 more blocks each, 2 free
+    assert "4" in str(exc.value) and "2" in str(exc.value)
+    for store, (k, v) in zip(stores, before, strict=True):
+        assert_holds(store, k, v)
+    more = kv(3, batch=2, seed=6)
+    append_each(tables, blocks, {"k": more[0], "v": more[1]}, 3)
+    for i, (store, (k, v)) in enumerate(zip(stores, before, strict=True)):
+        assert_holds(store, torch.cat([k, more[0][i:i + 1]], 2), torch.cat([v, more[1][i:i + 1]], 2))
+    front = front_tokens(stores, 5)
+    for i, store in enumerate(stores):
+        assert all(torch.equal(front[j][i:i + 1], held[:, :, :5]) for j, held in enumerate(store.gather()))
 
 
 # -- shape errors ------------------------------------------------------------------------------
