@@ -32,6 +32,7 @@ import torch
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
 from kvfactory.quantization.ragged import flush_windows, in_place, quantized_decode
+from kvfactory.storage.base import LayerStore
 from kvfactory.storage.blocks import BlockIds
 from kvfactory.storage.paged import PagedStore, append_one_each, write_slots
 from kvfactory.storage.ragged import block_tables, paged_decode
@@ -90,6 +91,7 @@ class _StepRead(attention.BatchRead):
         quantized: list[tuple[int, KVLayer]] = []
         sparse: list[tuple[int, KVLayer]] = []
         plain_math = attention.plain_softmax(kwargs.get("dropout"), kwargs)  # what causal_chunk computes
+        self._flush_chunks()
         for segment in self.batch.segments:
             span = slice(segment.start, segment.end)
             k, v = self.key[:, :, span], self.value[:, :, span]
@@ -131,6 +133,20 @@ class _StepRead(attention.BatchRead):
         if sparse:
             self._sparse(sparse, query, scaling, out)
         return out
+
+    def _flush_chunks(self) -> None:
+        """The full-precision windows in front of quantized pages that this step's prefill chunks push
+        past their residual encode their oldest groups first, in one batch per flush size
+        (``flush_windows``), as each store's write would; the chunks then join the windows."""
+        pending: dict[int, list[LayerStore]] = {}
+        for segment in self.batch.segments:
+            if segment.tokens > 1:
+                store = segment.cache.layers[self.layer_idx].store
+                tokens = store.batch_flush(segment.tokens)
+                if tokens:
+                    pending.setdefault(tokens, []).append(store)
+        for tokens, stores in pending.items():
+            flush_windows(stores, tokens)
 
     def _paged(self, paged: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                out: torch.Tensor) -> None:

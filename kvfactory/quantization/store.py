@@ -255,8 +255,9 @@ class QuantizedStore(LayerStore):
         """Tokens at the front of the window that ``kvfactory.quantization.ragged.flush_windows`` encodes
         for this store, batched with other sequences' stores of the layer, before ``new_tokens`` more
         join the window: those ``append`` would encode, where the window holds them all, the scales are
-        fixed and the codes go to quantized pages; else 0 (``append`` encodes as it writes)."""
-        if self._like is None or not isinstance(self.inner, PagedStore) or not self._scales_fixed():
+        fixed and the codes go to one row's quantized pages; else 0 (``append`` encodes as it writes)."""
+        if self._like is None or self._like[0].shape[0] != 1 or not isinstance(self.inner, PagedStore) \
+                or not self._scales_fixed():
             return 0
         held = self.inner.size()
         flush = self._flush_count(held + new_tokens)

@@ -254,6 +254,12 @@ class LayerStore(ABC):
         store without one."""
         return None
 
+    def batch_flush(self, new_tokens: int) -> int:
+        """Tokens at the front of a full-precision window in front of quantized pages that a batched
+        flush (``kvfactory.quantization.ragged.flush_windows``) encodes before ``new_tokens`` more are
+        written; 0 for a store without one, or one that encodes as it writes."""
+        return 0
+
     def reads_blocks(self) -> bool:
         """Whether the next one-row decode step reads a subset of pool blocks chosen per KV head
         (``decode_blocks``, a page selector over plain pages), in the engine's block kernel."""

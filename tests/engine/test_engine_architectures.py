@@ -80,6 +80,35 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
         assert flushed and max(flushed) > 1  # several sequences' windows encoded in one batch
 
 
+@pytest.mark.parametrize("name", [n for n in ENGINE_ARCHITECTURES if n not in ("mistral-sw8", "gemma3")])
+def test_prefill_chunks_flush_full_int4_windows_in_one_batch(name: str, monkeypatch) -> None:
+    """Prefill chunks that push several sequences' KIVI windows past their residual in one step (a
+    prompt's last chunk and the requests that found its first part cached with its window's pages, as
+    behind a system prompt; such hits are off with sliding layers) encode the oldest groups in one
+    batch per layer (``flush_windows``) and give the tokens each store's own write gives (the batch
+    turned off)."""
+    from kvfactory.engine import batch
+
+    real, batched = batch.flush_windows, []
+    model = tiny_model(name)
+    config = {"type": "paged", "page_size": 4,
+              "quantization": {"codec": "int4", "group_size": 8, "residual": 16}}
+    shared = random_prompt(48, seed=1)[0].tolist()
+    prompts = [shared + random_prompt(10, seed=2 + i)[0].tolist() for i in range(3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for mode in ("batched", "each"):
+        monkeypatch.setattr(batch, "flush_windows", (lambda stores, tokens: batched.append(len(stores))
+                                                     or real(stores, tokens)) if mode == "batched"
+                            else (lambda stores, tokens: None))
+        # decode steps go through each cache, so every batched flush here is a prefill chunk's
+        engine = Engine(model, None, config, pool_tokens=1024, in_place_decode=False,
+                        max_num_batched_tokens=24)
+        outputs[mode] = [o.token_ids for o in engine.generate(prompts, params)]
+    assert outputs["batched"] == outputs["each"]
+    assert batched and max(batched) > 1
+
+
 @pytest.mark.parametrize("name", ENGINE_ARCHITECTURES)
 @pytest.mark.parametrize("selector", ["quest", "oval"])
 def test_sparse_decode_in_place_equals_each_cache(name: str, selector: str, monkeypatch) -> None:
