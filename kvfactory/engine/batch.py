@@ -188,10 +188,12 @@ class _StepRead(attention.BatchRead):
         and one for the windows."""
         at = torch.tensor([start for start, _ in quantized], device=query.device)
         stores = [layer.store for _, layer in quantized]
-        flushes = [store.batch_flush(1) for store in stores]
-        for tokens in set(flushes) - {0}:  # full windows encode their oldest group first, in one batch
-            flush_windows([store for store, n in zip(stores, flushes, strict=True) if n == tokens], tokens)
         fits = [store.fits_window(1) for store in stores]
+        if not all(fits):  # full windows encode their oldest group first, in one batch
+            flushes = [0 if fit else store.batch_flush(1) for store, fit in zip(stores, fits, strict=True)]
+            for tokens in set(flushes) - {0}:
+                flush_windows([s for s, n in zip(stores, flushes, strict=True) if n == tokens], tokens)
+            fits = [store.fits_window(1) for store in stores]
         windowed = [i for i, fit in enumerate(fits) if fit]  # most steps: the token joins the window
         plan = None
         if windowed:
