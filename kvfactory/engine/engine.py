@@ -207,6 +207,10 @@ class Engine:
         self.metrics = EngineMetrics(self)
         like = self._kv_like()
         self.memory = EngineMemory(self.manager, preemption, like, self.metrics)
+        # an empty cache that answers what a request's writes would take (``_check_fits``): made once, so
+        # its stores work out their block layouts (a codec's encoded block) once, not at every admission
+        self._probe = self.manager.factory.create_cache()
+        join_batch(self._probe)
         # eviction policies compress a prompt as a whole when it is written: prefill them in one step
         chunked = self.manager.factory.config.eviction is None
         self.scheduler = Scheduler(self.memory, max_num_seqs, max_num_batched_tokens, chunked_prefill=chunked,
@@ -438,11 +442,9 @@ class Engine:
             field = "prompt" if prompt >= self.max_model_len else "max_tokens"
             raise AdmissionError(field, f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {total} "
                                  f"exceeds the model's context of {self.max_model_len} tokens")
-        probe = self.manager.factory.create_cache()
-        join_batch(probe)
         bounded = self.manager.factory.config.eviction is not None  # a policy keeps a budget of the rest
         try:
-            needs = probe.block_requests(prompt if bounded else total, *self.memory.like)
+            needs = self._probe.block_requests(prompt if bounded else total, *self.memory.like)
             self.manager.pool.check_capacity(needs)
         except CacheFullError as err:
             raise AdmissionError("max_tokens" if prompt < total else "prompt",
