@@ -10,7 +10,9 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
   sequence reads is planned once per step and layer group (``DecodePlan``): the layers of a group share
   one block table per sequence, so the group's first layer plans and the others reuse it;
 - decode tokens of KIVI pages likewise, over their packed blocks and full-precision windows in place
-  (``kvfactory.quantization.ragged.quantized_decode``);
+  (``kvfactory.quantization.ragged.quantized_decode``); the windows that a step pushes past their
+  residual, a decode token's or a prefill chunk's, first encode their oldest groups in one batch
+  (``flush_windows``);
 - decode tokens of sparse layers over plain pages (Quest, OVAL) likewise, each KV head over the
   blocks its selector picked (``SparseStore.decode_blocks``), except on the steps that measure the
   selection against full attention;
