@@ -5,12 +5,14 @@ with the same tokens; configs it does not cover are refused."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from helpers import greedy_tokens
 from tiny_models import random_prompt, tiny_model
 
-from kvfactory import ConfigError
+from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.engine import Engine, SamplingParams
 from kvfactory.storage.ragged import paged_decode
 
@@ -55,27 +57,16 @@ def _generate(model: torch.nn.Module, config: dict, compile_step: bool) -> tuple
     return [output.token_ids for output in outputs], engine
 
 
-def test_a_cache_that_never_ran_leaves_nothing_for_the_compiler_to_trace() -> None:
-    """A cache made and dropped before its first forward leaves kvfactory's model-finding forward hook
-    registered until a forward runs it; the compiled step still compiles (the hook, which takes a lock,
-    is removed before tracing) rather than falling back to eager steps."""
-    import gc
-
-    from kvfactory import KVCacheFactory
-
-    model = tiny_model("llama")
-    KVCacheFactory(model.config, {"type": "paged", "page_size": 4}).create_cache()
-    gc.collect()
-    engine = Engine(model, None, {"type": "paged", "page_size": 4}, pool_tokens=512, compile_step=True)
-    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
-    assert engine.compiled.failure is None and engine.compiled.steps > 0
-
-
 @pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: sliding layers (window 8) and full ones
 def test_compiled_and_eager_steps_give_the_same_tokens(name: str) -> None:
+    """Also: a cache made and dropped before its first forward leaves kvfactory's model-finding forward
+    hook registered until a forward runs it; the step still compiles (the hook, which takes a lock, is
+    removed before tracing) rather than falling back to eager steps."""
     model = tiny_model(name)
     config = {"type": "paged", "page_size": 4}
     eager, _ = _generate(model, config, compile_step=False)
+    KVCacheFactory(model.config, config).create_cache()
+    gc.collect()
     compiled, engine = _generate(model, config, compile_step=True)
     assert compiled == eager == [greedy_tokens(model, prompt, NEW) for prompt in PROMPTS]
     assert engine.compiled.failure is None
