@@ -28,6 +28,7 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -76,6 +77,11 @@ class StepBatch:
 
     def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> attention.BatchRead:
         return _StepRead(self, layer_idx, key, value)
+
+    @cached_property
+    def chunks(self) -> list[Segment]:
+        """The segments of prefill chunks (more than one token), found once for every layer."""
+        return [segment for segment in self.segments if segment.tokens > 1]
 
 
 class _StepRead(attention.BatchRead):
@@ -141,12 +147,11 @@ class _StepRead(attention.BatchRead):
         past their residual encode their oldest groups first, in one batch per flush size
         (``flush_windows``), as each store's write would; the chunks then join the windows."""
         pending: dict[int, list[LayerStore]] = {}
-        for segment in self.batch.segments:
-            if segment.tokens > 1:
-                store = segment.cache.layers[self.layer_idx].store
-                tokens = store.batch_flush(segment.tokens)
-                if tokens:
-                    pending.setdefault(tokens, []).append(store)
+        for segment in self.batch.chunks:
+            store = segment.cache.layers[self.layer_idx].store
+            tokens = store.batch_flush(segment.tokens)
+            if tokens:
+                pending.setdefault(tokens, []).append(store)
         for tokens, stores in pending.items():
             flush_windows(stores, tokens)
 

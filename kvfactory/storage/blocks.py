@@ -686,17 +686,7 @@ class BlockTable:
                              f"{self.ids.shape[0]}")
         self.blocks = blocks
         self._make_room(batch, tokens)
-        fill, ps = self.start + self.length, self.page_size
-        cols = self.ids[:, fill // ps:(fill + tokens - 1) // ps + 1]
-        for name, x in tensors.items():
-            pool_tensor = blocks.tensors[name]
-            h, num_blocks, per_block = pool_tensor.shape[:3]
-            unit = ps // per_block
-            offset, n = fill % ps // unit, tokens // unit
-            slots = (cols[:, :, None] * per_block + torch.arange(per_block)).flatten(1)[:, offset:offset + n]
-            flat = raw(pool_tensor).view(h, num_blocks * per_block, *pool_tensor.shape[3:])
-            rows = raw(x).transpose(0, 1).reshape(h, batch * n, *x.shape[3:])
-            flat.index_copy_(1, slots.flatten().to(x.device), rows)
+        write_rows(blocks, self.ids, torch.full((batch,), self.start + self.length), tensors, tokens)
         self.length += tokens
 
     def _make_room(self, batch: int, tokens: int) -> None:
@@ -812,17 +802,25 @@ def append_each(tables: list[BlockTable], blocks: LayerBlocks, tensors: dict[str
                              f"{table.ids.shape[0]} rows")
         table.blocks = blocks
         table._make_room(1, tokens)
-    page = tables[0].page_size
     fills = torch.tensor([table.start + table.length for table in tables])
     ids = torch.nn.utils.rnn.pad_sequence([table.ids[0] for table in tables], batch_first=True)
+    write_rows(blocks, ids, fills, tensors, tokens)
+    for table in tables:
+        table.length += tokens
+
+
+def write_rows(blocks: LayerBlocks, ids: torch.Tensor, fills: torch.Tensor, tensors: dict[str, torch.Tensor],
+               tokens: int) -> None:
+    """Write ``tokens`` tokens of row ``i`` of each ``tensors[name]`` (``[rows, kv_heads, units, *rest]``)
+    into the blocks ``ids[i]`` of ``blocks`` from token ``fills[i]`` on, one copy per tensor; the blocks
+    are already held."""
+    page = blocks.spec.page_size
     for name, x in tensors.items():
         pool_tensor = blocks.tensors[name]
         h, num_blocks, per_block = pool_tensor.shape[:3]
         unit = page // per_block
-        at = fills[:, None] + torch.arange(0, tokens, unit)  # [S, units]: each unit's first token
+        at = fills[:, None] + torch.arange(0, tokens, unit)  # [rows, units]: each unit's first token
         slots = ids.gather(1, at // page) * per_block + at % page // unit
         flat = raw(pool_tensor).view(h, num_blocks * per_block, *pool_tensor.shape[3:])
         rows = raw(x).transpose(0, 1).reshape(h, -1, *x.shape[3:])
         flat.index_copy_(1, slots.flatten().to(x.device), rows)
-    for table in tables:
-        table.length += tokens
