@@ -10,6 +10,7 @@ greedy, compared with ``model.generate``'s greedy tokens (what vLLM answers with
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,13 @@ def runs(prompts, tmp_path_factory) -> dict[str, dict[str, Any]]:
         out = {}
         out["first"] = run_vllm(tmp, "first", prompts=prompts[:1], connector=tiers, ttft=[0])
         out["second"] = run_vllm(tmp, "second", prompts=prompts, connector=tiers, ttft=[1, 2, 3])
-        out["int8"] = run_vllm(tmp, "int8", prompts=prompts, connector=tiers | {"codec": "int8"}, ttft=[0])
         slow = SlowProxy(server.port, DELAY)
-        out["slow"] = run_vllm(tmp, "slow", prompts=prompts[1:3], connector={"tiers": [slow.url]}, ttft=[0])
+        with ThreadPoolExecutor(2) as pool:  # independent readers of the first two's chunks, at once
+            int8 = pool.submit(run_vllm, tmp, "int8", prompts=prompts, connector=tiers | {"codec": "int8"},
+                               ttft=[0])
+            out["slow"] = run_vllm(tmp, "slow", prompts=prompts[1:3], connector={"tiers": [slow.url]},
+                                   ttft=[0])
+            out["int8"] = int8.result()
         slow.close()
         client = redis.Redis.from_url(server.url)
         identity = sorted(k.decode() for k in client.keys("kvfactory:*:identity:*"))
