@@ -1,12 +1,13 @@
-"""A decode step's linear layers at a few rows: the model's row-major weights against MKL's packed ones.
+"""A step's linear layers: the model's row-major weights (MKL's GEMM) against oneDNN's reordered ones.
 
 Every ``nn.Linear`` of SmolLM2 (30 layers of q, k, v, o, gate, up, down, then the 49,152-token
 ``lm_head``), each with its own weights so they stream from memory as in a real step, multiplied by
-``rows`` rows: the model's own ``F.linear`` and ``kvfactory.engine.weights.packed_linear`` (what the
-engine runs for 4 to 32 rows). Reports milliseconds, the weights' read rate and the ratio, per row
-count, on one thread; the median of ``--runs``; prints JSON with the CPU model.
+``rows`` rows (a decode step's sequences, or a prefill chunk's tokens): the model's own ``F.linear``
+and ``kvfactory.engine.weights.packed_linear`` (what the engine runs). Reports milliseconds, the
+weights' read rate, the arithmetic rate and the ratio, per row count, on one thread; the median of
+``--runs``; prints JSON with the CPU model.
 
-    python benchmarks/linear_layouts.py [--rows 1,4,8,16,32,64] [--runs 7]
+    python benchmarks/linear_layouts.py [--rows 1,4,8,16,32,64,512] [--runs 7]
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from kvfactory.models import load_config
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,4,8,16,32,64")
+    parser.add_argument("--rows", default="1,4,8,16,32,64,512")
     parser.add_argument("--runs", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not packing_available():
-        raise SystemExit("this torch has no MKL packed GEMM")
+        raise SystemExit("this torch has no oneDNN linear ops")
     config = load_config("smollm2")
     hidden, inter, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
     kv = config.num_key_value_heads * hidden // heads
@@ -51,7 +52,7 @@ def main() -> None:
 
         def packed_path(inputs: dict[int, torch.Tensor] = inputs) -> None:
             for w, p in zip(weights, packed, strict=True):
-                packed_linear(inputs[w.shape[1]], p, w, None)
+                packed_linear(inputs[w.shape[1]], p, None)
 
         times = {}
         for name, run in (("model", model_path), ("packed", packed_path)):
@@ -64,6 +65,8 @@ def main() -> None:
             times[name] = statistics.median(samples)
         results.append({"rows": rows, **{f"{name}_ms": round(t * 1e3, 1) for name, t in times.items()},
                         **{f"{name}_gb_per_s": round(total / t / 1e9, 2) for name, t in times.items()},
+                        **{f"{name}_gflop_per_s": round(2 * rows * total / 4 / t / 1e9, 1)
+                           for name, t in times.items()},
                         "speedup": round(times["model"] / times["packed"], 2)})
     print(json.dumps({"cpu": cpu_model(), "threads": 1, "weights_mb": round(total / 1e6, 1),
                       "results": results}, indent=1))

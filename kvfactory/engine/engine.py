@@ -157,9 +157,9 @@ class Engine:
     sequences wait in.
     ``prefill_first``: steps that prefill carry no decode tokens (``scheduler``: wider decode
     batches, decodes paused while a prompt prefills); default: mixed steps.
-    ``pack_weights``: give the model's linear layers a copy of their weights in MKL's packed layout for
-    steps of a few rows (``weights``: decode reads weights about 1.6x faster, for about twice the
-    weights' bytes more memory); the model keeps it after the engine.
+    ``pack_weights``: give the model's linear layers a copy of their weights in oneDNN's blocked
+    layout, which every step multiplies by (``weights``: a decode step reads the weights about 1.5x
+    faster, for the weights' bytes more memory); the model keeps it after the engine.
     ``compile_step``: run decode steps of two or more sequences over plain pages through
     ``torch.compile`` (``compiled``: compiled when the engine is made, about a minute for SmolLM2;
     the weights are frozen into the graph, so train or load new weights into a new engine; off

@@ -1,44 +1,42 @@
-"""Weights prepacked for the engine's decode steps: the one place kvfactory uses MKL's packed GEMM.
+"""Weights prepacked for the engine's steps: the one place kvfactory uses oneDNN's blocked GEMM layout.
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix, so it is bound by
-reading the weights. MKL's single-precision GEMM reads a row-major ``nn.Linear`` weight at about
-half the machine's read rate for 4 to 32 rows, and at that rate in its packed layout
-(``cblas_sgemm_pack``, the layout torch's inductor prepacks weights into when it freezes a graph);
-``benchmarks/linear_layouts.py`` measures both. ``pack_linear_weights`` gives each float32 CPU
-``nn.Linear`` of a model a packed copy of its weight and routes inputs of ``PACKED_ROWS`` rows to it;
-other row counts (prefill chunks, one sequence) take the model's own path, which is faster there.
+reading the weights; a prefill chunk multiplies hundreds, so it is bound by the arithmetic. On one
+thread, MKL's single-precision GEMM over a row-major ``nn.Linear`` weight reaches neither bound for
+few rows, and on AMD CPUs falls short for many rows too. oneDNN's inner product over a weight
+reordered once into its blocked layout (``torch.ops.mkldnn``, the layout torch's inductor packs
+weights into; vLLM's CPU build runs the same library) reads and multiplies faster at every row count
+``benchmarks/linear_layouts.py`` measures. ``pack_linear_weights`` gives each float32 CPU
+``nn.Linear`` of a model a reordered copy of its weight and routes every input to it.
 
-The packed copy costs the weights' bytes once more. Its results differ from the unpacked GEMM's by
-summation order only (about 1e-5 relative in fp32). A weight changed in place is packed again before
-its next use. The ops are torch's internal ``torch.ops.mkl``; without them nothing is packed.
+The copy costs the weights' bytes once more. Its results differ from the unpacked GEMM's by
+summation order only (about 1e-6 relative in fp32). A weight changed in place is reordered again
+before its next use; a forward that needs gradients takes the model's own path.
 """
 
 from __future__ import annotations
 
 import torch
 
-PACKED_ROWS = range(4, 33)  # rows for which the packed GEMM reads faster (benchmarks/linear_layouts.py)
+BATCH_HINT = 32  # rows oneDNN lays the weight out for; any row count runs on it
 
 
 def packing_available() -> bool:
-    """Whether this torch has MKL's packed GEMM ops."""
-    mkl = torch.ops.mkl
-    return torch.backends.mkl.is_available() and hasattr(mkl, "_mkl_linear") \
-        and hasattr(mkl, "_mkl_reorder_linear_weight")
+    """Whether this torch has oneDNN's reordered-weight linear ops."""
+    mkldnn = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise") \
+        and hasattr(mkldnn, "_reorder_linear_weight")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` in MKL's packed layout (the same for any number of rows)."""
+    """``weight [out, in]`` reordered into oneDNN's blocked layout (an opaque ``mkldnn`` tensor)."""
     with torch.no_grad():
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_ROWS.stop - 1)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through the packed copy of ``weight``."""
-    rows = x.numel() // x.shape[-1]
-    out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), packed, weight, bias, rows)
-    return out.view(*x.shape[:-1], out.shape[-1])
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``packed``, ``pack(weight)``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(torch.nn.Linear):
@@ -49,19 +47,16 @@ class PackedLinear(torch.nn.Linear):
     packed_version: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # a compiled graph packs its frozen weights itself
-            return super().forward(x)
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows not in PACKED_ROWS or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return super().forward(x)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return super().forward(x)  # a compiled graph packs its frozen weights itself
         if self.weight._version != self.packed_version:  # trained or loaded since: pack again
             self.packed, self.packed_version = pack(self.weight), self.weight._version
-        return packed_linear(x, self.packed, self.weight, self.bias)
+        return packed_linear(x, self.packed, self.bias)
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Give every float32 CPU ``nn.Linear`` of ``model`` a packed weight (``PackedLinear``); returns the
-    bytes the packed copies take (0 where MKL's packed GEMM is missing). Calling it again packs nothing
+    bytes the packed copies take (0 where oneDNN's ops are missing). Calling it again packs nothing
     more."""
     if not packing_available():
         return 0
@@ -74,5 +69,5 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
             continue
         module.__class__ = PackedLinear
         module.packed, module.packed_version = pack(weight), weight._version
-        added += module.packed.nbytes
+        added += torch.ops.mkldnn._nbytes(module.packed)
     return added
