@@ -4,7 +4,7 @@
 then ``--steps`` decode steps of all of them at once, profiled with ``torch.profiler`` on one thread, with the
 engine's packed weights (``Engine(pack_weights=True)``, the default) and without them, and with
 ``--compiled`` the compiled step too (``Engine(compile_step=True)``). Linear
-layers are the time in ``aten::mm`` and MKL's packed GEMM; the attention kernel is the engine's
+layers are the time in ``aten::mm`` and oneDNN's linear; the attention kernel is the engine's
 ``paged_decode`` / ``quantized_decode`` calls (wrapped in a ``record_function`` here) or the compiled
 step's ``kvfactory::paged_decode_step`` op (with its write); the rest is
 the model's other operations and the engine's Python. Also prints the bytes a step must read
@@ -30,7 +30,7 @@ from kvfactory.models import load_model
 from kvfactory.presets import load_preset
 from kvfactory.texts import shipped_text
 
-LINEAR_OPS = ("aten::mm", "aten::addmm", "mkl::_mkl_linear")
+LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
 KERNEL_OPS = ("paged_decode", "quantized_decode", "kvfactory::paged_decode_step")  # the last: compiled
 
 

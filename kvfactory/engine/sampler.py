@@ -37,10 +37,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> Sampled:
         """``logits [len(requests), vocab]`` (any float dtype) to one token id per request."""
-        bad = logits.isnan().any(-1) | logits.isposinf().any(-1) | logits.isneginf().all(-1)
+        top, greedy = logits.max(-1)  # one pass: the largest is NaN, +inf or -inf when a row has none
         failures = {int(i): "its logits are not finite (NaN, +inf, or -inf everywhere)"
-                    for i in bad.nonzero().flatten().tolist()}
-        tokens: list[int | None] = logits.argmax(-1).tolist()
+                    for i in (~top.isfinite()).nonzero().flatten().tolist()}
+        tokens: list[int | None] = greedy.tolist()
         sampled = [i for i, request in enumerate(requests) if not request.params.greedy and i not in failures]
         if sampled:
             rows = torch.tensor(sampled)
