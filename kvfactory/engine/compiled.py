@@ -1,6 +1,6 @@
 """The engine's decode step compiled: the model's forward over a packed batch of decode tokens under
-``torch.compile`` (inductor's CPU backend, the weights frozen into the graph, which prepacks them for
-MKL's GEMM), with no graph break at attention.
+``torch.compile`` (inductor's CPU backend, the weights frozen into the graph, which prepacks them),
+with no graph break at attention.
 
 Each attention layer stores its new K/V and reads its sequences' pages in one torch custom op,
 ``kvfactory::paged_decode_step`` (``write_tokens`` and ``paged_decode``, vLLM's PagedAttention, Kwon
