@@ -101,8 +101,6 @@ class _StepRead(attention.BatchRead):
         plain_math = attention.plain_softmax(kwargs.get("dropout"), kwargs)  # what causal_chunk computes
         self._flush_chunks()
         for segment in self.batch.segments:
-            span = slice(segment.start, segment.end)
-            k, v = self.key[:, :, span], self.value[:, :, span]
             layer = segment.cache.layers[self.layer_idx]
             if self.batch.in_place and segment.tokens == 1:
                 if layer.store.plain_pages:  # sliding layers too: the plan reads their window
@@ -114,7 +112,8 @@ class _StepRead(attention.BatchRead):
                 if not layer.is_sliding and layer.store.reads_blocks():
                     sparse.append((segment.start, layer))
                     continue
-            keys, values = segment.cache.update(k, v, self.layer_idx)
+            span = slice(segment.start, segment.end)
+            keys, values = segment.cache.update(self.key[:, :, span], self.value[:, :, span], self.layer_idx)
             read, observer = attention.take(keys, self.layer_idx)
             q = query[:, :, span]
             pending = isinstance(read, attention.DeferredRead | attention.NarrowRead)  # a tail returned

@@ -48,7 +48,7 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return super().forward(x)  # a compiled graph packs its frozen weights itself
+            return super().forward(x)  # compiled graphs pack frozen weights; autograd needs F.linear
         if self.weight._version != self.packed_version:  # trained or loaded since: pack again
             self.packed, self.packed_version = pack(self.weight), self.weight._version
         return packed_linear(x, self.packed, self.bias)
