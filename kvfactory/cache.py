@@ -194,12 +194,14 @@ def await_first_forward(cache: KVCache) -> None:
 
 
 def _find_models(module: torch.nn.Module, args: tuple) -> None:
+    if torch.compiler.is_compiling():  # a traced forward (the engine's compiled step) finds no model
+        return
     if isinstance(module, PreTrainedModel):
         watch_hidden_states(module)
-    release_model_finder()
+    _release_model_finder()
 
 
-def release_model_finder() -> None:
+def _release_model_finder() -> None:
     """Remove the global forward pre-hook once no cache awaits its first forward (a hook left behind
     would run in every forward, and in one that ``torch.compile`` traces)."""
     global _finder
@@ -796,7 +798,7 @@ def join_batch(cache: KVCache) -> None:
     """``cache`` runs inside packed batches from now on: its forwards are the engine's, which reports
     tokens written and hidden states itself, so no model needs finding for it."""
     _first_forward.discard(cache)
-    release_model_finder()
+    _release_model_finder()
 
 
 def dynamic_cache_bytes(cache: Cache) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvfactory import attention
-from kvfactory.cache import attention_layout, release_model_finder
+from kvfactory.cache import attention_layout
 from kvfactory.engine.batch import Segment, decode_plan
 from kvfactory.storage.paged import write_tokens
 from kvfactory.storage.ragged import paged_decode
@@ -164,7 +164,6 @@ class CompiledDecode:
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """The compiled forward, else (the compiler having failed, now or before) the same eagerly."""
         if self.failure is None:
-            release_model_finder()  # a hook left by caches that never ran a forward would be traced
             try:
                 with _compile_config():
                     return self.compiled(input_ids, positions, step)

@@ -59,15 +59,18 @@ def _generate(model: torch.nn.Module, config: dict, compile_step: bool) -> tuple
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: sliding layers (window 8) and full ones
 def test_compiled_and_eager_steps_give_the_same_tokens(name: str) -> None:
-    """Also: a cache made and dropped before its first forward leaves kvfactory's model-finding forward
-    hook registered until a forward runs it; the step still compiles (the hook, which takes a lock, is
-    removed before tracing) rather than falling back to eager steps."""
+    """Also: caches made before their first forward, one dropped and one still held, leave kvfactory's
+    model-finding forward hook registered until a forward runs it; the step still compiles (the hook,
+    which takes a lock, does nothing in a traced forward) rather than falling back to eager steps, and
+    the held cache then finds its model in its own first forward."""
     model = tiny_model(name)
     config = {"type": "paged", "page_size": 4}
     eager, _ = _generate(model, config, compile_step=False)
     KVCacheFactory(model.config, config).create_cache()
     gc.collect()
+    held = KVCacheFactory(model.config, config).create_cache()
     compiled, engine = _generate(model, config, compile_step=True)
+    assert greedy_tokens(model, PROMPTS[0], NEW, cache=held) == eager[0]
     assert compiled == eager == [greedy_tokens(model, prompt, NEW) for prompt in PROMPTS]
     assert engine.compiled.failure is None
     assert engine.compiled.recompiles == 0  # the graph compiled for the dummy step served every real one
