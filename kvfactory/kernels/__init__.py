@@ -116,18 +116,20 @@ def _kernel_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvfactory" / "kernels"
 
 
-def build(name: str, compiler: str) -> Path:
-    """The compiled library of ``NAME.c`` (with the headers here), built unless a matching one is cached."""
+def build(name: str, compiler: str, extra: tuple[str, ...] = ()) -> Path:
+    """The compiled library of ``NAME.c`` (with the headers here), built unless a matching one is cached;
+    ``extra``: flags after ``FLAGS`` (``-mno-avx512f`` builds the AVX2 bodies on an AVX-512 CPU)."""
     headers = sorted(source(name).parent.glob("*.h"))
     text = source(name).read_bytes() + b"".join(h.read_bytes() for h in headers)
-    key = hashlib.sha256(text + " ".join([compiler, *FLAGS, *LIBS, _cpu_id()]).encode()).hexdigest()[:16]
+    flags = " ".join([compiler, *FLAGS, *extra, *LIBS, _cpu_id()])
+    key = hashlib.sha256(text + flags.encode()).hexdigest()[:16]
     target = _kernel_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, str(source(name)), *LIBS, "-o", tmp], check=True,
+            subprocess.run([compiler, *FLAGS, *extra, str(source(name)), *LIBS, "-o", tmp], check=True,
                            capture_output=True, text=True, timeout=120)
             os.replace(tmp, target)
         finally:
@@ -142,16 +144,16 @@ def c_compiler() -> str | None:
 
 
 @cache
-def load(name: str) -> ctypes.CDLL | None:
-    """``NAME.c`` built and loaded (once per process) with its ``SIGNATURES`` bound; None, with a
-    warning, if it cannot be built."""
+def load(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """``NAME.c`` built (with ``extra`` flags, see ``build``) and loaded, once per process, with its
+    ``SIGNATURES`` bound; None, with a warning, if it cannot be built."""
     compiler = c_compiler()
     if compiler is None:
         warnings.warn(f"kvfactory: no C compiler found for the {name} kernels; using the torch code path "
                       "instead", stacklevel=3)
         return None
     try:
-        return _bind(ctypes.CDLL(str(build(name, compiler))), name)
+        return _bind(ctypes.CDLL(str(build(name, compiler, extra))), name)
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"kvfactory: building the C {name} kernels failed ({detail}); using the torch code "

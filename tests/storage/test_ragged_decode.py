@@ -1,11 +1,13 @@
 """``paged_decode`` (``kvfactory.storage.ragged``) equals SDPA over each sequence's gathered tokens, in
-both its paths: the C kernel (``ragged.c``; its torch path is patched to fail, so the kernel really
-answers) and the torch path (``kernel=False``). Layouts mix lengths (1 token, exactly a page, many
-pages, 0), shuffled block ids, starts past a dropped front, GQA and plain multi-head attention,
-fp32/fp16/bf16 pools; each row's log-sum-exp on request; wrong shapes and tables raise ``ShapeError``
-with their numbers."""
+both its paths: the C kernel (``ragged.c``, in each of its instruction-set bodies; its torch path is
+patched to fail, so the kernel really answers) and the torch path (``kernel=False``). Layouts mix
+lengths (1 token, exactly a page, many pages and tiles, 0), shuffled block ids, starts past a dropped
+front, GQA and plain multi-head attention, fp32/fp16/bf16 pools; each row's log-sum-exp on request;
+wrong shapes and tables raise ``ShapeError`` with their numbers."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
@@ -18,8 +20,13 @@ from kvfactory.errors import ShapeError
 from kvfactory.storage import ragged
 from kvfactory.storage.ragged import paged_decode
 
-PATHS = [pytest.param("c", marks=pytest.mark.skipif(kernels.load("ragged") is None, reason="no C compiler")),
-         "torch"]
+# the kernel as built for this CPU, and on x86 also its AVX2 and portable bodies (built without AVX-512,
+# and without AVX2 and FMA too)
+BODIES = {"c": (), "c-avx2": ("-mno-avx512f",), "c-portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+NO_COMPILER = pytest.mark.skipif(kernels.load("ragged") is None, reason="no C compiler")
+NOT_X86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+PATHS = [pytest.param("c", marks=NO_COMPILER), pytest.param("c-avx2", marks=[NO_COMPILER, NOT_X86]),
+         pytest.param("c-portable", marks=[NO_COMPILER, NOT_X86]), "torch"]
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -33,6 +40,8 @@ def decode(request, monkeypatch):
         raise AssertionError("the C kernel should have answered")
 
     monkeypatch.setattr(ragged, "_gathered", no_torch_path)
+    body = kernels.load("ragged", BODIES[request.param])
+    monkeypatch.setattr(kernels, "load", lambda name: body)
     return paged_decode
 
 
@@ -78,9 +87,10 @@ def check(decode, query, k_pool, v_pool, tables, starts, lengths, scale, atol: f
     torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
 
 
-# 1 token, exactly a page, a page from a start, many pages, a dropped front, nothing, a page's end
-STARTS = [0, 0, 5, 0, 3, 7, 15]
-LENGTHS = [1, 16, 11, 200, 130, 0, 1]
+# 1 token, exactly a page, a page from a start, many pages, a dropped front, nothing, a page's end,
+# several of the kernel's 256-token softmax tiles, their ends inside blocks
+STARTS = [0, 0, 5, 0, 3, 7, 15, 9]
+LENGTHS = [1, 16, 11, 200, 130, 0, 1, 700]
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES))
