@@ -612,7 +612,8 @@ static inline __attribute__((always_inline)) void paged_rows(
  * h reading KV head h / (Hq / Hkv). Pool tensors as BlockPool holds them, [Hkv, NB, ...] contiguous
  * (see paged_rows); scores are scale * q . k. Sizes are checked by the caller
  * (kvfactory/quantization/ragged.py). For int4 at 64 and 128 channels the body is inlined with the
- * sizes constant, as in kivi_key_scores (each inlined copy adds to the build's time). */
+ * sizes constant, as in kivi_key_scores (each inlined copy adds to the build's time). KV heads are
+ * the outer loop, so blocks that sequences share (a common prompt) are read from L2 after the first. */
 void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, int64_t group,
                        const float *query, float scale, const uint8_t *kcodes, const void *kscale, int kskind,
                        const float *kslut, const void *kzero, int kzkind, const float *kzlut,
@@ -622,8 +623,8 @@ void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, 
                        float *lse) {
     const int64_t R = Hq / Hkv, BT = KN * G, groups = (D + group - 1) / group;
     float q[MAX_ROWS * MAX_DIM];
-    for (int64_t s = 0; s < S; s++) {
-        for (int64_t h = 0; h < Hkv; h++) {
+    for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t s = 0; s < S; s++) {
             const int64_t at = (s * Hq + h * R) * D;
             for (int64_t i = 0; i < R * D; i++) q[i] = query[at + i] * scale;
             const uint8_t *kc = kcodes + h * NB * BT * P, *vc = vcodes + h * NB * BT * P;
