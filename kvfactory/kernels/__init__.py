@@ -3,12 +3,13 @@
 Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in seconds, once):
 ``kivi.c`` reads KIVI's packed codes at decode (``kvfactory.codecs.native``; a batch's pages in place
 for ``kvfactory.quantization.ragged``), ``pages.c`` scores and picks a layer's pages for the page
-selectors (``kvfactory.selectors.pages``), ``ragged.c`` attends a
-batch of decoding sequences over their blocks of a paged pool (``kvfactory.storage.ragged``),
-``common.h`` is what they share (the wheel ships the headers with the sources). ``load(NAME)`` builds
-one with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into
-``$XDG_CACHE_HOME/kvfactory/kernels`` (or ``KVFACTORY_KERNEL_DIR``), named by a hash of the source,
-the flags and the CPU, written atomically so parallel processes share it. Without a working
+selectors (``kvfactory.selectors.pages``), ``ragged.c`` attends a batch of decoding sequences over
+their blocks of a paged pool (``kvfactory.storage.ragged``), ``chunk.c`` a prefill chunk over its
+stored tokens and itself (``kvfactory.attention.causal_chunk``), ``common.h`` is what they share (the
+wheel ships the headers with the sources). ``load(NAME)`` builds one with the system C compiler
+(``$CC``, else ``cc``; ``-O3 -march=native``) into ``$XDG_CACHE_HOME/kvfactory/kernels`` (or
+``KVFACTORY_KERNEL_DIR``), named by a hash of the source, the flags and the CPU, written atomically
+so parallel processes share it. Without a working
 compiler it returns None after one warning, and callers keep their torch code paths.
 
 Every function a library exports is declared once, in ``SIGNATURES`` as its C definition reads, and
@@ -66,6 +67,11 @@ SIGNATURES = {
         "int64_t *out)",
         "int token_shares(int64_t B, int64_t H, int64_t R, int64_t C, int64_t T, int64_t page, "
         "const float *rows, const int8_t *codes, int64_t cb, int64_t ch, int64_t cc, float *out)",
+    ),
+    "chunk": (
+        "int chunk_attention(int64_t Hq, int64_t Hkv, int64_t C, int64_t T, int64_t D, const float *query, "
+        "int64_t qh, int64_t qc, const float *key, int64_t kh, int64_t kt, const float *value, int64_t vh, "
+        "int64_t vt, float scale, float *out)",
     ),
     "ragged": (
         "void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *query, "

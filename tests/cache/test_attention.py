@@ -9,7 +9,7 @@ from helpers import assert_same_generation, attn_implementation, generate
 from tiny_models import TINY_IDS, left_padded_batch, tiny_model
 from transformers import DynamicCache
 
-from kvfactory import KVCacheFactory, attention
+from kvfactory import KVCacheFactory, attention, kernels
 from kvfactory.codecs import fused, native
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.quantization.store import QuantizedRead, QuantizedStore
@@ -218,3 +218,48 @@ def test_causal_chunk_equals_sdpa_with_a_mask_aligned_to_the_end(chunk, total, q
     expected = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=0.3,
                                               enable_gqa=True)
     torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+@pytest.mark.skipif(not AVX512 or kernels.load("chunk") is None, reason="the chunk kernel needs AVX-512")
+@pytest.mark.parametrize(("chunk", "total"), [(1, 1), (48, 48), (37, 100), (300, 700), (512, 1300)])
+@pytest.mark.parametrize(("query_heads", "kv_heads", "dim"),
+                         [(9, 3, 64), (4, 1, 256), (2, 2, 128), (50, 1, 64)])
+def test_the_chunk_kernel_equals_sdpa_with_a_mask_aligned_to_the_end(chunk, total, query_heads, kv_heads,
+                                                                     dim) -> None:
+    """The C kernel for a prefill chunk (``chunk.c``): tiles of one to many positions (a group of 50
+    heads takes one position a tile), chunks shorter and longer than a tile, past and no past, a
+    query laid out as the model hands it (heads transposed from ``[1, chunk, heads, dim]``)."""
+    gen = torch.Generator().manual_seed(chunk + total + dim)
+    query = torch.randn(1, chunk, query_heads, dim, generator=gen).transpose(1, 2)
+    key, value = (torch.randn(1, kv_heads, total, dim, generator=gen) for _ in range(2))
+    got = attention._kernel_chunk(query, key, value, dim ** -0.5)
+    assert got is not None
+    visible = torch.arange(total)[None, :] <= torch.arange(chunk)[:, None] + (total - chunk)
+    expected = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), attn_mask=visible,
+                                              scale=dim ** -0.5, enable_gqa=True)
+    torch.testing.assert_close(got, expected.transpose(1, 2).float(), atol=1e-5, rtol=1e-5)
+    whole = attention._biased_chunk(query, key, value, dim ** -0.5)  # a whole sequence: as generate runs it
+    chosen = attention.causal_chunk(query, key, value, dim ** -0.5)
+    assert torch.equal(chosen, got if chunk < total else whole)
+
+
+@pytest.mark.parametrize("change", ["dim", "batch", "dtype", "strided"])
+def test_the_chunk_kernel_declines_what_it_does_not_take(change) -> None:
+    """A head size not a multiple of 64, more than one row, float64, channels not contiguous: None,
+    and ``causal_chunk`` answers through SDPA."""
+    batch, dim, dtype = (2 if change == "batch" else 1), (48 if change == "dim" else 64), torch.float32
+    if change == "dtype":
+        dtype = torch.float64
+    query = torch.randn(batch, 3, 5, dim, dtype=dtype)
+    key, value = (torch.randn(batch, 1, 9, dim, dtype=dtype) for _ in range(2))
+    if change == "strided":
+        key = torch.randn(batch, 1, 9, 2 * dim)[..., ::2]
+    assert attention._kernel_chunk(query, key, value, 0.1) is None
+    visible = torch.arange(9)[None, :] <= torch.arange(5)[:, None] + 4
+    expected = F.scaled_dot_product_attention(query, key.to(dtype), value, attn_mask=visible, scale=0.1,
+                                              enable_gqa=True)
+    torch.testing.assert_close(attention.causal_chunk(query, key.to(dtype), value, 0.1),
+                               expected.transpose(1, 2))

@@ -75,7 +75,7 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
                     "-w", str(dist)], check=True, timeout=120)
     (wheel,) = dist.glob("kvfactory-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    sources = ("__init__.py", "kivi.c", "pages.c", "ragged.c", "common.h")
+    sources = ("__init__.py", "chunk.c", "kivi.c", "pages.c", "ragged.c", "common.h")
     assert {f"kvfactory/kernels/{f}" for f in sources} <= shipped
 
     venv = tmp_path / "venv"
@@ -104,10 +104,10 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
     assert Path(probe["kvfactory"]).is_relative_to(site)  # the wheel's copy, not a checkout's
     assert not any("editable" in finder for finder in probe["finders"])
     assert any(Path(probe["torch"]).is_relative_to(p) for p in shared)
-    kernel_names = ["kivi", "pages", "ragged"]
+    kernel_names = ["chunk", "kivi", "pages", "ragged"]
     assert probe["libraries"] == dict.fromkeys(kernel_names, True), run.stderr  # the build's warning
     built = sorted(p.name for p in (cache / "kvfactory" / "kernels").glob("*.so"))
-    assert [name.split("-")[0] for name in built] == kernel_names  # pages and ragged compiled here,
+    assert [name.split("-")[0] for name in built] == kernel_names  # chunk, pages and ragged compiled here,
     assert seeded.name in built  # from the installed sources; kivi found under the same sources' key
     assert probe["key_scores_error"] < 1e-4
     assert probe["top_pages"] == [1, 3]
