@@ -237,7 +237,8 @@ def _kernel_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     done = lib.chunk_attention(heads, key.shape[1], chunk, key.shape[2], dim,
                                query.data_ptr(), query.stride(1), query.stride(2),
                                key.data_ptr(), key.stride(1), key.stride(2),
-                               value.data_ptr(), value.stride(1), value.stride(2), scaling, out.data_ptr())
+                               value.data_ptr(), value.stride(1), value.stride(2),
+                               None, key.shape[2], 1, scaling, out.data_ptr(), None)
     return out if done else None
 
 

@@ -8,7 +8,8 @@ each sequence's slice in that sequence's own cache. Its attention then runs per 
   pool's blocks in place (``kvfactory.storage.ragged.paged_decode``: no per-step copy of each sequence
   into a padded tensor; vLLM's PagedAttention, Kwon et al. 2023). Where each token goes and what each
   sequence reads is planned once per step and layer group (``DecodePlan``): the layers of a group share
-  one block table per sequence, so the group's first layer plans and the others reuse it;
+  one block table per sequence, so the group's first layer plans and the others reuse it. Blocks that
+  every sequence starts with (a shared prompt's) are read once for all of them;
 - decode tokens of KIVI pages likewise, over their packed blocks and full-precision windows in place
   (``kvfactory.quantization.ragged.quantized_decode``); the windows that a step pushes past their
   residual, a decode token's or a prefill chunk's, first encode their oldest groups in one batch
@@ -38,7 +39,7 @@ from kvfactory.quantization.ragged import flush_windows, in_place, quantized_dec
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.blocks import BlockIds
 from kvfactory.storage.paged import PagedStore, append_one_each, write_slots
-from kvfactory.storage.ragged import block_tables, paged_decode
+from kvfactory.storage.ragged import block_tables, paged_decode, shared_prefix
 
 
 @dataclass
@@ -65,6 +66,7 @@ class DecodePlan:
     tables: torch.Tensor
     starts: torch.Tensor
     lengths: torch.Tensor
+    shared: int  # leading blocks every sequence reads whole (a common prompt's), read once for all
 
 
 @dataclass
@@ -169,7 +171,7 @@ class _StepRead(attention.BatchRead):
             layer.written(keys[i:i + 1])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
         out[0, at] = paged_decode(q, blocks.k, blocks.v, plan.tables, plan.starts, plan.lengths, scaling,
-                                  check=False)
+                                  check=False, shared=plan.shared)
 
     def _plan(self, stores: list[PagedStore], window: int | None, keys: torch.Tensor,
               values: torch.Tensor) -> DecodePlan:
@@ -260,7 +262,9 @@ def decode_plan(stores: list[PagedStore], window: int | None, key: torch.Tensor,
         rows.append(ids)
         starts.append(start)
         lengths.append(length)
-    return DecodePlan(places, slots, block_tables(rows), torch.tensor(starts), torch.tensor(lengths))
+    tables, starts, lengths = block_tables(rows), torch.tensor(starts), torch.tensor(lengths)
+    shared = shared_prefix(tables, starts, lengths, stores[0].page_size)
+    return DecodePlan(places, slots, tables, starts, lengths, shared)
 
 
 def causal_mask(queries: int, keys: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -71,7 +71,7 @@ SIGNATURES = {
     "chunk": (
         "int chunk_attention(int64_t Hq, int64_t Hkv, int64_t C, int64_t T, int64_t D, const float *query, "
         "int64_t qh, int64_t qc, const float *key, int64_t kh, int64_t kt, const float *value, int64_t vh, "
-        "int64_t vt, float scale, float *out)",
+        "int64_t vt, const int64_t *table, int64_t P, int causal, float scale, float *out, float *lse)",
     ),
     "ragged": (
         "void paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, const float *query, "

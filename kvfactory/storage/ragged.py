@@ -8,6 +8,12 @@ PagedAttention (Kwon et al. 2023) reads the blocks through each sequence's block
 the blocks, the query heads of a KV head together). Elsewhere (other devices, FP8 or non-contiguous
 pools, no C compiler, or ``kernel=False``) it gathers the blocks into a padded tensor, masks the
 tokens outside each sequence and runs one batched softmax attention in torch.
+
+Where every sequence of the batch starts with the same blocks (a shared system prompt), those are
+read once for all of them (Hydragen, Juravsky et al. 2024): the query rows of every sequence go
+through one matrix-product kernel over the shared blocks (``kvfactory/kernels/chunk.c``), each
+sequence's own blocks through the per-sequence kernel, and the two parts are merged by their
+log-sum-exps. ``shared_prefix`` finds those blocks.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from kvfactory import kernels
 from kvfactory.errors import ShapeError
 
 MAX_DIM = 512  # channels per head ragged.c takes, as there
+MIN_SHARED_TOKENS = 128  # a shorter common prefix, or one of fewer sequences, is read per sequence
+MIN_SHARED_SEQUENCES = 4
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # pool dtypes ragged.c reads
 
 
 def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  starts: torch.Tensor, lengths: torch.Tensor, scale: float, *,
-                 kernel: bool = True, check: bool = True, return_lse: bool = False
+                 kernel: bool = True, check: bool = True, return_lse: bool = False, shared: int = 0
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's query over its own tokens of a layer's pool: ``[S, Hq, D]`` in ``query``'s dtype
     (with ``return_lse``, also each row's log-sum-exp of its scores, ``[S, Hq]`` float32, ``-inf`` at
@@ -39,10 +47,15 @@ def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     go to the C kernel (built on first use); the rest, and every call with ``kernel=False``, to the
     torch path. Raises ``ShapeError`` when the shapes do not fit, or a table is too short or names a
     block outside the pool; ``check=False`` skips that validation, for a caller that built the tables
-    from the stores themselves (the engine's decode step).
+    from the stores themselves (the engine's decode step). ``shared``: the leading blocks that every
+    sequence reads whole (``shared_prefix``), read once for all where the kernels take them.
     """
     if check:
         _check(query, k_pool, v_pool, tables, starts, lengths)
+    if shared and kernel:
+        split = _shared_decode(query, k_pool, v_pool, tables, starts, lengths, scale, shared)
+        if split is not None:
+            return split if return_lse else split[0]
     starts, lengths = starts.to(tables.device, torch.int64), lengths.to(tables.device, torch.int64)
     tables = tables.long()
     if kernel and _kernel_fits(query, k_pool, v_pool) and (lib := kernels.load("ragged")) is not None:
@@ -58,6 +71,46 @@ def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         return (out.to(query.dtype), lse) if return_lse else out.to(query.dtype)
     out, lse = _gathered(query, k_pool, v_pool, tables, starts, lengths, scale)
     return (out, lse) if return_lse else out
+
+
+def shared_prefix(tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, page_size: int) -> int:
+    """How many leading blocks every sequence of ``paged_decode``'s batch reads whole: the same ids in
+    each row, each row's tokens starting at the first one and filling them; 0 where fewer than
+    ``MIN_SHARED_SEQUENCES`` sequences would share fewer than ``MIN_SHARED_TOKENS`` tokens, as reading
+    them per sequence costs no more."""
+    if tables.shape[0] < MIN_SHARED_SEQUENCES or bool(starts.any()):
+        return 0
+    full = int(lengths.min()) // page_size
+    if full * page_size < MIN_SHARED_TOKENS:
+        return 0
+    same = (tables[:, :full] == tables[:1, :full]).all(0)
+    blocks = int(same.cumprod(0).sum())
+    return blocks if blocks * page_size >= MIN_SHARED_TOKENS else 0
+
+
+def _shared_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                   starts: torch.Tensor, lengths: torch.Tensor, scale: float, shared: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``paged_decode`` of a batch whose sequences all read ``tables[:, :shared]`` whole: every query
+    row over those blocks in one call of the chunk kernel, each sequence over the rest, merged by
+    the parts' log-sum-exps; None where the chunk kernel does not take the pool (not float32 on the
+    CPU, a head size not a multiple of 64, no AVX-512 build)."""
+    (s, hq, d), (hkv, _, page, _) = query.shape, k_pool.shape
+    if {k_pool.dtype, query.dtype} != {torch.float32} or not _kernel_fits(query, k_pool, v_pool) or d % 64 \
+            or (lib := kernels.load("chunk")) is None:
+        return None
+    q = query.contiguous()
+    ids = tables[0, :shared].cpu().contiguous()
+    head_out, head_lse = torch.empty(s, hq, d), torch.empty(s, hq)
+    if not lib.chunk_attention(hq, hkv, s, shared * page, d, q.data_ptr(), d, hq * d,
+                               k_pool.data_ptr(), k_pool.stride(0), d, v_pool.data_ptr(), v_pool.stride(0), d,
+                               ids.data_ptr(), page, 0, scale, head_out.data_ptr(), head_lse.data_ptr()):
+        return None
+    tail_out, tail_lse = paged_decode(q, k_pool, v_pool, tables[:, shared:], starts, lengths - shared * page,
+                                      scale, check=False, return_lse=True)
+    lse = torch.logaddexp(head_lse, tail_lse)
+    out = head_out * (head_lse - lse).exp_()[..., None] + tail_out * (tail_lse - lse).exp_()[..., None]
+    return out, lse
 
 
 def block_tables(rows: list[torch.Tensor]) -> torch.Tensor:

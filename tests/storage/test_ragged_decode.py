@@ -40,8 +40,8 @@ def decode(request, monkeypatch):
         raise AssertionError("the C kernel should have answered")
 
     monkeypatch.setattr(ragged, "_gathered", no_torch_path)
-    body = kernels.load("ragged", BODIES[request.param])
-    monkeypatch.setattr(kernels, "load", lambda name: body)
+    bodies = {name: kernels.load(name, BODIES[request.param]) for name in ("ragged", "chunk")}
+    monkeypatch.setattr(kernels, "load", bodies.get)  # without AVX-512, chunk.c declines: read per sequence
     return paged_decode
 
 
@@ -201,3 +201,54 @@ def test_shapes_that_do_not_fit_raise(change, message) -> None:
     for kernel in (True, False):
         with pytest.raises(ShapeError, match=message):
             paged_decode(query, k_pool, v_pool, tables, starts, lengths, 0.25, kernel=kernel)
+
+
+def shared_layout(own: list[int], shared_blocks: int, page: int = 16, spare: int = 2):
+    """Sequences that all start with the same ``shared_blocks`` blocks, then ``own[s]`` tokens in blocks
+    of their own; ids shuffled through the pool."""
+    counts = [-(-n // page) for n in own]
+    num_blocks = shared_blocks + sum(counts) + spare
+    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5)).tolist()
+    common, ids = ids[:shared_blocks], ids[shared_blocks:]
+    tables = torch.full((len(own), shared_blocks + max(counts) + 1), -1, dtype=torch.long)
+    for row, count in enumerate(counts):
+        tables[row, :shared_blocks] = torch.tensor(common)
+        tables[row, shared_blocks:shared_blocks + count] = torch.tensor(ids[:count], dtype=torch.long)
+        del ids[:count]
+    lengths = torch.tensor([shared_blocks * page + n for n in own])
+    return tables, torch.zeros(len(own), dtype=torch.long), lengths, num_blocks
+
+
+@pytest.mark.parametrize(("query_heads", "kv_heads", "dim", "dtype"), [
+    (9, 3, 64, torch.float32), (4, 1, 256, torch.float32), (6, 2, 128, torch.float32),
+    (4, 2, 32, torch.float32), (9, 3, 64, torch.bfloat16)])
+def test_a_shared_prefix_read_once_equals_sdpa(decode, request, query_heads, kv_heads, dim, dtype) -> None:
+    """Five sequences behind the same 12 blocks (one with nothing of its own, one 300 tokens past
+    them): the common blocks read once for all (float32, head sizes the chunk kernel takes, AVX-512),
+    or per sequence where it does not take them, equal SDPA over each sequence, log-sum-exps included."""
+    tables, starts, lengths, num_blocks = shared_layout([0, 1, 17, 300, 40], 12)
+    assert ragged.shared_prefix(tables, starts, lengths, 16) == 12
+    k_pool, v_pool = pools(kv_heads, num_blocks, 16, dim, dtype)
+    query = torch.randn(5, query_heads, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    once = ragged._shared_decode(query, k_pool, v_pool, tables, starts, lengths, 0.1, 12) is not None
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    takes = request.node.callspec.params["decode"] in ("c", "torch")  # the others patch in other builds
+    assert once == (takes and avx512 and dtype == torch.float32 and dim % 64 == 0)
+    got, lse = decode(query, k_pool, v_pool, tables, starts, lengths, dim ** -0.5, return_lse=True, shared=12)
+    expected = reference(query, k_pool, v_pool, tables, starts, lengths, dim ** -0.5)
+    torch.testing.assert_close(got, expected, atol=TOLERANCES[dtype], rtol=TOLERANCES[dtype])
+    _, alone = decode(query, k_pool, v_pool, tables, starts, lengths, dim ** -0.5, return_lse=True)
+    torch.testing.assert_close(lse, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_counts_the_blocks_every_sequence_reads_whole() -> None:
+    tables, starts, lengths, _ = shared_layout([5, 9, 30, 2], 10)
+    assert ragged.shared_prefix(tables, starts, lengths, 16) == 10
+    assert ragged.shared_prefix(tables[:3], starts[:3], lengths[:3], 16) == 0  # too few sequences
+    assert ragged.shared_prefix(tables, starts, lengths - 50, 16) == 0  # one reads too little: < 128 tokens
+    moved = starts.clone()
+    moved[2] = 3
+    assert ragged.shared_prefix(tables, moved, lengths, 16) == 0  # one starts inside the first block
+    tables[1, 9] = tables[1, 10]
+    assert ragged.shared_prefix(tables, starts, lengths, 16) == 9  # one reads another block at 9
+    assert ragged.shared_prefix(*shared_layout([5, 9, 30, 2], 7)[:3], 16) == 0  # 112 tokens < 128
