@@ -3,14 +3,16 @@
  * The chunk's C queries are the last C of T positions; query position i sees keys [0, T - C + i].
  * FlashAttention's tiling (Dao et al. 2022): a tile of query positions, taken for every query head
  * of one KV head's group (GQA: the group's rows share each K/V row; about ROWS rows in all), meets
- * the keys KT at a time; each key tile's scores, their online softmax (a running maximum and sum per row, one
- * rescale per tile) and their value sums are computed before the next. Key tiles past a query
- * tile's last visible key are never computed, so the causal half costs nothing (SDPA's CPU kernel
- * computes 512-key blocks whole). Both products are register-blocked matrix products: the keys are
- * transposed once per call so that scores vectorise over keys (12 rows by 32 keys), the value sums
- * over channels (6 rows by 64 channels). Only the AVX-512 body exists: elsewhere chunk_attention
- * returns 0 and the caller runs SDPA.
- * Built by kvfactory/kernels/__init__.py, called by kvfactory/attention.py.
+ * the keys KT at a time; each key tile's scores, their online softmax (a running maximum and sum
+ * per row, one rescale per tile) and their value sums are computed before the next. Key tiles past
+ * a query tile's last visible key are never computed, so the causal half costs nothing (SDPA's CPU
+ * kernel computes 512-key blocks whole). Both products are register-blocked matrix products: the
+ * keys are transposed once per call (16 x 16 in registers) so that scores vectorise over keys (12
+ * rows by 32 keys), the value sums over channels (6 rows by 64 channels). The same kernel reads the
+ * blocks that a batch of decoding sequences shares (causal 0, through a block table). Only the
+ * AVX-512 body exists: elsewhere chunk_attention returns 0 and the caller takes its other path.
+ * Built by kvfactory/kernels/__init__.py, called by kvfactory/attention.py and
+ * kvfactory/storage/ragged.py.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -88,7 +90,6 @@ static inline float softmax_row(float *s, int64_t n, int64_t seen, float *m, flo
     *m = top;
     return corr;
 }
-#endif
 
 /* r[0..16), 16 rows of 16 floats, transposed in place: 32-bit, then 64-bit interleaves within
  * 128-bit lanes give each lane four rows' element, then a 4 x 4 transpose of the lanes. */
@@ -116,6 +117,7 @@ static inline void transpose16(__m512 r[16]) {
     }
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
+#endif
 
 /* Where token t of a KV head starting at `head` lies: row t of a contiguous [T, D] (table NULL), else
  * row t % P of block table[t / P] of a pool [num_blocks, P, D]; rows `stride` floats apart. */

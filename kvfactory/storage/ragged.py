@@ -75,9 +75,9 @@ def paged_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 def shared_prefix(tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, page_size: int) -> int:
     """How many leading blocks every sequence of ``paged_decode``'s batch reads whole: the same ids in
-    each row, each row's tokens starting at the first one and filling them; 0 where fewer than
-    ``MIN_SHARED_SEQUENCES`` sequences would share fewer than ``MIN_SHARED_TOKENS`` tokens, as reading
-    them per sequence costs no more."""
+    each row, each row's tokens starting at the first one and filling them. 0 for fewer than
+    ``MIN_SHARED_SEQUENCES`` sequences or ``MIN_SHARED_TOKENS`` shared tokens, which cost no more
+    read per sequence."""
     if tables.shape[0] < MIN_SHARED_SEQUENCES or bool(starts.any()):
         return 0
     full = int(lengths.min()) // page_size
@@ -100,7 +100,7 @@ def _shared_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
             or (lib := kernels.load("chunk")) is None:
         return None
     q = query.contiguous()
-    ids = tables[0, :shared].cpu().contiguous()
+    ids = tables[0, :shared].to("cpu", torch.int64).contiguous()
     head_out, head_lse = torch.empty(s, hq, d), torch.empty(s, hq)
     if not lib.chunk_attention(hq, hkv, s, shared * page, d, q.data_ptr(), d, hq * d,
                                k_pool.data_ptr(), k_pool.stride(0), d, v_pool.data_ptr(), v_pool.stride(0), d,

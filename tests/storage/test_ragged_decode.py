@@ -41,6 +41,7 @@ def decode(request, monkeypatch):
 
     monkeypatch.setattr(ragged, "_gathered", no_torch_path)
     bodies = {name: kernels.load(name, BODIES[request.param]) for name in ("ragged", "chunk")}
+    assert all(bodies.values())  # each builds for each instruction set
     monkeypatch.setattr(kernels, "load", bodies.get)  # without AVX-512, chunk.c declines: read per sequence
     return paged_decode
 
