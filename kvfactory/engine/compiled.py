@@ -52,20 +52,22 @@ def _compile_config() -> Iterator[None]:
 @torch.library.custom_op("kvfactory::paged_decode_step", mutates_args=("k_pool", "v_pool"))
 def paged_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                       v_pool: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
-                      lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                      lengths: torch.Tensor, shared: torch.Tensor, scale: float) -> torch.Tensor:
     """One decode token per sequence: write ``key`` / ``value [1, Hkv, S, D]`` into ``slots [S]`` of the
     layer's pools ``[Hkv, blocks, page_size, D]``, then attend with ``query [1, Hq, S, D]`` over each
-    sequence's blocks (``paged_decode``'s ``tables``, ``starts``, ``lengths``): ``[1, S, Hq, Dv]``."""
+    sequence's blocks (``paged_decode``'s ``tables``, ``starts``, ``lengths`` and ``shared`` blocks, a
+    0-d tensor so that no count recompiles): ``[1, S, Hq, Dv]``."""
     write_tokens(k_pool, slots, key[0])
     write_tokens(v_pool, slots, value[0])
-    out = paged_decode(query[0].transpose(0, 1), k_pool, v_pool, tables, starts, lengths, scale, check=False)
+    out = paged_decode(query[0].transpose(0, 1), k_pool, v_pool, tables, starts, lengths, scale, check=False,
+                       shared=int(shared))
     return out[None]
 
 
 @paged_decode_step.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
       slots: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-      scale: float) -> torch.Tensor:
+      shared: torch.Tensor, scale: float) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], v_pool.shape[-1])
 
 
@@ -79,8 +81,8 @@ def _groups(windows: list[int | None]) -> tuple[list[int | None], tuple[int, ...
 @dataclass
 class DecodeStep:
     """What every layer of one compiled decode step reads: layer ``i``'s pools ``keys[i]`` /
-    ``values[i]`` and, for its group ``group[i]``, the plan's ``slots``, ``tables``, ``starts`` and
-    ``lengths`` (``kvfactory.engine.batch.DecodePlan``)."""
+    ``values[i]`` and, for its group ``group[i]``, the plan's ``slots``, ``tables``, ``starts``,
+    ``lengths`` and ``shared`` blocks (``kvfactory.engine.batch.DecodePlan``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -89,6 +91,7 @@ class DecodeStep:
     tables: list[torch.Tensor]
     starts: list[torch.Tensor]
     lengths: list[torch.Tensor]
+    shared: list[torch.Tensor]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -96,7 +99,7 @@ class DecodeStep:
         g = self.group[i]
         return torch.ops.kvfactory.paged_decode_step(query, key, value, self.keys[i], self.values[i],
                                                      self.slots[g], self.tables[g], self.starts[g],
-                                                     self.lengths[g], scaling)
+                                                     self.lengths[g], self.shared[g], scaling)
 
 
 class CompiledDecode:
@@ -142,7 +145,8 @@ class CompiledDecode:
                  for index, layers in enumerate(members)]
         blocks = [layer.store.blocks for layer in caches[0].layers]
         step = DecodeStep([b.k for b in blocks], [b.v for b in blocks], group, [p.slots for p in plans],
-                          [p.tables for p in plans], [p.starts for p in plans], [p.lengths for p in plans])
+                          [p.tables for p in plans], [p.starts for p in plans], [p.lengths for p in plans],
+                          [torch.tensor(p.shared) for p in plans])
         return step, [[[cache.layers[i] for cache in caches] for i in layers] for layers in members]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -187,7 +191,7 @@ class CompiledDecode:
                      for _ in self.windows for x in (key, value)]
         order, group = self.order, self.group
         plan = [torch.tensor(x, device=key.device)
-                for x in ([9, 22], [[0, 1, 2], [3, 4, 5]], [0, 0], [10, 11])]
+                for x in ([9, 22], [[0, 1, 2], [3, 4, 5]], [0, 0], [10, 11], 0)]
         step = DecodeStep(pools[0::2], pools[1::2], group, *([x.clone() for _ in order] for x in plan))
         return torch.tensor([1, 2], device=key.device), torch.tensor([9, 10], device=key.device), step
 

@@ -28,11 +28,27 @@ def _step_args() -> tuple:
     slots = torch.tensor([int(tables[0, 2]) * page + 1, int(tables[1, 2]) * page])  # each one's last token
     return (torch.randn(1, heads, 2, dim), torch.randn(1, kv_heads, 2, dim), torch.randn(1, kv_heads, 2, dim),
             torch.randn(kv_heads, blocks, page, dim), torch.randn(kv_heads, blocks, page, dim), slots, tables,
-            starts, lengths, 0.35)
+            starts, lengths, torch.tensor(0), 0.35)
 
 
-def test_the_step_op_writes_each_token_to_its_slot_then_attends_as_paged_decode() -> None:
-    query, key, value, k_pool, v_pool, slots, tables, starts, lengths, scale = _step_args()
+def _shared_step_args() -> tuple:
+    """Five sequences behind the same 9 blocks of 16 tokens (SmolLM2's heads), each with 2 of its own."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    own = torch.arange(9, 19).view(5, 2)
+    tables = torch.cat([torch.arange(9).expand(5, 9), own], 1)
+    starts, lengths = torch.zeros(5, dtype=torch.long), torch.tensor([145, 150, 160, 170, 175])
+    last = lengths - 1  # each one's last token
+    slots = tables[torch.arange(5), last // page] * page + last % page
+    return (torch.randn(1, heads, 5, dim), torch.randn(1, kv_heads, 5, dim), torch.randn(1, kv_heads, 5, dim),
+            torch.randn(kv_heads, 19, page, dim), torch.randn(kv_heads, 19, page, dim), slots, tables,
+            starts, lengths, torch.tensor(9), 0.125)
+
+
+@pytest.mark.parametrize("args", [_step_args, _shared_step_args])
+def test_the_step_op_writes_each_token_to_its_slot_then_attends_as_paged_decode(args) -> None:
+    """Sequences of their own blocks, and sequences behind shared blocks read once for all."""
+    query, key, value, k_pool, v_pool, slots, tables, starts, lengths, shared, scale = args()
     want_k, want_v = k_pool.clone(), v_pool.clone()
     for pool, new in ((want_k, key), (want_v, value)):
         flat = pool.view(pool.shape[0], -1, pool.shape[-1])
@@ -40,7 +56,7 @@ def test_the_step_op_writes_each_token_to_its_slot_then_attends_as_paged_decode(
     want = paged_decode(query[0].transpose(0, 1), want_k, want_v, tables, starts, lengths, scale,
                         kernel=False)
     out = torch.ops.kvfactory.paged_decode_step(query, key, value, k_pool, v_pool, slots, tables, starts,
-                                                lengths, scale)
+                                                lengths, shared, scale)
     torch.testing.assert_close(k_pool, want_k, atol=0, rtol=0)
     torch.testing.assert_close(v_pool, want_v, atol=0, rtol=0)
     torch.testing.assert_close(out[0], want, atol=1e-5, rtol=1e-5)
