@@ -143,7 +143,7 @@ int chunk_attention(int64_t Hq, int64_t Hkv, int64_t C, int64_t T, int64_t D, co
     const int64_t R = Hq / Hkv, QP = R < ROWS ? ROWS / R : 1, rows = R * QP, padded = (rows + SR - 1) / SR * SR;
     const int64_t ld = (T + 31) / 32 * 32;
     float *keys = aligned_alloc(64, (size_t)(D * ld + padded * KT + 2 * padded * D) * sizeof(float));
-    float *m = malloc((size_t)(2 * padded + VR) * sizeof(float)), *corr = malloc((size_t)padded * sizeof(float));
+    float *m = malloc((size_t)(2 * padded) * sizeof(float)), *corr = malloc((size_t)padded * sizeof(float));
     const float **vrows = malloc(KT * sizeof(float *));
     if (!keys || !m || !corr || !vrows) {
         free(keys);
