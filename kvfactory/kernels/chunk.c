@@ -64,33 +64,6 @@ static inline void value_block(const float *p, const float *corr, const float **
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(o + r * D + i * 16, acc[r][i]);
 }
 
-/* Row r's scores s[0, n) become exp(score - top) for its first `seen` keys and 0 after them (keys it
- * may not see), top its new running maximum; returns corr = exp(old maximum - top) and updates its
- * maximum m and sum l. A row that sees none of the tile keeps its state (corr 1). */
-static inline float softmax_row(float *s, int64_t n, int64_t seen, float *m, float *l) {
-    if (seen <= 0) {
-        for (int64_t j = 0; j < n; j++) s[j] = 0.f;
-        return 1.f;
-    }
-    seen = seen < n ? seen : n;
-    __m512 most = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
-    for (int64_t j = 0; j < seen; j += 16) {
-        const __mmask16 live = seen - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (seen - j)) - 1);
-        most = _mm512_mask_max_ps(most, live, most, _mm512_maskz_loadu_ps(live, s + j));
-    }
-    const float top = fmaxf(*m, _mm512_reduce_max_ps(most));
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 live = j >= seen ? 0 : seen - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (seen - j)) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(top))));
-        _mm512_storeu_ps(s + j, p);
-        sums = _mm512_add_ps(sums, p);
-    }
-    const float corr = expf(*m - top);  /* 0 on the row's first tile, where m is -inf */
-    *l = *l * corr + _mm512_reduce_add_ps(sums);
-    *m = top;
-    return corr;
-}
-
 /* r[0..16), 16 rows of 16 floats, transposed in place: 32-bit, then 64-bit interleaves within
  * 128-bit lanes give each lane four rows' element, then a 4 x 4 transpose of the lanes. */
 static inline void transpose16(__m512 r[16]) {
@@ -182,7 +155,7 @@ int chunk_attention(int64_t Hq, int64_t Hkv, int64_t C, int64_t T, int64_t D, co
                     for (int64_t b = 0; b < blocks; b++) score_block(D, qs + row * D, keys + k0 + b * 32, ld, s + row * KT + b * 32);
                 for (int64_t row = 0; row < padded; row++) {  /* causal: position i0 + i sees [0, T - C + i0 + i] */
                     const int64_t seen = row >= live ? 0 : causal ? T - C + i0 + row / R + 1 - k0 : nk;
-                    corr[row] = softmax_row(s + row * KT, blocks * 32, seen, m + row, l + row);
+                    corr[row] = softmax_step(s + row * KT, blocks * 32, seen, m + row, l + row);
                 }
                 for (int64_t row = 0; row < padded; row += VR)
                     for (int64_t c = 0; c < D; c += 64) value_block(s + row * KT, corr + row, vrows, c, nk, o + row * D + c, D);

@@ -1,8 +1,9 @@
 /* What the kernels share: reading stored parameters (scales, zero points, page features) of the
  * dtypes kvfactory keeps them in as float32; in AVX-512, and in AVX2 where a CPU stops there,
- * horizontal sums and exp for softmax. */
+ * horizontal sums and exp for softmax; one row's online-softmax step (the attention kernels'). */
 #ifndef KVFACTORY_COMMON_H
 #define KVFACTORY_COMMON_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__F16C__)
@@ -139,5 +140,45 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
+
+/* One online-softmax step of a row (FlashAttention, Dao et al. 2022) over n new scores s[0, n): the
+ * first `seen` become exp(score - top) and the rest 0 (keys the row may not see), top the row's new
+ * running maximum; returns corr = exp(old maximum - top), 0 at the row's first step (*m = -inf), and
+ * updates the maximum *m and the sum *l. A row that sees none of them keeps its state (corr 1). */
+static inline float softmax_step(float *s, int64_t n, int64_t seen, float *m, float *l) {
+    if (seen <= 0) {
+        memset(s, 0, (size_t)n * sizeof(float));
+        return 1.f;
+    }
+    seen = seen < n ? seen : n;
+    float top = *m, sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 most = _mm512_set1_ps(-INFINITY), sums = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; j += 16) {
+        const __mmask16 live = seen - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (seen - j)) - 1);
+        most = _mm512_mask_max_ps(most, live, most, _mm512_maskz_loadu_ps(live, s + j));
+    }
+    top = fmaxf(top, _mm512_reduce_max_ps(most));
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 within = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __mmask16 live = j >= seen ? 0 : seen - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (seen - j)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(live, s + j);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+        _mm512_mask_storeu_ps(s + j, within, p);
+        sums = _mm512_add_ps(sums, p);
+    }
+    sum = _mm512_reduce_add_ps(sums);
+#else
+    for (int64_t j = 0; j < seen; j++) top = s[j] > top ? s[j] : top;
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = j < seen ? expf(s[j] - top) : 0.f;
+        sum += s[j];
+    }
+#endif
+    const float corr = expf(*m - top);
+    *l = *l * corr + sum;
+    *m = top;
+    return corr;
+}
 
 #endif

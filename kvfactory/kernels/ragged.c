@@ -86,41 +86,6 @@ static inline __attribute__((always_inline)) void scores_chunk(const int64_t D, 
         }
 }
 
-/* The tile's softmax step for each of R rows: its n scores s[r * TILE + j] become exp(score - top),
- * top the row's new running maximum; corr[r] = exp(old maximum - top) (0 on the first tile, where
- * the maximum m[r] is -inf); the sum l[r] becomes l[r] * corr[r] + the tile's exponentials. */
-static inline void softmax_tile(int64_t R, int64_t n, float *s, float *m, float *l, float *corr) {
-    for (int64_t r = 0; r < R; r++) {
-        float *sr = s + r * TILE, top = m[r], sum = 0.f;
-#if defined(__AVX512F__)
-        __m512 most = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-            most = _mm512_mask_max_ps(most, live, most, _mm512_maskz_loadu_ps(live, sr + j));
-        }
-        top = fmaxf(top, _mm512_reduce_max_ps(most));
-        __m512 sums = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-            const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j),
-                                                                           _mm512_set1_ps(top))));
-            _mm512_mask_storeu_ps(sr + j, live, p);
-            sums = _mm512_add_ps(sums, p);
-        }
-        sum = _mm512_reduce_add_ps(sums);
-#else
-        for (int64_t j = 0; j < n; j++) top = sr[j] > top ? sr[j] : top;
-        for (int64_t j = 0; j < n; j++) {
-            sr[j] = expf(sr[j] - top);
-            sum += sr[j];
-        }
-#endif
-        corr[r] = expf(m[r] - top);
-        l[r] = l[r] * corr[r] + sum;
-        m[r] = top;
-    }
-}
-
 #if defined(__AVX512F__)
 #define AVX512 1
 /* RB rows' value sums over a tile, for D = 16 NV channels: acc[r] = acc[r] * corr[r] +
@@ -264,7 +229,7 @@ static inline __attribute__((always_inline)) void attend_rows(
             n += take;
             t += take;
         }
-        softmax_tile(R, n, s, m, l, corr);
+        for (int64_t r = 0; r < R; r++) corr[r] = softmax_step(s + r * TILE, n, n, m + r, l + r);
         values_tile(D, R, s, corr, v, kind, &runs, buf, acc);
     }
     for (int64_t r = 0; r < R; r++) {
