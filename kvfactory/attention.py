@@ -16,6 +16,7 @@ attention sinks, dropout) reads the store whole (``DeferredRead.materialize``) a
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
@@ -259,6 +260,17 @@ def _split_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     stored = key.shape[2] - query.shape[2]
     past, past_lse = flash(query, key[:, :, :stored], value[:, :, :stored], scale=scaling)[:2]
     own, own_lse = flash(query, key[:, :, stored:], value[:, :, stored:], is_causal=True, scale=scaling)[:2]
-    merged = torch.logaddexp(past_lse, own_lse)
-    out = past * (past_lse - merged).exp_()[..., None] + own * (own_lse - merged).exp_()[..., None]
-    return out.transpose(1, 2)
+    return merge_parts((past, past_lse), (own, own_lse))[0].transpose(1, 2)
+
+
+def merge_parts(*parts: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the same query rows over disjoint sets of tokens (``[S, Hq, D]`` outputs with their
+    ``[S, Hq]`` log-sum-exps, ``-inf`` for a part of no tokens) as attention over their union, as
+    FlashAttention merges the blocks of a row (Dao et al. 2022): output (float32 at least) and
+    log-sum-exp (one part as it is). Any shapes whose outputs are their log-sum-exps' with a channel
+    dimension added."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = functools.reduce(torch.logaddexp, [part_lse for _, part_lse in parts])
+    weighted = [part.float() * (part_lse - lse).exp_()[..., None] for part, part_lse in parts]
+    return functools.reduce(torch.add, weighted), lse

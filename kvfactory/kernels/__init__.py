@@ -59,6 +59,11 @@ SIGNATURES = {
         "const void *vscale, int vskind, const float *vslut, const void *vzero, int vzkind, "
         "const float *vzlut, int64_t NB, int64_t KN, int64_t G, int64_t P, const int64_t *tables, "
         "int64_t max_blocks, const int64_t *tokens, float *out, float *lse)",
+        "void kivi_paged_dequantize(int64_t Hkv, int64_t D, int bits, int64_t group, const uint8_t *kcodes, "
+        "const void *kscale, int kskind, const float *kslut, const void *kzero, int kzkind, "
+        "const float *kzlut, const uint8_t *vcodes, const void *vscale, int vskind, const float *vslut, "
+        "const void *vzero, int vzkind, const float *vzlut, int64_t NB, int64_t KN, int64_t G, int64_t P, "
+        "const int64_t *ids, int64_t n, float *keys, float *values)",
     ),
     "pages": (
         "int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, "

@@ -15,7 +15,8 @@
  *
  * kivi_paged_decode runs both per block for a batch of decoding sequences, reading their pages in
  * place from a paged pool through block tables under an online softmax (kvfactory/quantization/
- * ragged.py merges its result with the full-precision window's).
+ * ragged.py merges its result with the full-precision window's); kivi_paged_dequantize decodes the
+ * blocks that a batch's sequences all share, once, for a kernel that reads them for all at once.
  */
 #include "common.h"
 
@@ -635,6 +636,51 @@ void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, 
             if (bits == 4 && P == 32) paged_rows(4, 32, PAGED_ARGS);
             else if (bits == 4 && P == 64) paged_rows(4, 64, PAGED_ARGS);
             else paged_rows(bits, P, PAGED_ARGS);
+        }
+    }
+}
+
+/* Blocks ids[0..n) of each KV head's quantized pages decoded to float32, for attention that reads
+ * them once for many query rows (a prompt that a batch of decoding sequences shares): keys[h, i * BT
+ * + t, :] = code * scale + zero of token t of block ids[i] (per channel over its key group), values
+ * likewise (per channel group of the token); keys and values [Hkv, n * BT, D] contiguous. Pool
+ * tensors as kivi_paged_decode reads them. A block costs one unpack per token, against one per
+ * token and sequence when each sequence reads it through kivi_paged_decode. */
+void kivi_paged_dequantize(int64_t Hkv, int64_t D, int bits, int64_t group, const uint8_t *kcodes,
+                           const void *kscale, int kskind, const float *kslut, const void *kzero, int kzkind,
+                           const float *kzlut, const uint8_t *vcodes, const void *vscale, int vskind,
+                           const float *vslut, const void *vzero, int vzkind, const float *vzlut, int64_t NB,
+                           int64_t KN, int64_t G, int64_t P, const int64_t *ids, int64_t n, float *keys,
+                           float *values) {
+    const int64_t BT = KN * G, groups = (D + group - 1) / group;
+    const int64_t kss = param_size(kskind), kzs = param_size(kzkind), vss = param_size(vskind), vzs = param_size(vzkind);
+    float cf[MAX_DIM] __attribute__((aligned(64))), sc[MAX_DIM], ze[MAX_DIM];
+    for (int64_t h = 0; h < Hkv; h++) {
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t b = h * NB + ids[i];
+            float *k = keys + (h * n + i) * BT * D, *v = values + (h * n + i) * BT * D;
+            for (int64_t kn = 0; kn < KN; kn++) {
+                load_params((const char *)kscale + (b * KN + kn) * D * kss, kskind, kslut, D, sc);
+                load_params((const char *)kzero + (b * KN + kn) * D * kzs, kzkind, kzlut, D, ze);
+                for (int64_t g = 0; g < G; g++) {
+                    unpack(kcodes + ((b * KN + kn) * G + g) * P, P, bits, cf);
+                    float *row = k + (kn * G + g) * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) row[d] = cf[d] * sc[d] + ze[d];
+                }
+            }
+            for (int64_t t = 0; t < BT; t++) {
+                load_params((const char *)vscale + (b * BT + t) * groups * vss, vskind, vslut, groups, sc);
+                load_params((const char *)vzero + (b * BT + t) * groups * vzs, vzkind, vzlut, groups, ze);
+                unpack(vcodes + (b * BT + t) * P, P, bits, cf);
+                for (int64_t c = 0; c < groups; c++) {
+                    const int64_t end = (c + 1) * group < D ? (c + 1) * group : D;
+                    const float s = sc[c], z = ze[c];
+                    float *row = v + t * D;
+#pragma omp simd
+                    for (int64_t d = c * group; d < end; d++) row[d] = cf[d] * s + z;
+                }
+            }
         }
     }
 }

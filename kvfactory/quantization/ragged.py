@@ -8,7 +8,10 @@ without gathering or decoding either: the packed blocks in one call of ``kivi_pa
 ``q . (code * scale + zero) = (q * scale) . code + q . zero``, an online softmax, value sums from the
 codes; Liu et al. 2024), the windows in one call of the plain paged kernel
 (``kvfactory.storage.ragged.paged_decode``), and the two parts merged by their log-sum-exps, as
-FlashAttention merges the blocks of a row (Dao et al. 2022).
+FlashAttention merges the blocks of a row (Dao et al. 2022). Where every sequence starts with the
+same whole packed blocks (a shared prompt), those are decoded once per step (``kivi_paged_dequantize``)
+and read once for every query row of the batch (``shared_attention``; Hydragen, Juravsky et al. 2024),
+as plain pages read theirs.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from kvfactory import kernels
+from kvfactory.attention import merge_parts
 from kvfactory.codecs import Encoded, native
 from kvfactory.quantization.store import PagedRuns, QuantizedStore, append_runs
 from kvfactory.storage.paged import front_tokens
-from kvfactory.storage.ragged import block_tables, paged_decode
+from kvfactory.storage.ragged import block_tables, paged_decode, shared_attention, shared_prefix
 
 MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
 
@@ -69,7 +73,7 @@ def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: f
     if windows is None:
         views = [store.inner.pages_in_place() for store in stores]
         if all(view is None for view in views):  # no residual window (``residual: 0``) held a token
-            return _packed_decode(query, stores, packed, scale)[0].to(query.dtype)
+            return merge_parts(*_packed_decode(query, stores, packed, scale))[0].to(query.dtype)
         empty = torch.zeros(0, dtype=torch.long)
         windows = (block_tables([empty if v is None else v[1] for v in views]),
                    torch.tensor([0 if v is None else v[2] for v in views]),
@@ -80,34 +84,68 @@ def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: f
                             check=False, return_lse=True)
     if all(runs is None for runs in packed):
         return out
-    quantized, quantized_lse = _packed_decode(query, stores, packed, scale)
-    merged = torch.logaddexp(lse, quantized_lse)
-    weights = (lse - merged).exp()[..., None], (quantized_lse - merged).exp()[..., None]
-    out = out.float() * weights[0] + quantized * weights[1]
-    return out.to(query.dtype)
+    return merge_parts((out, lse), *_packed_decode(query, stores, packed, scale))[0].to(query.dtype)
 
 
 def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], packed: list[PagedRuns | None],
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed part: output ``[S, Hq, D]`` and log-sum-exp ``[S, Hq]`` (float32; ``-inf`` where a
-    sequence has no packed tokens yet)."""
+                   scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The packed part as outputs ``[S, Hq, D]`` with their log-sum-exps ``[S, Hq]`` (float32; ``-inf``
+    where a sequence has no packed tokens there) for ``merge_parts``: the blocks every sequence reads
+    whole (a shared prompt's, ``shared_prefix``) decoded once and read once for all query rows
+    (``shared_attention``), where the kernels take them, and each sequence's other blocks in place."""
     first = next(runs for runs in packed if runs is not None)
-    pool = first.table.blocks.tensors
-    keys, values = stores[0].key_codec, stores[0].value_codec
+    pool, block_tokens = first.table.blocks.tensors, first.block_tokens
     empty = torch.zeros(0, dtype=torch.long)
     tables = block_tables([empty if runs is None else runs.table.ids[0] for runs in packed])
     tokens = torch.tensor([0 if runs is None else runs.tokens for runs in packed])
+    shared = shared_prefix(tables, torch.zeros_like(tokens), tokens, block_tokens)
+    head = _shared_packed(query, stores[0], pool, tables[0, :shared], scale) if shared else None
+    if head is None:
+        return [_paged_packed(query, stores[0], pool, tables, tokens, scale)]
+    return [head, _paged_packed(query, stores[0], pool, tables[:, shared:], tokens - shared * block_tokens,
+                                scale)]
+
+
+def _paged_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, torch.Tensor],
+                  tables: torch.Tensor, tokens: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence over its ``tokens`` packed tokens in blocks ``tables`` (one call of
+    ``kivi_paged_decode``): output and log-sum-exp."""
     s, hq, d = query.shape
     hkv, num_blocks, key_groups, group_tokens, code_bytes = pool["k.codes"].shape
     q = query.float().contiguous()
+    tables = tables.contiguous()
     out = torch.empty(s, hq, d, dtype=torch.float32)
     lse = torch.empty(s, hq, dtype=torch.float32)
     kernels.load("kivi").kivi_paged_decode(
-        s, hq, hkv, d, keys.bits, values.group_size, q.data_ptr(), scale, pool["k.codes"].data_ptr(),
-        *_param(pool["k.scale"]), *_param(pool["k.zero"]), pool["v.codes"].data_ptr(),
-        *_param(pool["v.scale"]), *_param(pool["v.zero"]), num_blocks, key_groups, group_tokens,
-        code_bytes, tables.data_ptr(), tables.shape[1], tokens.data_ptr(), out.data_ptr(), lse.data_ptr())
+        s, hq, hkv, d, store.key_codec.bits, store.value_codec.group_size, q.data_ptr(), scale,
+        *_pool_args(pool), num_blocks, key_groups, group_tokens, code_bytes, tables.data_ptr(),
+        tables.shape[1], tokens.data_ptr(), out.data_ptr(), lse.data_ptr())
     return out, lse
+
+
+def _shared_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, torch.Tensor],
+                   ids: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every query row over the packed blocks ``ids``: decoded once (``kivi_paged_dequantize``, a few
+    hundred KiB per KV head for a 1,024-token prompt) and read by ``shared_attention``; None where that
+    does not take them."""
+    hkv, num_blocks, key_groups, group_tokens, code_bytes = pool["k.codes"].shape
+    d, tokens = query.shape[2], ids.numel() * key_groups * group_tokens
+    if d % 64 or query.dtype != torch.float32:
+        return None
+    ids = ids.contiguous()
+    keys, values = torch.empty(hkv, 1, tokens, d), torch.empty(hkv, 1, tokens, d)
+    kernels.load("kivi").kivi_paged_dequantize(
+        hkv, d, store.key_codec.bits, store.value_codec.group_size, *_pool_args(pool), num_blocks, key_groups,
+        group_tokens, code_bytes, ids.data_ptr(), ids.numel(), keys.data_ptr(), values.data_ptr())
+    return shared_attention(query, keys, values, torch.zeros(1, dtype=torch.long), scale)
+
+
+def _pool_args(pool: dict[str, torch.Tensor]) -> tuple[int | None, ...]:
+    """A KIVI pool's tensors as the kernels take them: key codes, scale and zero point, then the
+    value's (each parameter as pointer, dtype kind and FP8 table)."""
+    return (pool["k.codes"].data_ptr(), *_param(pool["k.scale"]), *_param(pool["k.zero"]),
+            pool["v.codes"].data_ptr(), *_param(pool["v.scale"]), *_param(pool["v.zero"]))
 
 
 def _param(t: torch.Tensor) -> tuple[int, int, int | None]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvfactory import kernels
+from kvfactory.attention import merge_parts
 from kvfactory.errors import ShapeError
 
 MAX_DIM = 512  # channels per head ragged.c takes, as there
@@ -92,24 +93,35 @@ def _shared_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
                    starts: torch.Tensor, lengths: torch.Tensor, scale: float, shared: int
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``paged_decode`` of a batch whose sequences all read ``tables[:, :shared]`` whole: every query
-    row over those blocks in one call of the chunk kernel, each sequence over the rest, merged by
-    the parts' log-sum-exps; None where the chunk kernel does not take the pool (not float32 on the
-    CPU, a head size not a multiple of 64, no AVX-512 build)."""
+    row over those blocks at once (``shared_attention``), each sequence over the rest, merged by the
+    parts' log-sum-exps; None where the chunk kernel does not take the pool."""
+    head = shared_attention(query, k_pool, v_pool, tables[0, :shared], scale)
+    if head is None:
+        return None
+    page = k_pool.shape[2]
+    tail = paged_decode(query, k_pool, v_pool, tables[:, shared:], starts, lengths - shared * page, scale,
+                        check=False, return_lse=True)
+    return merge_parts(head, tail)
+
+
+def shared_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ids: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every query row ``[S, Hq, D]`` over the whole blocks ``ids`` of a pool ``[Hkv, num_blocks,
+    page_size, D]`` (the blocks a batch's sequences all read), in one call of the chunk kernel, so each
+    block is read once for all rows: output ``[S, Hq, D]`` and log-sum-exp ``[S, Hq]``, float32; None
+    where the kernel does not take them (not float32 on the CPU, a head size not a multiple of 64, no
+    AVX-512 build)."""
     (s, hq, d), (hkv, _, page, _) = query.shape, k_pool.shape
     if {k_pool.dtype, query.dtype} != {torch.float32} or not _kernel_fits(query, k_pool, v_pool) or d % 64 \
             or (lib := kernels.load("chunk")) is None:
         return None
     q = query.contiguous()
-    ids = tables[0, :shared].to("cpu", torch.int64).contiguous()
-    head_out, head_lse = torch.empty(s, hq, d), torch.empty(s, hq)
-    if not lib.chunk_attention(hq, hkv, s, shared * page, d, q.data_ptr(), d, hq * d,
+    ids = ids.to("cpu", torch.int64).contiguous()
+    out, lse = torch.empty(s, hq, d), torch.empty(s, hq)
+    if not lib.chunk_attention(hq, hkv, s, ids.numel() * page, d, q.data_ptr(), d, hq * d,
                                k_pool.data_ptr(), k_pool.stride(0), d, v_pool.data_ptr(), v_pool.stride(0), d,
-                               ids.data_ptr(), page, 0, scale, head_out.data_ptr(), head_lse.data_ptr()):
+                               ids.data_ptr(), page, 0, scale, out.data_ptr(), lse.data_ptr()):
         return None
-    tail_out, tail_lse = paged_decode(q, k_pool, v_pool, tables[:, shared:], starts, lengths - shared * page,
-                                      scale, check=False, return_lse=True)
-    lse = torch.logaddexp(head_lse, tail_lse)
-    out = head_out * (head_lse - lse).exp_()[..., None] + tail_out * (tail_lse - lse).exp_()[..., None]
     return out, lse
 
 

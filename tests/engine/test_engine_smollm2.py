@@ -11,6 +11,7 @@ from kvfactory.engine import AdmissionError, Engine, EngineFullError, SamplingPa
 from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
 from kvfactory.presets import load_preset
+from kvfactory.quantization import ragged as ragged_quantized
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +94,27 @@ def test_quantized_pages_reuse_a_cached_prompt_as_computed(smollm2, preset: str)
     assert outputs[1].cached_tokens % layout.block_tokens == 0
     factory = KVCacheFactory(model.config, config)
     assert outputs[1].token_ids == greedy_tokens(model, prompts[1], GREEDY.max_tokens, factory.create_cache())
+    assert_idle(engine)
+
+
+def test_sequences_behind_one_quantized_prompt_read_it_once_and_answer_as_alone(smollm2, monkeypatch) -> None:
+    """Four int4 requests decoding behind the same cached prompt read its shared packed blocks once per
+    step for all of them (decoded once, one product for every query row) and generate what the same
+    cache computes alone."""
+    model, tokenizer = smollm2
+    system = tokenizer("Call me Ishmael. " * 80)["input_ids"]
+    prompts = [system + tokenizer(f" Chapter {i}: the whale")["input_ids"] for i in range(5)]
+    config = load_preset("int4")
+    engine = Engine(model, tokenizer, config, pool_tokens=8192, max_num_batched_tokens=512)
+    engine.generate(prompts[:1], GREEDY)
+    reads, shared = [], ragged_quantized._shared_packed
+    spy = lambda *args: reads.append(args[3].numel()) or shared(*args)  # noqa: E731 (the blocks read at once)
+    monkeypatch.setattr(ragged_quantized, "_shared_packed", spy)
+    outputs = engine.generate(prompts[1:], GREEDY)
+    assert reads and min(reads) * engine.manager.layout.block_tokens >= 128
+    factory = KVCacheFactory(model.config, config)
+    for prompt, output in zip(prompts[1:], outputs, strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
     assert_idle(engine)
 
 

@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 from kvfactory import kernels
 from kvfactory.manager import KVCacheManager
 from kvfactory.quantization.ragged import flush_windows, in_place, quantized_decode
+from kvfactory.storage.ragged import block_tables, shared_prefix
 
 pytestmark = pytest.mark.skipif(kernels.load("kivi") is None or kernels.load("ragged") is None,
                                 reason="no C compiler")
@@ -27,7 +28,7 @@ def stores_of(config: dict, query_heads: int, kv_heads: int, head_dim: int, leng
     model_config = LlamaConfig(hidden_size=query_heads * head_dim, num_attention_heads=query_heads,
                                num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=1,
                                vocab_size=16, max_position_embeddings=4096)
-    manager = KVCacheManager(model_config, {**config, "pool_tokens": sum(lengths) + 64 * len(lengths)})
+    manager = KVCacheManager(model_config, {"pool_tokens": sum(lengths) + 64 * len(lengths), **config})
     gen = torch.Generator().manual_seed(seed)
     stores = []
     for i, length in enumerate(lengths):
@@ -79,6 +80,34 @@ def test_window_only_batches_skip_the_packed_kernel() -> None:
     _, stores = stores_of({"type": "paged", "quantization": "int4"}, 9, 3, 64, [3, 100])
     query = torch.randn(2, 9, 64)
     torch.testing.assert_close(quantized_decode(query, stores, 0.125), reference(query, stores, 0.125),
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", [{"type": "paged", "page_size": 16, "quantization": "int4"},
+                                    {"type": "paged", "page_size": 64, "quantization": "int2"}],
+                         ids=["int4-page16", "int2-page64"])
+@pytest.mark.parametrize(("query_heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (6, 2, 48)],
+                         ids=["gqa-64", "mqa-256", "gqa-48"])
+def test_a_prompt_every_sequence_shares_is_read_once_and_matches(config, query_heads, kv_heads,
+                                                                 head_dim) -> None:
+    """Forks of one 700-token prompt share its whole packed blocks: those are decoded once and read for
+    every query row together (where the head size takes the chunk kernel; 48 channels do not), each
+    fork's own tokens per sequence, and the result is attention over each sequence's decoded K/V."""
+    manager, (prompt,) = stores_of({**config, "pool_tokens": 4096}, query_heads, kv_heads, head_dim, [700],
+                                   seed=1)
+    gen = torch.Generator().manual_seed(2)
+    stores = [prompt]
+    for i, extra in enumerate([0, 1, 40, 333]):
+        layer = manager.fork("s0", f"f{i}").layers[0]
+        if extra:
+            layer.append(*(torch.randn(1, kv_heads, extra, head_dim, generator=gen) for _ in range(2)))
+        stores.append(layer.store)
+    tables = block_tables([store.runs.table.ids[0] for store in stores])
+    tokens = torch.tensor([store.runs.tokens for store in stores])
+    assert shared_prefix(tables, torch.zeros_like(tokens), tokens, stores[0].runs.block_tokens) > 0
+    query = torch.randn(len(stores), query_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    scale = head_dim ** -0.5
+    torch.testing.assert_close(quantized_decode(query, stores, scale), reference(query, stores, scale),
                                atol=2e-5, rtol=1e-4)
 
 
