@@ -19,7 +19,7 @@ import torch
 from kvfactory import kernels
 from kvfactory.errors import ShapeError
 
-MAX_DIM, MAX_ROWS = 512, 64  # as in kivi.c
+MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
 
 
 def _library() -> ctypes.CDLL | None:
@@ -104,3 +104,31 @@ def value_sums(probs: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
         b, h, r, head_dim, bits, group, probs.data_ptr(), row, codes.data_ptr(), *cs[:3], t, p,
         *_param(scale), *_param(zero), out.data_ptr())
     return out
+
+
+def pool_pointers(pool: dict[str, torch.Tensor]) -> tuple[int | None, ...]:
+    """A pool of KIVI pages (``k.codes``, ``k.scale``, ``k.zero``, ``v.codes``, ``v.scale``, ``v.zero``,
+    each ``[Hkv, num_blocks, ...]`` contiguous) as the paged kernels take it: the key codes, scale and
+    zero point, then the values' (each parameter as pointer, dtype kind and FP8 table)."""
+    def param(t: torch.Tensor) -> tuple[int, int, int | None]:
+        return t.data_ptr(), kernels.KINDS[t.dtype], lut_pointer(t.dtype)
+    return (pool["k.codes"].data_ptr(), *param(pool["k.scale"]), *param(pool["k.zero"]),
+            pool["v.codes"].data_ptr(), *param(pool["v.scale"]), *param(pool["v.zero"]))
+
+
+def paged_dequantize(pool: dict[str, torch.Tensor], ids: torch.Tensor, bits: int, group: int,
+                     keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The first ``keys.shape[1]`` tokens (whole key groups) held in blocks ``ids`` (int64, in order) of
+    a pool of KIVI pages (see ``pool_pointers``), decoded once into float32 ``keys`` / ``values``
+    ``[Hkv, tokens, D]`` (rows contiguous, any head stride)."""
+    hkv, num_blocks, key_groups, group_tokens, code_bytes = pool["k.codes"].shape
+    tokens, head_dim = keys.shape[1:]
+    if keys.shape != values.shape or keys.shape[0] != hkv or {keys.dtype, values.dtype} != {torch.float32} \
+            or keys.stride()[1:] != (head_dim, 1) or values.stride()[1:] != (head_dim, 1) \
+            or tokens % group_tokens or ids.numel() * key_groups * group_tokens < tokens:
+        raise ShapeError(f"KIVI pages: {tokens} tokens of blocks {ids.numel()} x {key_groups * group_tokens} "
+                         f"tokens do not decode into keys {tuple(keys.shape)} / values {tuple(values.shape)}")
+    ids = ids.to(torch.int64).contiguous()
+    _library().kivi_paged_dequantize(
+        hkv, head_dim, bits, group, *pool_pointers(pool), num_blocks, key_groups, group_tokens, code_bytes,
+        ids.data_ptr(), tokens, keys.data_ptr(), keys.stride(0), values.data_ptr(), values.stride(0))

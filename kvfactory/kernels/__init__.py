@@ -63,7 +63,7 @@ SIGNATURES = {
         "const void *kscale, int kskind, const float *kslut, const void *kzero, int kzkind, "
         "const float *kzlut, const uint8_t *vcodes, const void *vscale, int vskind, const float *vslut, "
         "const void *vzero, int vzkind, const float *vzlut, int64_t NB, int64_t KN, int64_t G, int64_t P, "
-        "const int64_t *ids, int64_t n, float *keys, float *values)",
+        "const int64_t *ids, int64_t tokens, float *keys, int64_t kh, float *values, int64_t vh)",
     ),
     "pages": (
         "int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, "

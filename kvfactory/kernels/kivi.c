@@ -640,26 +640,25 @@ void kivi_paged_decode(int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int bits, 
     }
 }
 
-/* Blocks ids[0..n) of each KV head's quantized pages decoded to float32, for attention that reads
- * them once for many query rows (a prompt that a batch of decoding sequences shares): keys[h, i * BT
- * + t, :] = code * scale + zero of token t of block ids[i] (per channel over its key group), values
- * likewise (per channel group of the token); keys and values [Hkv, n * BT, D] contiguous. Pool
- * tensors as kivi_paged_decode reads them. A block costs one unpack per token, against one per
- * token and sequence when each sequence reads it through kivi_paged_decode. */
+/* The first `tokens` tokens (a multiple of G) of each KV head's quantized pages in blocks ids[0..) of
+ * BT = KN * G tokens, decoded to float32: token t of KV head h to keys + h * kh + t * D (code * scale
+ * + zero per channel over its key group) and values + h * vh + t * D (per channel group of the
+ * token), so a read of many query rows (a prefill chunk, a prompt that a batch of decoding sequences
+ * shares) decodes each token once. Pool tensors as kivi_paged_decode reads them. */
 void kivi_paged_dequantize(int64_t Hkv, int64_t D, int bits, int64_t group, const uint8_t *kcodes,
                            const void *kscale, int kskind, const float *kslut, const void *kzero, int kzkind,
                            const float *kzlut, const uint8_t *vcodes, const void *vscale, int vskind,
                            const float *vslut, const void *vzero, int vzkind, const float *vzlut, int64_t NB,
-                           int64_t KN, int64_t G, int64_t P, const int64_t *ids, int64_t n, float *keys,
-                           float *values) {
+                           int64_t KN, int64_t G, int64_t P, const int64_t *ids, int64_t tokens, float *keys,
+                           int64_t kh, float *values, int64_t vh) {
     const int64_t BT = KN * G, groups = (D + group - 1) / group;
     const int64_t kss = param_size(kskind), kzs = param_size(kzkind), vss = param_size(vskind), vzs = param_size(vzkind);
     float cf[MAX_DIM] __attribute__((aligned(64))), sc[MAX_DIM], ze[MAX_DIM];
     for (int64_t h = 0; h < Hkv; h++) {
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t b = h * NB + ids[i];
-            float *k = keys + (h * n + i) * BT * D, *v = values + (h * n + i) * BT * D;
-            for (int64_t kn = 0; kn < KN; kn++) {
+        for (int64_t i = 0; i * BT < tokens; i++) {
+            const int64_t b = h * NB + ids[i], T = tokens - i * BT < BT ? tokens - i * BT : BT;
+            float *k = keys + h * kh + i * BT * D, *v = values + h * vh + i * BT * D;
+            for (int64_t kn = 0; kn < T / G; kn++) {
                 load_params((const char *)kscale + (b * KN + kn) * D * kss, kskind, kslut, D, sc);
                 load_params((const char *)kzero + (b * KN + kn) * D * kzs, kzkind, kzlut, D, ze);
                 for (int64_t g = 0; g < G; g++) {
@@ -669,7 +668,7 @@ void kivi_paged_dequantize(int64_t Hkv, int64_t D, int bits, int64_t group, cons
                     for (int64_t d = 0; d < D; d++) row[d] = cf[d] * sc[d] + ze[d];
                 }
             }
-            for (int64_t t = 0; t < BT; t++) {
+            for (int64_t t = 0; t < T; t++) {
                 load_params((const char *)vscale + (b * BT + t) * groups * vss, vskind, vslut, groups, sc);
                 load_params((const char *)vzero + (b * BT + t) * groups * vzs, vzkind, vzlut, groups, ze);
                 unpack(vcodes + (b * BT + t) * P, P, bits, cf);

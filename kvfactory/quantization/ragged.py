@@ -25,26 +25,15 @@ from kvfactory.quantization.store import PagedRuns, QuantizedStore, append_runs
 from kvfactory.storage.paged import front_tokens
 from kvfactory.storage.ragged import block_tables, paged_decode, shared_attention, shared_prefix
 
-MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
-
 
 def in_place(store: object, query_heads: int) -> bool:
-    """Whether ``quantized_decode`` reads ``store``: a one-row ``QuantizedStore`` over paged storage
-    with KIVI keys and values of one bit width, its packed tokens from the start of their first block,
-    sizes the kernel takes, on the CPU with the C kernels built."""
-    if not isinstance(store, QuantizedStore) or not store.inner.plain_pages:
+    """Whether ``quantized_decode`` reads ``store``: a ``QuantizedStore`` whose packed tokens the C
+    kernels read in place (``kernel_pages``), its query heads grouped over its KV heads as they take
+    them."""
+    if not isinstance(store, QuantizedStore) or not store.kernel_pages:
         return False
-    keys, values, like = store.key_codec, store.value_codec, store.like
-    if (keys.kernel_layout, values.kernel_layout) != ("kivi-keys", "kivi-values") or keys.bits != values.bits:
-        return False
-    if like is None or like[0].shape[0] != 1 or like[0].device.type != "cpu" or not native.available():
-        return False
-    head_dim, kv_heads = like[0].shape[3], like[0].shape[1]
-    packed = store.runs
-    return (like[1].shape[3] == head_dim <= MAX_DIM and query_heads % kv_heads == 0
-            and query_heads // kv_heads <= MAX_ROWS
-            and (packed is None or (isinstance(packed, PagedRuns) and packed.table.start == 0
-                                    and packed.block_tokens <= MAX_BLOCK)))
+    kv_heads = store.like[0].shape[1]
+    return query_heads % kv_heads == 0 and query_heads // kv_heads <= native.MAX_ROWS
 
 
 def flush_windows(stores: list[QuantizedStore], tokens: int) -> None:
@@ -119,7 +108,7 @@ def _paged_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, to
     lse = torch.empty(s, hq, dtype=torch.float32)
     kernels.load("kivi").kivi_paged_decode(
         s, hq, hkv, d, store.key_codec.bits, store.value_codec.group_size, q.data_ptr(), scale,
-        *_pool_args(pool), num_blocks, key_groups, group_tokens, code_bytes, tables.data_ptr(),
+        *native.pool_pointers(pool), num_blocks, key_groups, group_tokens, code_bytes, tables.data_ptr(),
         tables.shape[1], tokens.data_ptr(), out.data_ptr(), lse.data_ptr())
     return out, lse
 
@@ -129,25 +118,11 @@ def _shared_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, t
     """Every query row over the packed blocks ``ids``: decoded once (``kivi_paged_dequantize``, a few
     hundred KiB per KV head for a 1,024-token prompt) and read by ``shared_attention``; None where that
     does not take them."""
-    hkv, num_blocks, key_groups, group_tokens, code_bytes = pool["k.codes"].shape
+    hkv, _, key_groups, group_tokens, _ = pool["k.codes"].shape
     d, tokens = query.shape[2], ids.numel() * key_groups * group_tokens
     if d % 64 or query.dtype != torch.float32:
         return None
-    ids = ids.contiguous()
     keys, values = torch.empty(hkv, 1, tokens, d), torch.empty(hkv, 1, tokens, d)
-    kernels.load("kivi").kivi_paged_dequantize(
-        hkv, d, store.key_codec.bits, store.value_codec.group_size, *_pool_args(pool), num_blocks, key_groups,
-        group_tokens, code_bytes, ids.data_ptr(), ids.numel(), keys.data_ptr(), values.data_ptr())
+    native.paged_dequantize(pool, ids, store.key_codec.bits, store.value_codec.group_size, keys[:, 0],
+                            values[:, 0])
     return shared_attention(query, keys, values, torch.zeros(1, dtype=torch.long), scale)
-
-
-def _pool_args(pool: dict[str, torch.Tensor]) -> tuple[int | None, ...]:
-    """A KIVI pool's tensors as the kernels take them: key codes, scale and zero point, then the
-    value's (each parameter as pointer, dtype kind and FP8 table)."""
-    return (pool["k.codes"].data_ptr(), *_param(pool["k.scale"]), *_param(pool["k.zero"]),
-            pool["v.codes"].data_ptr(), *_param(pool["v.scale"]), *_param(pool["v.zero"]))
-
-
-def _param(t: torch.Tensor) -> tuple[int, int, int | None]:
-    """A pool's scale or zero-point tensor as the kernel reads it: pointer, dtype kind, FP8 table."""
-    return t.data_ptr(), kernels.KINDS[t.dtype], native.lut_pointer(t.dtype)

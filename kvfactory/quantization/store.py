@@ -232,6 +232,22 @@ class QuantizedStore(LayerStore):
         """The encoded runs, once any were made (``packed`` makes them)."""
         return self._packed
 
+    @property
+    def kernel_pages(self) -> bool:
+        """Whether the C kernels (``kvfactory/kernels/kivi.c``) read the packed tokens in place: one row
+        over paged storage, KIVI keys and values of one bit width, the packed tokens from the start of
+        their first block, sizes the kernels take, on the CPU with the kernels built."""
+        like, packed = self._like, self._packed
+        keys, values = self.key_codec, self.value_codec
+        if not self.inner.plain_pages or like is None or like[0].shape[0] != 1 \
+                or like[0].device.type != "cpu" \
+                or (keys.kernel_layout, values.kernel_layout) != ("kivi-keys", "kivi-values") \
+                or keys.bits != values.bits:
+            return False
+        return (like[1].shape[3] == like[0].shape[3] <= native.MAX_DIM and native.available()
+                and (packed is None or (isinstance(packed, PagedRuns) and packed.table.start == 0
+                                        and packed.block_tokens <= native.MAX_BLOCK)))
+
     def fits_window(self, tokens: int) -> bool:
         """Whether ``tokens`` more stay in the full-precision window without a flush, so a batched
         write may store them in ``inner`` directly (``kvfactory.storage.paged.append_one_each``)."""
@@ -347,9 +363,14 @@ class QuantizedStore(LayerStore):
         b, h, _, dk = k.shape
         keys = self.workspace.buffer("quantized_keys", (b, h, quantized + held, dk), k)
         values = self.workspace.buffer("quantized_values", (b, h, quantized + held, v.shape[3]), v)
-        ek, ev = self.packed.encoded()
-        self.key_codec.decode(ek, out=keys[:, :, :quantized])
-        self.value_codec.decode(ev, out=values[:, :, :quantized])
+        if self.kernel_pages and k.dtype == torch.float32:  # decoded in place from the pool's blocks
+            native.paged_dequantize(self.packed.table.blocks.tensors, self.packed.table.ids[0],
+                                    self.key_codec.bits, self.value_codec.group_size, keys[0, :, :quantized],
+                                    values[0, :, :quantized])
+        else:
+            ek, ev = self.packed.encoded()
+            self.key_codec.decode(ek, out=keys[:, :, :quantized])
+            self.value_codec.decode(ev, out=values[:, :, :quantized])
         if held:
             rk, rv = self.inner.gather()
             keys[:, :, quantized:].copy_(rk)

@@ -111,6 +111,22 @@ def test_a_prompt_every_sequence_shares_is_read_once_and_matches(config, query_h
                                atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("config", [{"type": "paged", "page_size": 16, "quantization": "int4"},
+                                    {"type": "paged", "page_size": 64, "quantization": "int2"}],
+                         ids=["int4-page16", "int2-page64"])
+@pytest.mark.parametrize("head_dim", [64, 48, 128])
+def test_a_read_decodes_the_pages_in_place_as_the_codecs_do(config, head_dim: int) -> None:
+    """``gather`` (a prefill chunk's read) decodes KIVI pages straight from the pool's blocks in C,
+    bit for bit what the codecs decode from the gathered codes, the window after them."""
+    _, (store,) = stores_of(config, 9, 3, head_dim, [1001], seed=4)
+    assert store.kernel_pages and store.quantized_tokens > 0
+    keys, values = (x.clone() for x in store.gather())
+    ek, ev = store.runs.encoded()
+    window = store.inner.gather()
+    assert torch.equal(keys, torch.cat([store.key_codec.decode(ek), window[0]], 2))
+    assert torch.equal(values, torch.cat([store.value_codec.decode(ev), window[1]], 2))
+
+
 @pytest.mark.parametrize("config", [{"type": "paged", "quantization": "int8"}, {"type": "paged"}],
                          ids=["int8", "plain"])
 def test_refuses_other_stores(config) -> None:
