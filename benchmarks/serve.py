@@ -28,7 +28,10 @@ latency p50/p99, prefill tokens/s (prompt tokens over the time of steps that pre
 tokens/s (tokens generated in decode-only steps over their time: prefill excluded) and peak KV
 bytes. ``--scale`` shrinks every length for a quick look. ``--generate-batch-limit S`` runs
 ``generate_batch`` in a child process stopped after ``S`` seconds (then reported as ``wall_over_s``: a
-lower bound, for a workload it would take an hour to finish). Prints JSON (``--out FILE`` also writes it).
+lower bound, for a workload it would take an hour to finish). ``--repeat N`` runs every system N times
+in alternating order (after an untimed run of the first, since a process's first engine run is slower)
+and reports each system's run of median wall time with every run's wall and its ratio to the first
+system's in the same round. Prints JSON (``--out FILE`` also writes it).
 
     python benchmarks/serve.py --workloads a,b --systems engine:paged16,engine:int4,sequential
 """
@@ -239,6 +242,47 @@ def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, An
     return summary(run["wall"], run["generated"], run["ttft"], run["itl"], (0, 0.0), run["decode"], None)
 
 
+def run_system(system: str, name: str, prompts: list[list[int]], new: int, args: argparse.Namespace,
+               model: Any, tokenizer: Any) -> dict[str, Any] | None:
+    """One run of ``system`` on workload ``name``; None where the workload does not apply to it."""
+    timed = system.startswith("http:") or system in ("vllm", "sequential")
+    if "rate" in WORKLOADS[name] and not timed and system != "generate_batch":
+        return None  # arrivals over time: through a server, or one by one as they arrive
+        # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
+    if system.startswith("engine"):
+        kind, config = system.split(":", 1)
+        base = kind.removesuffix("-compiled").removesuffix("-no-prefix-cache")
+        if base not in ("engine", "engine-prefill-first"):
+            raise SystemExit(f"unknown system {system!r}")
+        return run_engine(model, tokenizer, config, prompts, new,
+                          prefill_first=base == "engine-prefill-first",
+                          prefix_caching=False if "-no-prefix-cache" in kind else None,
+                          kv_gib=WORKLOADS[name].get("kv_gib"), compile_step=kind.endswith("-compiled"))
+    if system == "sequential":
+        return run_sequential(model, prompts, new, WORKLOADS[name].get("rate"))
+    if system == "generate_batch" and args.generate_batch_limit:
+        return run_generate_batch_limited(name, args.scale, args.new_tokens, args.generate_batch_limit)
+    if system == "generate_batch":
+        return run_generate_batch(prompts, new)
+    if system.startswith("http:") or system == "vllm":
+        return run_http(system, prompts, new, WORKLOADS[name])
+    raise SystemExit(f"unknown system {system!r}")
+
+
+def median_run(results: list[dict[str, Any]], first: list[dict[str, Any]]) -> dict[str, Any]:
+    """A system's runs as one row: the run of median wall time (the lower of the middle two), with every
+    run's wall time and, for several runs, each run's wall over the first system's in the same round
+    and their median (``wall_vs_first``)."""
+    if len(results) == 1 or any(r["wall_s"] is None for r in results):
+        return results[0]
+    walls = [r["wall_s"] for r in results]
+    row = {**sorted(results, key=lambda r: r["wall_s"])[(len(results) - 1) // 2], "wall_runs_s": walls}
+    if len(first) == len(results) and all(r["wall_s"] for r in first):
+        ratios = [round(w / r["wall_s"], 3) for w, r in zip(walls, first, strict=True)]
+        row["wall_vs_first"] = {"runs": ratios, "median": statistics.median(ratios)}
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="a,b,c")
@@ -248,6 +292,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="override each workload's new tokens")
     parser.add_argument("--generate-batch-limit", type=float, default=None,
                         help="seconds before a generate_batch run (in a child process) is stopped")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of every system, in alternating order after an untimed run of the first")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -256,39 +302,25 @@ def main() -> None:
     report: dict[str, Any] = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "threads": 1,
                               "cpu": cpu_model(), "scale": args.scale,
                               "workloads": {}}
+    systems = args.systems.split(",")
     for name in args.workloads.split(","):
         prompts, new = prompts_for(name, tokens, args.scale, args.new_tokens)
         rows = report["workloads"][name] = {"requests": len(prompts), "prompt_tokens": len(prompts[0]),
                                             "new_tokens": new, "systems": {}}
+        runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
         with torch.inference_mode():
-            for system in args.systems.split(","):
-                timed = system.startswith("http:") or system in ("vllm", "sequential")
-                if "rate" in WORKLOADS[name] and not timed and system != "generate_batch":
-                    continue  # arrivals over time: through a server, or one by one as they arrive
-                    # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
-                if system.startswith("engine"):
-                    kind, config = system.split(":", 1)
-                    base = kind.removesuffix("-compiled").removesuffix("-no-prefix-cache")
-                    if base not in ("engine", "engine-prefill-first"):
-                        raise SystemExit(f"unknown system {system!r}")
-                    result = run_engine(model, tokenizer, config, prompts, new,
-                                        prefill_first=base == "engine-prefill-first",
-                                        prefix_caching=False if "-no-prefix-cache" in kind else None,
-                                        kv_gib=WORKLOADS[name].get("kv_gib"),
-                                        compile_step=kind.endswith("-compiled"))
-                elif system == "sequential":
-                    result = run_sequential(model, prompts, new, WORKLOADS[name].get("rate"))
-                elif system == "generate_batch" and args.generate_batch_limit:
-                    result = run_generate_batch_limited(name, args.scale, args.new_tokens,
-                                                        args.generate_batch_limit)
-                elif system == "generate_batch":
-                    result = run_generate_batch(prompts, new)
-                elif system.startswith("http:") or system == "vllm":
-                    result = run_http(system, prompts, new, WORKLOADS[name])
-                else:
-                    raise SystemExit(f"unknown system {system!r}")
-                rows["systems"][system] = result
-                print(json.dumps({"workload": name, "system": system, **result}), flush=True)
+            if args.repeat > 1:  # untimed: a process's first engine run is slower than later ones
+                run_system(systems[0], name, prompts, new, args, model, tokenizer)
+            for round_ in range(args.repeat):  # alternating order, so no system always runs first
+                for system in systems if round_ % 2 == 0 else systems[::-1]:
+                    result = run_system(system, name, prompts, new, args, model, tokenizer)
+                    if result is not None:
+                        runs[system].append(result)
+                        print(json.dumps({"workload": name, "system": system, **result}), flush=True)
+        for system, results in runs.items():
+            first = runs[systems[0]] if system != systems[0] else []
+            if results:
+                rows["systems"][system] = median_run(results, first)
         base = rows["systems"].get("sequential")
         if base:
             for result in rows["systems"].values():

@@ -116,13 +116,13 @@ def _paged_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, to
 def _shared_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, torch.Tensor],
                    ids: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every query row over the packed blocks ``ids``: decoded once (``kivi_paged_dequantize``, a few
-    hundred KiB per KV head for a 1,024-token prompt) and read by ``shared_attention``; None where that
-    does not take them."""
+    hundred KiB per KV head for a 1,024-token prompt, into the store's reused workspace) and read by
+    ``shared_attention``; None where that does not take them."""
     hkv, _, key_groups, group_tokens, _ = pool["k.codes"].shape
     d, tokens = query.shape[2], ids.numel() * key_groups * group_tokens
     if d % 64 or query.dtype != torch.float32:
         return None
-    keys, values = torch.empty(hkv, 1, tokens, d), torch.empty(hkv, 1, tokens, d)
+    keys, values = (store.workspace.buffer(f"shared_{side}", (hkv, 1, tokens, d), query) for side in "kv")
     native.paged_dequantize(pool, ids, store.key_codec.bits, store.value_codec.group_size, keys[:, 0],
                             values[:, 0])
     return shared_attention(query, keys, values, torch.zeros(1, dtype=torch.long), scale)
