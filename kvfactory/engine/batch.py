@@ -216,7 +216,8 @@ class _StepRead(attention.BatchRead):
             if not fit:  # the window is full: the store encodes a group as it writes
                 layer.append(self.key[:, :, start:start + 1], self.value[:, :, start:start + 1])
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
-        windows = (plan.tables, plan.starts, plan.lengths) if len(windowed) == len(quantized) else None
+        whole = len(windowed) == len(quantized)
+        windows = (plan.tables, plan.starts, plan.lengths, plan.shared) if whole else None
         out[0, at] = quantized_decode(q, stores, scaling, windows)
 
     def _sparse(self, sparse: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,

@@ -53,11 +53,13 @@ def flush_windows(stores: list[QuantizedStore], tokens: int) -> None:
 
 
 def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float,
-                     windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+                     ) -> torch.Tensor:
     """Each sequence's query ``[S, Hq, D]`` over store ``stores[s]`` (each ``in_place``, of one layer
     and pool, its new token written): ``[S, Hq, D]`` in ``query``'s dtype. ``windows``: the windows'
-    block tables, starts and lengths as ``paged_decode`` takes them, where the caller planned them
-    (the layers of a group share them), else read from each store."""
+    block tables, starts, lengths and shared blocks as ``paged_decode`` takes them (a prompt's window
+    pages that the sequences adopted together), where the caller planned them (the layers of a group
+    share them), else read from each store."""
     packed = [store.runs if store.quantized_tokens else None for store in stores]
     if windows is None:
         views = [store.inner.pages_in_place() for store in stores]
@@ -66,11 +68,11 @@ def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: f
         empty = torch.zeros(0, dtype=torch.long)
         windows = (block_tables([empty if v is None else v[1] for v in views]),
                    torch.tensor([0 if v is None else v[2] for v in views]),
-                   torch.tensor([0 if v is None else v[3] for v in views]))
+                   torch.tensor([0 if v is None else v[3] for v in views]), 0)
     window_pool = next(store.inner.blocks for store in stores if store.inner.blocks is not None)
-    tables, starts, lengths = windows
+    tables, starts, lengths, shared = windows
     out, lse = paged_decode(query, window_pool.k, window_pool.v, tables, starts, lengths, scale,
-                            check=False, return_lse=True)
+                            check=False, return_lse=True, shared=shared)
     if all(runs is None for runs in packed):
         return out
     return merge_parts((out, lse), *_packed_decode(query, stores, packed, scale))[0].to(query.dtype)

@@ -98,9 +98,9 @@ def test_quantized_pages_reuse_a_cached_prompt_as_computed(smollm2, preset: str)
 
 
 def test_sequences_behind_one_quantized_prompt_read_it_once_and_answer_as_alone(smollm2, monkeypatch) -> None:
-    """Four int4 requests decoding behind the same cached prompt read its shared packed blocks once per
-    step for all of them (decoded once, one product for every query row) and generate what the same
-    cache computes alone."""
+    """Four int4 requests decoding behind the same cached prompt read its shared packed blocks (decoded
+    once) and the window pages they adopted with it once per step for all of them (one product for
+    every query row) and generate what the same cache computes alone."""
     model, tokenizer = smollm2
     system = tokenizer("Call me Ishmael. " * 80)["input_ids"]
     prompts = [system + tokenizer(f" Chapter {i}: the whale")["input_ids"] for i in range(5)]
