@@ -74,6 +74,7 @@ SIGNATURES = {
         "const float *rows, const int8_t *codes, int64_t cb, int64_t ch, int64_t cc, float *out)",
     ),
     "chunk": (
+        "int chunk_has_body(void)",
         "int chunk_attention(int64_t Hq, int64_t Hkv, int64_t C, int64_t T, int64_t D, const float *query, "
         "int64_t qh, int64_t qc, const float *key, int64_t kh, int64_t kt, const float *value, int64_t vh, "
         "int64_t vt, const int64_t *table, int64_t P, int causal, float scale, float *out, float *lse)",
@@ -94,7 +95,7 @@ def signature(prototype: str) -> tuple[str, type | None, tuple[tuple[str, type],
     head, _, params = prototype.strip().removesuffix(")").partition("(")
     restype, name = head.split()
     parsed = []
-    for param in params.split(","):
+    for param in params.split(",") if params.strip() != "void" else ():
         kind, _, pname = param.strip().replace("*", "* ").rpartition(" ")
         parsed.append((pname, PTR if "*" in kind else _C_TYPES[kind.strip()]))
     return name, _C_TYPES[restype], tuple(parsed)

@@ -98,6 +98,16 @@ static inline const float *token_row(const float *head, const int64_t *table, in
     return head + (table ? table[t / P] * P + t % P : t) * stride;
 }
 
+/* 1 where this build has chunk_attention's AVX-512 body, so a caller can skip preparing its inputs
+ * (decoding packed pages, say) where the call would only return 0. */
+int chunk_has_body(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out[i, h] = softmax(scale * query[h, i] . K_g^T) V_g for the C query positions i of query head h
  * (KV head g = h / (Hq / Hkv)) over the T tokens of K_g / V_g: causally (position i sees tokens
  * [0, T - C + i], a prefill chunk's last C positions) or, with causal 0, every position all T (a

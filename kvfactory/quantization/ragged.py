@@ -23,7 +23,7 @@ from kvfactory.attention import merge_parts
 from kvfactory.codecs import Encoded, native
 from kvfactory.quantization.store import PagedRuns, QuantizedStore, append_runs
 from kvfactory.storage.paged import front_tokens
-from kvfactory.storage.ragged import block_tables, paged_decode, shared_attention, shared_prefix
+from kvfactory.storage.ragged import block_tables, paged_decode, shared_attention, shared_fits, shared_prefix
 
 
 def in_place(store: object, query_heads: int) -> bool:
@@ -122,7 +122,7 @@ def _shared_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, t
     ``shared_attention``; None where that does not take them."""
     hkv, _, key_groups, group_tokens, _ = pool["k.codes"].shape
     d, tokens = query.shape[2], ids.numel() * key_groups * group_tokens
-    if d % 64 or query.dtype != torch.float32:
+    if not shared_fits(query):
         return None
     keys, values = (store.workspace.buffer(f"shared_{side}", (hkv, 1, tokens, d), query) for side in "kv")
     native.paged_dequantize(pool, ids, store.key_codec.bits, store.value_codec.group_size, keys[:, 0],

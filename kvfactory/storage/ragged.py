@@ -112,9 +112,9 @@ def shared_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     where the kernel does not take them (not float32 on the CPU, a head size not a multiple of 64, no
     AVX-512 build)."""
     (s, hq, d), (hkv, _, page, _) = query.shape, k_pool.shape
-    if {k_pool.dtype, query.dtype} != {torch.float32} or not _kernel_fits(query, k_pool, v_pool) or d % 64 \
-            or (lib := kernels.load("chunk")) is None:
+    if k_pool.dtype != torch.float32 or not shared_fits(query) or not _kernel_fits(query, k_pool, v_pool):
         return None
+    lib = kernels.load("chunk")
     q = query.contiguous()
     ids = ids.to("cpu", torch.int64).contiguous()
     out, lse = torch.empty(s, hq, d), torch.empty(s, hq)
@@ -123,6 +123,15 @@ def shared_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
                                ids.data_ptr(), page, 0, scale, out.data_ptr(), lse.data_ptr()):
         return None
     return out, lse
+
+
+def shared_fits(query: torch.Tensor) -> bool:
+    """Whether ``shared_attention`` can take float32 pools for ``query``: a float32 CPU query whose
+    head size is a multiple of 64 and a chunk kernel built with its AVX-512 body. Asked before
+    preparing pools for it (decoding packed pages, say), which would be wasted where it says no."""
+    d = query.shape[-1]
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and d % 64 == 0 and d <= MAX_DIM
+            and (lib := kernels.load("chunk")) is not None and bool(lib.chunk_has_body()))
 
 
 def block_tables(rows: list[torch.Tensor]) -> torch.Tensor:

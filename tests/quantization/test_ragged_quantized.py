@@ -13,12 +13,14 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from kvfactory import kernels
+from kvfactory.codecs import native
 from kvfactory.manager import KVCacheManager
 from kvfactory.quantization.ragged import flush_windows, in_place, quantized_decode
-from kvfactory.storage.ragged import block_tables, shared_prefix
+from kvfactory.storage.ragged import block_tables, shared_fits, shared_prefix
 
 pytestmark = pytest.mark.skipif(kernels.load("kivi") is None or kernels.load("ragged") is None,
                                 reason="no C compiler")
+PAGED_DEQUANTIZE = native.paged_dequantize
 LENGTHS = [5, 128, 160, 161, 700, 1001]  # window only; at a flush; just past one; many blocks
 
 
@@ -88,11 +90,12 @@ def test_window_only_batches_skip_the_packed_kernel() -> None:
                          ids=["int4-page16", "int2-page64"])
 @pytest.mark.parametrize(("query_heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (6, 2, 48)],
                          ids=["gqa-64", "mqa-256", "gqa-48"])
-def test_a_prompt_every_sequence_shares_is_read_once_and_matches(config, query_heads, kv_heads,
-                                                                 head_dim) -> None:
+def test_a_prompt_every_sequence_shares_is_read_once_and_matches(config, query_heads, kv_heads, head_dim,
+                                                                 monkeypatch) -> None:
     """Forks of one 700-token prompt share its whole packed blocks: those are decoded once and read for
-    every query row together (where the head size takes the chunk kernel; 48 channels do not), each
-    fork's own tokens per sequence, and the result is attention over each sequence's decoded K/V."""
+    every query row together (exactly where ``shared_fits`` says the chunk kernel takes them; 48
+    channels it does not, and nothing is decoded in vain), each fork's own tokens per sequence, and
+    the result is attention over each sequence's decoded K/V."""
     manager, (prompt,) = stores_of({**config, "pool_tokens": 4096}, query_heads, kv_heads, head_dim, [700],
                                    seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -107,8 +110,23 @@ def test_a_prompt_every_sequence_shares_is_read_once_and_matches(config, query_h
     assert shared_prefix(tables, torch.zeros_like(tokens), tokens, stores[0].runs.block_tokens) > 0
     query = torch.randn(len(stores), query_heads, head_dim, generator=torch.Generator().manual_seed(5))
     scale = head_dim ** -0.5
-    torch.testing.assert_close(quantized_decode(query, stores, scale), reference(query, stores, scale),
-                               atol=2e-5, rtol=1e-4)
+    decoded = []
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "paged_dequantize", lambda pool, ids, *rest: decoded.append(ids.numel())
+                      or PAGED_DEQUANTIZE(pool, ids, *rest))
+        out = quantized_decode(query, stores, scale)
+    torch.testing.assert_close(out, reference(query, stores, scale), atol=2e-5, rtol=1e-4)
+    assert (sum(decoded) > 0) == shared_fits(query) == (head_dim % 64 == 0 and chunk_has_body())
+
+
+def chunk_has_body() -> bool:
+    """Whether the chunk kernel computes here, found by calling it on one token."""
+    one, out = torch.ones(1, 1, 64), torch.zeros(1, 1, 64)
+    lib, at = kernels.load("chunk"), one.data_ptr()
+    done = lib.chunk_attention(1, 1, 1, 1, 64, at, 64, 64, at, 64, 64, at, 64, 64, None, 1, 1, 1.0,
+                               out.data_ptr(), None)
+    assert torch.equal(out, one if done else torch.zeros(1, 1, 64))
+    return bool(done)
 
 
 @pytest.mark.parametrize("config", [{"type": "paged", "page_size": 16, "quantization": "int4"},
