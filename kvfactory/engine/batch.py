@@ -35,7 +35,7 @@ import torch
 
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
-from kvfactory.quantization.ragged import flush_windows, in_place, quantized_decode
+from kvfactory.quantization.ragged import PackedPlan, flush_windows, in_place, packed_plan, quantized_decode
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.blocks import BlockIds
 from kvfactory.storage.paged import PagedStore, append_one_each, write_slots
@@ -76,6 +76,8 @@ class StepBatch:
     segments: list[Segment]
     in_place: bool = True  # decode paged layers with the ragged kernels (False: through each cache)
     plans: dict[tuple[BlockIds, ...], DecodePlan] = field(default_factory=dict)  # by the sequences' blocks
+    # each layer's quantized pages' last plan, kept by the engine from step to step (``packed_plan``)
+    packed_plans: dict[int, PackedPlan] = field(default_factory=dict)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> attention.BatchRead:
         return _StepRead(self, layer_idx, key, value)
@@ -207,7 +209,8 @@ class _StepRead(attention.BatchRead):
         if windowed:
             layers = [quantized[i][1] for i in windowed]
             inner = [layer.store.inner for layer in layers]
-            keys, values = (x[0, :, at[windowed]].transpose(0, 1)[:, :, None] for x in (self.key, self.value))
+            rows = at if len(windowed) == len(quantized) else at[torch.tensor(windowed)]
+            keys, values = (x[0, :, rows].transpose(0, 1)[:, :, None] for x in (self.key, self.value))
             plan = self._plan(inner, None, keys, values)  # the windows of a group share their tables
             write_slots(inner[0].blocks, plan.slots, keys, values)
             for i, layer in enumerate(layers):
@@ -218,7 +221,10 @@ class _StepRead(attention.BatchRead):
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
         whole = len(windowed) == len(quantized)
         windows = (plan.tables, plan.starts, plan.lengths, plan.shared) if whole else None
-        out[0, at] = quantized_decode(q, stores, scaling, windows)
+        packed = packed_plan(stores, self.batch.packed_plans.get(self.layer_idx))
+        if packed is not None:
+            self.batch.packed_plans[self.layer_idx] = packed
+        out[0, at] = quantized_decode(q, stores, scaling, windows, packed)
 
     def _sparse(self, sparse: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                 out: torch.Tensor) -> None:

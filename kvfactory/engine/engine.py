@@ -42,6 +42,7 @@ from kvfactory.engine.weights import pack_linear_weights
 from kvfactory.errors import CacheFullError, ConfigError, KVFactoryError
 from kvfactory.manager import KVCacheManager
 from kvfactory.manager.tiered import PrefixTiers
+from kvfactory.quantization.ragged import PackedPlan
 from kvfactory.sizing import KVShape
 from kvfactory.tiers import Tier
 
@@ -217,6 +218,7 @@ class Engine:
                                    prefill_first=prefill_first)
         self.max_waiting = max_waiting
         self.in_place_decode = in_place_decode
+        self._packed_plans: dict[int, PackedPlan] = {}  # each layer's quantized pages' read, step to step
         self.compiled = CompiledDecode(model, like) if compile_step and in_place_decode else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -382,7 +384,8 @@ class Engine:
             if planned is not None:
                 logits, hidden = self.compiled.forward(input_ids, positions, planned), None
             else:
-                batch = PackedBatch(StepBatch(segments, self.in_place_decode).write)
+                batch = PackedBatch(StepBatch(segments, self.in_place_decode,
+                                              packed_plans=self._packed_plans).write)
                 logits = packed_forward(self.model, input_ids, positions, batch,
                                         torch.tensor(rows, dtype=torch.long, device=self.device))
                 hidden = batch.hidden

@@ -16,12 +16,14 @@ as plain pages read theirs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvfactory import kernels
 from kvfactory.attention import merge_parts
 from kvfactory.codecs import Encoded, native
-from kvfactory.quantization.store import PagedRuns, QuantizedStore, append_runs
+from kvfactory.quantization.store import QuantizedStore, append_runs
 from kvfactory.storage.paged import front_tokens
 from kvfactory.storage.ragged import block_tables, paged_decode, shared_attention, shared_fits, shared_prefix
 
@@ -52,15 +54,51 @@ def flush_windows(stores: list[QuantizedStore], tokens: int) -> None:
         store.took_front(keys[i:i + 1], values[i:i + 1], *row, codecs)
 
 
+@dataclass
+class PackedPlan:
+    """What a decode step's sequences read of one layer's quantized pages: their block tables, packed
+    tokens and the leading blocks all of them read whole (``shared_prefix``). A layer's packed tables
+    change only when a window flushes a group into them, so most steps reuse the last step's plan
+    (``packed_plan``)."""
+
+    held: list[tuple[torch.Tensor, int] | None]  # each sequence's block ids (never changed in place), tokens
+    first: int  # the first sequence holding packed tokens
+    tables: torch.Tensor
+    tokens: torch.Tensor
+    shared: int
+
+
+def packed_plan(stores: list[QuantizedStore], last: PackedPlan | None = None) -> PackedPlan | None:
+    """The ``PackedPlan`` of ``stores`` (one layer's, ``in_place``): ``last`` where every store still
+    holds the same blocks and tokens, else a new one; None where none holds a packed token. A block
+    table's ids are replaced, never written in place, when its blocks change, so the same ids object
+    means the same blocks."""
+    held = [(runs.table.ids, runs.tokens) if store.quantized_tokens and (runs := store.runs).table.ids
+            is not None else None for store in stores]
+    if all(h is None for h in held):
+        return None
+    if last is not None and len(last.held) == len(held) and all(
+            a is b is None or (a is not None and b is not None and a[0] is b[0] and a[1] == b[1])
+            for a, b in zip(held, last.held, strict=True)):
+        return last
+    empty = torch.zeros(0, dtype=torch.long)
+    tables = block_tables([empty if h is None else h[0][0] for h in held])
+    tokens = torch.tensor([0 if h is None else h[1] for h in held])
+    first = next(i for i, h in enumerate(held) if h is not None)
+    shared = shared_prefix(tables, torch.zeros_like(tokens), tokens, stores[first].runs.block_tokens)
+    return PackedPlan(held, first, tables, tokens, shared)
+
+
 def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: float,
-                     windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
-                     ) -> torch.Tensor:
+                     windows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+                     plan: PackedPlan | None = None) -> torch.Tensor:
     """Each sequence's query ``[S, Hq, D]`` over store ``stores[s]`` (each ``in_place``, of one layer
     and pool, its new token written): ``[S, Hq, D]`` in ``query``'s dtype. ``windows``: the windows'
     block tables, starts, lengths and shared blocks as ``paged_decode`` takes them (a prompt's window
     pages that the sequences adopted together), where the caller planned them (the layers of a group
-    share them), else read from each store."""
-    packed = [store.runs if store.quantized_tokens else None for store in stores]
+    share them), else read from each store. ``plan``: the stores' ``packed_plan``, where the caller
+    keeps it between steps, else made here."""
+    packed = plan or packed_plan(stores)
     if windows is None:
         views = [store.inner.pages_in_place() for store in stores]
         if all(view is None for view in views):  # no residual window (``residual: 0``) held a token
@@ -73,27 +111,25 @@ def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: f
     tables, starts, lengths, shared = windows
     out, lse = paged_decode(query, window_pool.k, window_pool.v, tables, starts, lengths, scale,
                             check=False, return_lse=True, shared=shared)
-    if all(runs is None for runs in packed):
+    if packed is None:
         return out
     return merge_parts((out, lse), *_packed_decode(query, stores, packed, scale))[0].to(query.dtype)
 
 
-def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], packed: list[PagedRuns | None],
-                   scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], plan: PackedPlan, scale: float
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The packed part as outputs ``[S, Hq, D]`` with their log-sum-exps ``[S, Hq]`` (float32; ``-inf``
     where a sequence has no packed tokens there) for ``merge_parts``: the blocks every sequence reads
-    whole (a shared prompt's, ``shared_prefix``) decoded once and read once for all query rows
+    whole (a shared prompt's, ``plan.shared``) decoded once and read once for all query rows
     (``shared_attention``), where the kernels take them, and each sequence's other blocks in place."""
-    first = next(runs for runs in packed if runs is not None)
-    pool, block_tokens = first.table.blocks.tensors, first.block_tokens
-    empty = torch.zeros(0, dtype=torch.long)
-    tables = block_tables([empty if runs is None else runs.table.ids[0] for runs in packed])
-    tokens = torch.tensor([0 if runs is None else runs.tokens for runs in packed])
-    shared = shared_prefix(tables, torch.zeros_like(tokens), tokens, block_tokens)
-    head = _shared_packed(query, stores[0], pool, tables[0, :shared], scale) if shared else None
+    store = stores[plan.first]
+    runs = store.runs
+    pool, block_tokens, tables, tokens, shared = (runs.table.blocks.tensors, runs.block_tokens, plan.tables,
+                                                   plan.tokens, plan.shared)
+    head = _shared_packed(query, store, pool, tables[0, :shared], scale) if shared else None
     if head is None:
-        return [_paged_packed(query, stores[0], pool, tables, tokens, scale)]
-    return [head, _paged_packed(query, stores[0], pool, tables[:, shared:], tokens - shared * block_tokens,
+        return [_paged_packed(query, store, pool, tables, tokens, scale)]
+    return [head, _paged_packed(query, store, pool, tables[:, shared:], tokens - shared * block_tokens,
                                 scale)]
 
 

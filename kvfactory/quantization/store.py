@@ -202,6 +202,7 @@ class QuantizedStore(LayerStore):
         self._packed: PackedRuns | PagedRuns | None = None  # made on first use (paged: once a pool is known)
         self._like: tuple[torch.Tensor, torch.Tensor] | None = None  # empty [B, H, 0, D] K and V
         self._realigned = False  # codes no longer start at the sequence's token 0 (a drop, an eviction)
+        self._kernel_shapes: tuple[tuple | None, bool] = (None, False)  # (like, whether the kernels fit it)
 
     def bind(self, layer_idx: int) -> None:
         super().bind(layer_idx)
@@ -238,15 +239,21 @@ class QuantizedStore(LayerStore):
         over paged storage, KIVI keys and values of one bit width, the packed tokens from the start of
         their first block, sizes the kernels take, on the CPU with the kernels built."""
         like, packed = self._like, self._packed
-        keys, values = self.key_codec, self.value_codec
-        if not self.inner.plain_pages or like is None or like[0].shape[0] != 1 \
-                or like[0].device.type != "cpu" \
-                or (keys.kernel_layout, values.kernel_layout) != ("kivi-keys", "kivi-values") \
-                or keys.bits != values.bits:
+        if like is None:
             return False
-        return (like[1].shape[3] == like[0].shape[3] <= native.MAX_DIM and native.available()
-                and (packed is None or (isinstance(packed, PagedRuns) and packed.table.start == 0
-                                        and packed.block_tokens <= native.MAX_BLOCK)))
+        if self._kernel_shapes[0] is not like:  # asked per layer and sequence each step: kept per shape
+            self._kernel_shapes = like, self._kernel_shapes_fit(like)
+        if packed is None:
+            return self._kernel_shapes[1]
+        return self._kernel_shapes[1] and isinstance(packed, PagedRuns) and packed.table.start == 0 \
+            and packed.block_tokens <= native.MAX_BLOCK
+
+    def _kernel_shapes_fit(self, like: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        keys, values = self.key_codec, self.value_codec
+        return (self.inner.plain_pages and like[0].shape[0] == 1 and like[0].device.type == "cpu"
+                and (keys.kernel_layout, values.kernel_layout) == ("kivi-keys", "kivi-values")
+                and keys.bits == values.bits and like[1].shape[3] == like[0].shape[3] <= native.MAX_DIM
+                and native.available())
 
     def fits_window(self, tokens: int) -> bool:
         """Whether ``tokens`` more stay in the full-precision window without a flush, so a batched

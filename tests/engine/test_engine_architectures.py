@@ -62,8 +62,8 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
     calls, flushed = [], []
     real, real_flush = batch.quantized_decode, batch.flush_windows
     monkeypatch.setattr(batch, "quantized_decode",
-                        lambda query, stores, scale, windows: calls.append(
-                            max(s.quantized_tokens for s in stores)) or real(query, stores, scale, windows))
+                        lambda query, stores, scale, *planned: calls.append(
+                            max(s.quantized_tokens for s in stores)) or real(query, stores, scale, *planned))
     monkeypatch.setattr(batch, "flush_windows",
                         lambda stores, tokens: flushed.append(len(stores)) or real_flush(stores, tokens))
     model = tiny_model(name)

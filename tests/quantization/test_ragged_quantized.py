@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.manager import KVCacheManager
-from kvfactory.quantization.ragged import flush_windows, in_place, quantized_decode
+from kvfactory.quantization.ragged import flush_windows, in_place, packed_plan, quantized_decode
 from kvfactory.storage.ragged import block_tables, shared_fits, shared_prefix
 
 pytestmark = pytest.mark.skipif(kernels.load("kivi") is None or kernels.load("ragged") is None,
@@ -117,6 +117,28 @@ def test_a_prompt_every_sequence_shares_is_read_once_and_matches(config, query_h
         out = quantized_decode(query, stores, scale)
     torch.testing.assert_close(out, reference(query, stores, scale), atol=2e-5, rtol=1e-4)
     assert (sum(decoded) > 0) == shared_fits(query) == (head_dim % 64 == 0 and chunk_has_body())
+
+
+def test_a_packed_plan_is_kept_while_the_pages_stand_and_made_again_when_they_change() -> None:
+    """``packed_plan`` hands back the last step's plan while every store holds the same packed blocks and
+    tokens (most decode steps), and a new one, read as a fresh one is, once a store packs another group
+    or the batch changes."""
+    _, stores = stores_of({"type": "paged", "quantization": "int4"}, 9, 3, 64, [700, 300, 5], seed=3)
+    plan = packed_plan(stores)
+    assert plan is not None and packed_plan(stores, plan) is plan
+    assert packed_plan(stores[:2], plan) is not plan
+    gen = torch.Generator().manual_seed(8)
+    layer_tokens = stores[1].quantized_tokens
+    stores[1].append(*(torch.randn(1, 3, 64, 64, generator=gen) for _ in range(2)))
+    assert stores[1].quantized_tokens > layer_tokens
+    again = packed_plan(stores, plan)
+    fresh = packed_plan(stores)
+    assert again is not plan and torch.equal(again.tables, fresh.tables)
+    assert torch.equal(again.tokens, fresh.tokens)
+    query = torch.randn(3, 9, 64, generator=gen)
+    torch.testing.assert_close(quantized_decode(query, stores, 0.125, plan=again),
+                               reference(query, stores, 0.125), atol=2e-5, rtol=1e-4)
+    assert packed_plan(stores[2:]) is None  # 5 tokens: all in the window
 
 
 def chunk_has_body() -> bool:
