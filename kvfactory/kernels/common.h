@@ -168,6 +168,22 @@ static inline float softmax_step(float *s, int64_t n, int64_t seen, float *m, fl
         sums = _mm512_add_ps(sums, p);
     }
     sum = _mm512_reduce_add_ps(sums);
+#elif defined(AVX2)
+    __m256 most = _mm256_set1_ps(-INFINITY), sums = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= seen; j += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(s + j));
+    top = fmaxf(top, reduce_max8(most));
+    for (int64_t t = j; t < seen; t++) top = s[t] > top ? s[t] : top;
+    for (j = 0; j + 8 <= seen; j += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(s + j, p);
+        sums = _mm256_add_ps(sums, p);
+    }
+    sum = reduce_add8(sums);
+    for (; j < n; j++) {
+        s[j] = j < seen ? expf(s[j] - top) : 0.f;
+        sum += s[j];
+    }
 #else
     for (int64_t j = 0; j < seen; j++) top = s[j] > top ? s[j] : top;
     for (int64_t j = 0; j < n; j++) {

@@ -535,42 +535,7 @@ static inline __attribute__((always_inline)) void paged_rows(
             key_group_portable(qs, Dp, c0, R, kc + at * G * P, G, P, bits, sc + n * G, BT);
 #endif
         }
-        for (int64_t r = 0; r < R; r++) {
-            float *sr = sc + r * BT, top = m[r], sum = 0.f;
-            int64_t j = 0;
-#ifdef AVX512
-            __m512 vtop = _mm512_set1_ps(top), vsum = _mm512_setzero_ps();
-            for (; j + 16 <= T; j += 16) vtop = _mm512_max_ps(vtop, _mm512_loadu_ps(sr + j));
-            top = _mm512_reduce_max_ps(vtop);
-            for (int64_t t = j; t < T; t++) top = sr[t] > top ? sr[t] : top;
-            for (j = 0; j + 16 <= T; j += 16) {
-                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(top)));
-                _mm512_storeu_ps(sr + j, e);
-                vsum = _mm512_add_ps(vsum, e);
-            }
-            sum = _mm512_reduce_add_ps(vsum);
-#elif defined(AVX2)
-            __m256 vtop = _mm256_set1_ps(top), vsum = _mm256_setzero_ps();
-            for (; j + 8 <= T; j += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(sr + j));
-            top = reduce_max8(vtop);
-            for (int64_t t = j; t < T; t++) top = sr[t] > top ? sr[t] : top;
-            for (j = 0; j + 8 <= T; j += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + j), _mm256_set1_ps(top)));
-                _mm256_storeu_ps(sr + j, e);
-                vsum = _mm256_add_ps(vsum, e);
-            }
-            sum = reduce_add8(vsum);
-#else
-            for (int64_t t = 0; t < T; t++) top = sr[t] > top ? sr[t] : top;
-#endif
-            for (; j < T; j++) {
-                sr[j] = expf(sr[j] - top);
-                sum += sr[j];
-            }
-            corr[r] = expf(m[r] - top);  /* 0 on the first block, where m[r] is -inf */
-            l[r] = l[r] * corr[r] + sum;
-            m[r] = top;
-        }
+        for (int64_t r = 0; r < R; r++) corr[r] = softmax_step(sc + r * BT, T, T, m + r, l + r);
         const uint8_t *codes = vc + b * BT * P;
         const char *scale = vs + b * BT * groups * vss, *zero = vz + b * BT * groups * vzs;
 #ifdef AVX512

@@ -7,6 +7,8 @@ read."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,27 @@ def test_matches_attention_over_decoded_kv(config, query_heads, kv_heads, head_d
     scale = head_dim ** -0.5
     out = quantized_decode(query, stores, scale)
     torch.testing.assert_close(out, reference(query, stores, scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2", "-mno-fma")],
+                         ids=["avx2", "portable"])
+@pytest.mark.parametrize(("config", "query_heads", "kv_heads", "head_dim"),
+                         [({"type": "paged", "page_size": 16, "quantization": "int4"}, 9, 3, 64),
+                          ({"type": "paged", "page_size": 16, "quantization": "int2"}, 4, 1, 128)],
+                         ids=["int4-gqa-64", "int2-mqa-128"])
+def test_the_other_instruction_set_bodies_match_too(flags, config, query_heads, kv_heads, head_dim,
+                                                    monkeypatch) -> None:
+    """The kernels built without AVX-512 (their AVX2 bodies), and without AVX2 and FMA too (the portable
+    ones), read the same pages as the reference the native build decodes."""
+    _, stores = stores_of(config, query_heads, kv_heads, head_dim, LENGTHS)
+    query = torch.randn(len(stores), query_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    scale = head_dim ** -0.5
+    expected = reference(query, stores, scale)
+    bodies = {name: kernels.load(name, flags) for name in ("kivi", "ragged", "chunk")}
+    assert all(bodies.values())
+    monkeypatch.setattr(kernels, "load", bodies.get)
+    torch.testing.assert_close(quantized_decode(query, stores, scale), expected, atol=2e-5, rtol=1e-4)
 
 
 def test_batches_without_a_window_read_the_packed_pages_only() -> None:
