@@ -26,7 +26,13 @@ and either with ``-compiled`` last (the engine's ``compile_step``, compiled befo
 (generated tokens / wall), time to first token p50/p99 (all requests arrive at t=0), inter-token
 latency p50/p99, prefill tokens/s (prompt tokens over the time of steps that prefilled), decode
 tokens/s (tokens generated in decode-only steps over their time: prefill excluded) and peak KV
-bytes. ``--scale`` shrinks every length for a quick look. ``--generate-batch-limit S`` runs
+bytes. Engine and sequential rows add the roofline (``kvfactory.roofline``, measured at the start of the
+run on this core: the model's linear layers over a 512-token chunk, a streamed read of 1 GiB): the prefill
+steps' FLOP rate and its ratio to that GEMM rate (``prefill_vs_gemm``), and for the engine the decode steps'
+time at the read rate (the weights and the K/V the pool holds) over their time (``decode_vs_read_roofline``),
+and at the slower of the read and the GEMM rate (``decode_vs_roofline``: a step of many sequences computes
+as much as it reads).
+``--scale`` shrinks every length for a quick look. ``--generate-batch-limit S`` runs
 ``generate_batch`` in a child process stopped after ``S`` seconds (then reported as ``wall_over_s``: a
 lower bound, for a workload it would take an hour to finish). ``--repeat N`` runs every system N times
 in alternating order (after an untimed run of the first, since a process's first engine run is slower)
@@ -46,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +64,7 @@ from kvfactory.engine import Engine, SamplingParams
 from kvfactory.eval.runner import resolve_cache
 from kvfactory.measure import cpu_model
 from kvfactory.models import load_model
+from kvfactory.roofline import ModelCost, gemm_rate, model_cost, read_rate
 
 sys.path.insert(0, str(Path(__file__).parent))  # serve_http.py beside this file
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
@@ -89,23 +97,56 @@ def quantiles(values: list[float]) -> tuple[float, float]:
 
 
 def summary(wall: float, generated: int, ttft: list[float], itl: list[float], prefill: tuple[int, float],
-            decode: tuple[int, float], peak: int | None) -> dict[str, Any]:
+            decode: tuple[int, float], peak: int | None, roofline: Roofline | None = None,
+            prefill_flops: float = 0.0, decode_bounds: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
+    """A run's row; with ``roofline``, the prefill steps' FLOP rate over the measured GEMM rate, and the
+    decode steps' time at the measured read rate, and at the slower of it and the GEMM rate
+    (``decode_bounds``, seconds), over their time."""
     t50, t99 = quantiles(ttft)
     i50, i99 = quantiles(itl)
-    return {"wall_s": round(wall, 2), "throughput_tok_s": round(generated / wall, 2),
-            "ttft_p50_s": round(t50, 3), "ttft_p99_s": round(t99, 3),
-            "itl_p50_ms": round(i50 * 1e3, 1), "itl_p99_ms": round(i99 * 1e3, 1),
-            "prefill_tok_s": round(prefill[0] / prefill[1], 1) if prefill[1] else None,
-            "decode_tok_s": round(decode[0] / decode[1], 2) if decode[1] else None,
-            "peak_kv_bytes": peak}
+    row = {"wall_s": round(wall, 2), "throughput_tok_s": round(generated / wall, 2),
+           "ttft_p50_s": round(t50, 3), "ttft_p99_s": round(t99, 3),
+           "itl_p50_ms": round(i50 * 1e3, 1), "itl_p99_ms": round(i99 * 1e3, 1),
+           "prefill_tok_s": round(prefill[0] / prefill[1], 1) if prefill[1] else None,
+           "decode_tok_s": round(decode[0] / decode[1], 2) if decode[1] else None,
+           "peak_kv_bytes": peak}
+    if roofline is not None and prefill[1] and prefill_flops:
+        rate = prefill_flops / prefill[1] / 1e9
+        row |= {"prefill_gflop_s": round(rate, 1), "prefill_vs_gemm": round(rate / roofline.gemm_gflop_s, 3)}
+    if roofline is not None and decode[1] and decode_bounds[0]:
+        row |= {"decode_vs_read_roofline": round(decode_bounds[0] / decode[1], 3),
+                "decode_vs_roofline": round(decode_bounds[1] / decode[1], 3)}
+    return row
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """This core's measured ceilings (``kvfactory.roofline``) and the model's costs, for one run."""
+
+    cost: ModelCost
+    gemm_gflop_s: float  # the model's linear layers over a 512-token prefill chunk
+    read_gb_s: float
+
+    def step_flops(self, engine: Engine) -> float:
+        """What the engine's last step computed: its tokens through the model, its logits."""
+        return sum(self.cost.prefill_flops(*span) for span in engine.computed_spans) \
+            + engine.logit_rows * self.cost.head_flops
+
+    def decode_bounds(self, kv_bytes: int, flops: float) -> tuple[float, float]:
+        """Seconds a decode step takes reading the weights and ``kv_bytes`` of K/V at the read rate, and
+        at the slower of that and computing ``flops`` at the GEMM rate."""
+        read = (self.cost.weight_bytes + kv_bytes) / self.read_gb_s / 1e9
+        return read, max(read, flops / self.gemm_gflop_s / 1e9)
 
 
 def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]], new: int,
                prefill_first: bool = False, prefix_caching: bool | None = None,
-               kv_gib: int | None = None, compile_step: bool = False) -> dict[str, Any]:
+               kv_gib: int | None = None, compile_step: bool = False, roofline: Roofline | None = None
+               ) -> dict[str, Any]:
     """The engine over every prompt at t=0: a pool of ``kv_gib`` GiB, else one that holds them all.
     ``compile_step``: the compiled decode step, compiled when the engine is made, before the clock
-    starts (as vLLM compiles and warms up before it serves)."""
+    starts (as vLLM compiles and warms up before it serves). A decode step must read the weights and
+    the K/V the pool holds (a shared prompt's blocks once)."""
     spec = resolve_cache(config)
     if spec.config is None:
         raise SystemExit(f"engine:{config}: the engine takes a kvfactory config, not {spec.source}")
@@ -118,9 +159,9 @@ def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]]
     start = time.perf_counter()
     for prompt in prompts:
         engine.add_request(prompt, params)
-    prefill, decode, peak = [0, 0.0], [0, 0.0], 0
+    prefill, decode, peak, used = [0, 0.0], [0, 0.0], 0, 0
     ttft, itl, last = [], [], {}
-    generated = 0
+    generated, flops, bounds = 0, 0.0, [0.0, 0.0]
     while engine.has_unfinished():
         before = engine.metrics.prompt_tokens._value.get()
         began = time.perf_counter()
@@ -130,9 +171,15 @@ def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]]
         if fed:
             prefill[0] += fed
             prefill[1] += took
+            if roofline is not None:
+                flops += roofline.step_flops(engine)
         else:
             decode[0] += len(outputs)
             decode[1] += took
+            if roofline is not None:
+                read, bound = roofline.decode_bounds(used, roofline.step_flops(engine))
+                bounds[0] += read
+                bounds[1] += bound
         now = time.perf_counter()
         for output in outputs:
             generated += len(output.new_token_ids)
@@ -144,7 +191,8 @@ def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]]
         used = engine.manager.pool.memory_report().used
         peak = max(peak, used)
     wall = time.perf_counter() - start
-    result = summary(wall, generated, ttft, itl, (prefill[0], prefill[1]), (decode[0], decode[1]), peak)
+    result = summary(wall, generated, ttft, itl, (prefill[0], prefill[1]), (decode[0], decode[1]), peak,
+                     roofline, flops, (bounds[0], bounds[1]))
     stats = engine.stats()
     result |= {"prompt_tokens_computed": int(engine.metrics.prompt_tokens._value.get()),
                "prefix_hit_tokens": int(engine.metrics.prefix_hits._value.get()),
@@ -168,8 +216,8 @@ class _Clock:
         pass
 
 
-def run_sequential(model: Any, prompts: list[list[int]], new: int, rate: float | None = None
-                   ) -> dict[str, Any]:
+def run_sequential(model: Any, prompts: list[list[int]], new: int, rate: float | None = None,
+                   roofline: Roofline | None = None) -> dict[str, Any]:
     """One request after another; with ``rate``, each starts at its Poisson arrival or when the one
     before it ends, and its time to first token counts from its arrival."""
     from serve_http import arrival_times
@@ -192,7 +240,10 @@ def run_sequential(model: Any, prompts: list[list[int]], new: int, rate: float |
         generated += len(clock.times)
         peak = max(peak, dynamic_cache_bytes(cache))
     wall = time.perf_counter() - start
-    return summary(wall, generated, ttft, itl, (prefill[0], prefill[1]), (decode[0], decode[1]), peak)
+    flops = 0.0 if roofline is None else sum(roofline.cost.prefill_flops(0, len(p)) + roofline.cost.head_flops
+                                             for p in prompts)
+    return summary(wall, generated, ttft, itl, (prefill[0], prefill[1]), (decode[0], decode[1]), peak,
+                   roofline, flops)
 
 
 def run_generate_batch(prompts: list[list[int]], new: int) -> dict[str, Any]:
@@ -243,7 +294,7 @@ def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, An
 
 
 def run_system(system: str, name: str, prompts: list[list[int]], new: int, args: argparse.Namespace,
-               model: Any, tokenizer: Any) -> dict[str, Any] | None:
+               model: Any, tokenizer: Any, roofline: Roofline | None) -> dict[str, Any] | None:
     """One run of ``system`` on workload ``name``; None where the workload does not apply to it."""
     timed = system.startswith("http:") or system in ("vllm", "sequential")
     if "rate" in WORKLOADS[name] and not timed and system != "generate_batch":
@@ -257,9 +308,10 @@ def run_system(system: str, name: str, prompts: list[list[int]], new: int, args:
         return run_engine(model, tokenizer, config, prompts, new,
                           prefill_first=base == "engine-prefill-first",
                           prefix_caching=False if "-no-prefix-cache" in kind else None,
-                          kv_gib=WORKLOADS[name].get("kv_gib"), compile_step=kind.endswith("-compiled"))
+                          kv_gib=WORKLOADS[name].get("kv_gib"), compile_step=kind.endswith("-compiled"),
+                          roofline=roofline)
     if system == "sequential":
-        return run_sequential(model, prompts, new, WORKLOADS[name].get("rate"))
+        return run_sequential(model, prompts, new, WORKLOADS[name].get("rate"), roofline)
     if system == "generate_batch" and args.generate_batch_limit:
         return run_generate_batch_limited(name, args.scale, args.new_tokens, args.generate_batch_limit)
     if system == "generate_batch":
@@ -303,6 +355,12 @@ def main() -> None:
                               "cpu": cpu_model(), "scale": args.scale,
                               "workloads": {}}
     systems = args.systems.split(",")
+    roofline = None
+    if any(system.startswith("engine") or system == "sequential" for system in systems):
+        roofline = Roofline(model_cost(model), gemm_rate(model, rows=512), read_rate())
+        report["roofline"] = {"gemm_gflop_s_512_rows": round(roofline.gemm_gflop_s, 1),
+                              "read_gb_s": round(roofline.read_gb_s, 2),
+                              "weights_mb": round(roofline.cost.weight_bytes / 1e6, 1)}
     for name in args.workloads.split(","):
         prompts, new = prompts_for(name, tokens, args.scale, args.new_tokens)
         rows = report["workloads"][name] = {"requests": len(prompts), "prompt_tokens": len(prompts[0]),
@@ -310,10 +368,10 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
         with torch.inference_mode():
             if args.repeat > 1:  # untimed: a process's first engine run is slower than later ones
-                run_system(systems[0], name, prompts, new, args, model, tokenizer)
+                run_system(systems[0], name, prompts, new, args, model, tokenizer, roofline)
             for round_ in range(args.repeat):  # alternating order, so no system always runs first
                 for system in systems if round_ % 2 == 0 else systems[::-1]:
-                    result = run_system(system, name, prompts, new, args, model, tokenizer)
+                    result = run_system(system, name, prompts, new, args, model, tokenizer, roofline)
                     if result is not None:
                         runs[system].append(result)
                         print(json.dumps({"workload": name, "system": system, **result}), flush=True)

@@ -219,6 +219,10 @@ class Engine:
         self.max_waiting = max_waiting
         self.in_place_decode = in_place_decode
         self._packed_plans: dict[int, PackedPlan] = {}  # each layer's quantized pages' read, step to step
+        # what the last step's forward computed: (first position, end) per sequence, and the rows that
+        # gave logits; for cost accounting (``kvfactory.roofline``)
+        self.computed_spans: list[tuple[int, int]] = []
+        self.logit_rows = 0
         self.compiled = CompiledDecode(model, like) if compile_step and in_place_decode else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -289,6 +293,7 @@ class Engine:
         """Run one forward over what the scheduler picks; the outputs of the requests that advanced
         (and of those aborted since the last step)."""
         outputs, self._aborted = self._aborted, []
+        self.computed_spans, self.logit_rows = [], 0
         self.memory.new_step()
         plan = self.scheduler.schedule()
         failed, self.scheduler.failed = self.scheduler.failed, []
@@ -312,6 +317,8 @@ class Engine:
                         for request, _ in plan]
             self.metrics.update_gauges()
             return outputs
+        self.computed_spans = [(request.computed - tokens, request.computed) for request, tokens in plan]
+        self.logit_rows = len(sampled)
         with torch.inference_mode():
             draws = self.sampler(logits, sampled)
         now = time.perf_counter()
