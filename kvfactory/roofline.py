@@ -78,24 +78,20 @@ def _median_seconds(run: Any, runs: int) -> float:
 
 
 def gemm_rate(model: Any, rows: int = 512, runs: int = 3) -> float:
-    """GFLOP/s of every decoder linear layer of ``model`` multiplying ``rows`` rows, through the
-    engine's packed weights where this torch has them (``kvfactory.engine.weights``), else
-    ``F.linear``: the arithmetic ceiling of a prefill chunk of ``rows`` tokens."""
-    from kvfactory.engine.weights import pack, packed_linear, packing_available
+    """GFLOP/s of every decoder linear layer of ``model`` multiplying ``rows`` rows in the layout the
+    engine packs them into (``kvfactory.engine.weights.pack_weight``), else through ``F.linear``: the
+    arithmetic ceiling of a prefill chunk of ``rows`` tokens."""
+    from kvfactory.engine.weights import pack_weight
 
     head = model.get_output_embeddings()
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
     inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
-    if packing_available():
-        packed = [pack(w) for w in weights]
+    packed = [pack_weight(w) for w in weights]
 
-        def run() -> None:
-            for w, p in zip(weights, packed, strict=True):
-                packed_linear(inputs[w.shape[1]], p, None)
-    else:
-        def run() -> None:
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
+    def run() -> None:
+        for w, p in zip(weights, packed, strict=True):
+            x = inputs[w.shape[1]]
+            F.linear(x, w) if p is None else p.linear(x, None)
 
     with torch.inference_mode():
         seconds = _median_seconds(run, runs)

@@ -1,24 +1,34 @@
-"""Weights prepacked for the engine's steps: the one place kvfactory uses oneDNN's blocked GEMM layout.
+"""Weights prepacked for the engine's steps: the one place kvfactory lays linear weights out anew.
 
 A decode step multiplies a few rows (one per sequence) by every weight matrix, so it is bound by
 reading the weights; a prefill chunk multiplies hundreds, so it is bound by the arithmetic. On one
 thread, MKL's single-precision GEMM over a row-major ``nn.Linear`` weight reaches neither bound for
-few rows, and on AMD CPUs falls short for many rows too. oneDNN's inner product over a weight
-reordered once into its blocked layout (``torch.ops.mkldnn``, the layout torch's inductor packs
-weights into; vLLM's CPU build runs the same library) reads and multiplies faster at every row count
-``benchmarks/linear_layouts.py`` measures. ``pack_linear_weights`` gives each float32 CPU
-``nn.Linear`` of a model a reordered copy of its weight and routes every input to it.
+few rows, and on AMD CPUs falls short for many rows too. Two layouts do better
+(``benchmarks/linear_layouts.py`` measures them):
 
-The copy costs the weights' bytes once more. Its results differ from the unpacked GEMM's by
-summation order only (about 1e-6 relative in fp32). A weight changed in place is reordered again
-before its next use; a forward that needs gradients takes the model's own path.
+- **panels** of 32 output columns (``[out / 32, in, 32]``) for ``kernels/linear.c``, which streams each
+  panel once for up to 8 rows at a time: it reads at about the core's memory rate for few rows and
+  keeps a panel in L2 for many. It runs on one thread with AVX-512, so it is the layout where torch runs
+  on one thread (the engine's measured setting) on such a CPU and the output size is a multiple of 32;
+- **oneDNN's** blocked layout (``torch.ops.mkldnn``, the layout torch's inductor packs weights into;
+  vLLM's CPU build runs the same library), reordered once, spread over torch's threads: elsewhere.
+
+``pack_linear_weights`` gives each float32 CPU ``nn.Linear`` of a model a packed copy of its weight and
+routes every input to it. The copy costs the weights' bytes once more. Its results differ from the
+unpacked GEMM's by summation order only (about 1e-6 relative in fp32). A weight changed in place is
+packed again before its next use; a forward that needs gradients takes the model's own path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from kvfactory import kernels
+
 BATCH_HINT = 32  # rows oneDNN lays the weight out for; any row count runs on it
+PANEL = 32  # output columns per panel of kernels/linear.c's layout
 
 
 def packing_available() -> bool:
@@ -39,35 +49,85 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def panels_fit(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` goes into panels: float32 on the CPU, a multiple of 32 outputs, torch on one
+    thread, and ``kernels/linear.c`` built with its AVX-512 body."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[0] % PANEL \
+            or torch.get_num_threads() != 1:
+        return False
+    lib = kernels.load("linear")
+    return lib is not None and bool(lib.linear_has_body())
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` as panels ``[out / 32, in, 32]`` for ``panel_linear``."""
+    out, inputs = weight.shape
+    with torch.no_grad():
+        return weight.detach().reshape(out // PANEL, PANEL, inputs).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``panels``, ``pack_panels(weight)`` (``x`` float32)."""
+    count, inputs, _ = panels.shape
+    rows = x.reshape(-1, inputs).contiguous()
+    out = torch.empty(rows.shape[0], count * PANEL, dtype=x.dtype)
+    kernels.load("linear").rows_linear(
+        M=rows.shape[0], N=count * PANEL, K=inputs, x=rows.data_ptr(), xs=inputs, w=panels.data_ptr(),
+        bias=None if bias is None else bias.contiguous().data_ptr(), out=out.data_ptr(), os=count * PANEL)
+    return out.reshape(*x.shape[:-1], count * PANEL)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in the layout the engine multiplies by: panels (``pack_panels``) or oneDNN's (``pack``)."""
+
+    data: torch.Tensor
+    panels: bool
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return panel_linear(x, self.data, bias) if self.panels else packed_linear(x, self.data, bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes if self.panels else torch.ops.mkldnn._nbytes(self.data)
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """``weight`` in panels where ``panels_fit`` says so, else in oneDNN's layout; None without either."""
+    if panels_fit(weight):
+        return PackedWeight(pack_panels(weight), True)
+    return PackedWeight(pack(weight), False) if packing_available() else None
+
+
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose class ``pack_linear_weights`` swapped in place (its parameters, state dict
     keys and tied weights stay the model's), holding its weight packed as well."""
 
-    packed: torch.Tensor
+    packed: PackedWeight
     packed_version: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad):
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad) \
+                or x.dtype != self.weight.dtype:
             return super().forward(x)  # compiled graphs pack frozen weights; autograd needs F.linear
         if self.weight._version != self.packed_version:  # trained or loaded since: pack again
-            self.packed, self.packed_version = pack(self.weight), self.weight._version
-        return packed_linear(x, self.packed, self.bias)
+            self.packed, self.packed_version = pack_weight(self.weight), self.weight._version
+        return self.packed.linear(x, self.bias)
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Give every float32 CPU ``nn.Linear`` of ``model`` a packed weight (``PackedLinear``); returns the
-    bytes the packed copies take (0 where oneDNN's ops are missing). Calling it again packs nothing
+    bytes the packed copies take (0 where neither layout is available). Calling it again packs nothing
     more."""
-    if not packing_available():
-        return 0
     added = 0
     for module in model.modules():
         if type(module) is not torch.nn.Linear:  # exactly nn.Linear: subclasses may compute otherwise
             continue
         weight = module.weight
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" \
+                or (packed := pack_weight(weight)) is None:
             continue
         module.__class__ = PackedLinear
-        module.packed, module.packed_version = pack(weight), weight._version
-        added += torch.ops.mkldnn._nbytes(module.packed)
+        module.packed, module.packed_version = packed, weight._version
+        added += packed.nbytes
     return added

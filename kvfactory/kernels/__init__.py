@@ -5,7 +5,8 @@ Each ``NAME.c`` here is plain C (no Python or torch headers, so it compiles in s
 for ``kvfactory.quantization.ragged``), ``pages.c`` scores and picks a layer's pages for the page
 selectors (``kvfactory.selectors.pages``), ``ragged.c`` attends a batch of decoding sequences over
 their blocks of a paged pool (``kvfactory.storage.ragged``), ``chunk.c`` a prefill chunk over its
-stored tokens and itself (``kvfactory.attention.causal_chunk``), ``common.h`` is what they share (the
+stored tokens and itself (``kvfactory.attention.causal_chunk``), ``linear.c`` the engine's linear
+layers on one thread (``kvfactory.engine.weights``), ``common.h`` is what they share (the
 wheel ships the headers with the sources). ``load(NAME)`` builds one with the system C compiler
 (``$CC``, else ``cc``; ``-O3 -march=native``) into ``$XDG_CACHE_HOME/kvfactory/kernels`` (or
 ``KVFACTORY_KERNEL_DIR``), named by a hash of the source, the flags and the CPU, written atomically
@@ -72,6 +73,11 @@ SIGNATURES = {
         "int64_t *out)",
         "int token_shares(int64_t B, int64_t H, int64_t R, int64_t C, int64_t T, int64_t page, "
         "const float *rows, const int8_t *codes, int64_t cb, int64_t ch, int64_t cc, float *out)",
+    ),
+    "linear": (
+        "int linear_has_body(void)",
+        "int rows_linear(int64_t M, int64_t N, int64_t K, const float *x, int64_t xs, const float *w, "
+        "const float *bias, float *out, int64_t os)",
     ),
     "chunk": (
         "int chunk_has_body(void)",

@@ -1,4 +1,5 @@
-"""Packed weights for the engine's steps (``kvfactory.engine.weights``): the same products, the model's own
+"""Packed weights for the engine's steps (``kvfactory.engine.weights``): the same products in panels and
+in oneDNN's layout, the layout chosen by what the kernel and torch's threads allow, the model's own
 parameters, state dict and ties, a repack after an in-place change, the model's path elsewhere."""
 
 from __future__ import annotations
@@ -7,18 +8,28 @@ import pytest
 import torch
 from tiny_models import random_prompt, tiny_model
 
-from kvfactory.engine.weights import PackedLinear, pack_linear_weights, packing_available
+from kvfactory import kernels
+from kvfactory.engine.weights import (
+    PackedLinear,
+    pack_linear_weights,
+    pack_weight,
+    packing_available,
+    panels_fit,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch has no oneDNN linear ops")
+PANEL_KERNEL = bool((lib := kernels.load("linear")) and lib.linear_has_body())
 
 
-def test_packed_linear_layers_compute_the_same_products_for_every_row_count() -> None:
+@pytest.mark.parametrize("outputs", [40, 64, 96])  # 40: not whole panels of 32, so oneDNN's layout
+def test_packed_linear_layers_compute_the_same_products_for_every_row_count(outputs: int) -> None:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(48, 40)
+    linear = torch.nn.Linear(48, outputs)
     expected = {rows: linear(torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)))
                 for rows in (0, 1, 3, 4, 8, 32, 33, 70, 512)}
     model = torch.nn.Sequential(linear)
     assert pack_linear_weights(model) > 0 and type(linear) is PackedLinear
+    assert linear.packed.panels == (PANEL_KERNEL and outputs % 32 == 0)
     with torch.no_grad():
         for rows, want in expected.items():
             got = linear(torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)))
@@ -26,6 +37,27 @@ def test_packed_linear_layers_compute_the_same_products_for_every_row_count() ->
     x = torch.randn(2, 5, 48)  # [batch, tokens, features]
     with torch.no_grad():
         torch.testing.assert_close(linear(x), x @ linear.weight.T + linear.bias, atol=1e-5, rtol=1e-5)
+        rows = x.transpose(0, 1)  # not contiguous
+        torch.testing.assert_close(linear(rows), rows @ linear.weight.T + linear.bias, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not PANEL_KERNEL, reason="kernels/linear.c has no AVX-512 body on this CPU")
+def test_panels_are_chosen_on_one_thread_with_the_kernel_body_only(monkeypatch) -> None:
+    """More threads: oneDNN's layout, which spreads over them; a build without AVX-512 has no body (its
+    ``rows_linear`` computes nothing and says so), so oneDNN's layout again."""
+    weight = torch.randn(64, 48)
+    assert torch.get_num_threads() == 1 and panels_fit(weight) and pack_weight(weight).panels
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not panels_fit(weight) and not pack_weight(weight).panels
+    monkeypatch.undo()
+    avx2 = kernels.load("linear", ("-mno-avx512f",))
+    out = torch.zeros(1, 64)
+    assert avx2.linear_has_body() == 0
+    assert avx2.rows_linear(M=1, N=64, K=48, x=torch.ones(1, 48).data_ptr(), xs=48, w=weight.data_ptr(),
+                            bias=None, out=out.data_ptr(), os=64) == 0
+    monkeypatch.setattr(kernels, "load", lambda name, extra=(): avx2)
+    assert not panels_fit(weight) and not pack_weight(weight).panels
+    assert not panels_fit(torch.randn(64, 48, dtype=torch.float64))
 
 
 def test_a_weight_changed_in_place_is_packed_again_and_gradients_take_the_model_path() -> None:
