@@ -63,7 +63,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """``weight [out, in]`` as panels ``[out / 32, in, 32]`` for ``panel_linear``."""
     out, inputs = weight.shape
     with torch.no_grad():
-        return weight.detach().reshape(out // PANEL, PANEL, inputs).transpose(1, 2).contiguous()
+        panels = weight.detach().reshape(out // PANEL, PANEL, inputs).transpose(1, 2).contiguous()
+    torch._dynamo.mark_static(panels)  # a weight: a compiled graph (dynamic shapes) need not trace its sizes
+    return panels
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,6 +77,18 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
         M=rows.shape[0], N=count * PANEL, K=inputs, x=rows.data_ptr(), xs=inputs, w=panels.data_ptr(),
         bias=None if bias is None else bias.contiguous().data_ptr(), out=out.data_ptr(), os=count * PANEL)
     return out.reshape(*x.shape[:-1], count * PANEL)
+
+
+@torch.library.custom_op("kvfactory::panel_linear", mutates_args=())
+def panel_linear_op(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``panel_linear`` as a torch custom op: how a compiled graph (``kvfactory.engine.compiled``) calls
+    the panel kernel without a break."""
+    return panel_linear(x, panels, bias)
+
+
+@panel_linear_op.register_fake
+def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], panels.shape[0] * PANEL))
 
 
 @dataclass(frozen=True)
@@ -107,9 +121,11 @@ class PackedLinear(torch.nn.Linear):
     packed_version: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and self.weight.requires_grad) \
-                or x.dtype != self.weight.dtype:
-            return super().forward(x)  # compiled graphs pack frozen weights; autograd needs F.linear
+        if (torch.is_grad_enabled() and self.weight.requires_grad) or x.dtype != self.weight.dtype:
+            return super().forward(x)  # autograd needs F.linear
+        if torch.compiler.is_compiling():  # the graph takes the panels as they are; inductor packs the rest
+            packed = self.packed
+            return panel_linear_op(x, packed.data, self.bias) if packed.panels else super().forward(x)
         if self.weight._version != self.packed_version:  # trained or loaded since: pack again
             self.packed, self.packed_version = pack_weight(self.weight), self.weight._version
         return self.packed.linear(x, self.bias)

@@ -11,9 +11,11 @@ import pytest
 import torch
 from helpers import greedy_tokens
 from tiny_models import random_prompt, tiny_model
+from torch.profiler import ProfilerActivity, profile
 
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.engine import Engine, SamplingParams
+from kvfactory.engine.weights import PackedLinear, pack_panels
 from kvfactory.storage.ragged import paged_decode
 
 PROMPTS = [random_prompt(n, seed=n)[0].tolist() for n in (5, 23, 12, 40)]
@@ -67,6 +69,13 @@ def test_the_step_op_passes_torch_custom_op_checks() -> None:
     torch.library.opcheck(torch.ops.kvfactory.paged_decode_step.default, _step_args())
 
 
+def test_the_panel_linear_op_passes_torch_custom_op_checks() -> None:
+    weight, bias = torch.randn(64, 24), torch.randn(64)
+    for rows in (1, 9):
+        torch.library.opcheck(torch.ops.kvfactory.panel_linear.default,
+                              (torch.randn(2, rows, 24), pack_panels(weight), bias))
+
+
 def _generate(model: torch.nn.Module, config: dict, compile_step: bool) -> tuple[list[list[int]], Engine]:
     engine = Engine(model, None, config, pool_tokens=512, compile_step=compile_step)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
@@ -85,7 +94,12 @@ def test_compiled_and_eager_steps_give_the_same_tokens(name: str) -> None:
     KVCacheFactory(model.config, config).create_cache()
     gc.collect()
     held = KVCacheFactory(model.config, config).create_cache()
-    compiled, engine = _generate(model, config, compile_step=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled, engine = _generate(model, config, compile_step=True)
+    ops = {event.key for event in prof.key_averages()}
+    # the graph multiplies by the engine's panels where they are packed, not by weights inductor packs
+    panels = isinstance(model.lm_head, PackedLinear) and model.lm_head.packed.panels
+    assert ("kvfactory::panel_linear" in ops) == panels
     assert greedy_tokens(model, PROMPTS[0], NEW, cache=held) == eager[0]
     assert compiled == eager == [greedy_tokens(model, prompt, NEW) for prompt in PROMPTS]
     assert engine.compiled.failure is None
