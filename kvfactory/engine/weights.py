@@ -7,9 +7,10 @@ few rows, and on AMD CPUs falls short for many rows too. Two layouts do better
 (``benchmarks/linear_layouts.py`` measures them):
 
 - **panels** of 32 output columns (``[out / 32, in, 32]``) for ``kernels/linear.c``, which streams each
-  panel once for up to 8 rows at a time: it reads at about the core's memory rate for few rows and
-  keeps a panel in L2 for many. It runs on one thread with AVX-512, so it is the layout where torch runs
-  on one thread (the engine's measured setting) on such a CPU and the output size is a multiple of 32;
+  panel once for up to 8 rows at a time, so it reads at about the core's memory rate for few rows, and
+  passes many rows over the panels in blocks of 64 that stay in L2. It runs on one thread with
+  AVX-512, so it is the layout where torch runs on one thread (the engine's measured setting) on such
+  a CPU and the output size is a multiple of 32;
 - **oneDNN's** blocked layout (``torch.ops.mkldnn``, the layout torch's inductor packs weights into;
   vLLM's CPU build runs the same library), reordered once, spread over torch's threads: elsewhere.
 
@@ -72,10 +73,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     """``F.linear(x, weight, bias)`` through ``panels``, ``pack_panels(weight)`` (``x`` float32)."""
     count, inputs, _ = panels.shape
     rows = x.reshape(-1, inputs).contiguous()
+    bias = None if bias is None else bias.contiguous()  # held while the kernel reads it
     out = torch.empty(rows.shape[0], count * PANEL, dtype=x.dtype)
     kernels.load("linear").rows_linear(
         M=rows.shape[0], N=count * PANEL, K=inputs, x=rows.data_ptr(), xs=inputs, w=panels.data_ptr(),
-        bias=None if bias is None else bias.contiguous().data_ptr(), out=out.data_ptr(), os=count * PANEL)
+        bias=None if bias is None else bias.data_ptr(), out=out.data_ptr(), os=count * PANEL)
     return out.reshape(*x.shape[:-1], count * PANEL)
 
 
