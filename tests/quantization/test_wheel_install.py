@@ -31,6 +31,7 @@ import kvfactory
 from kvfactory import kernels
 from kvfactory.codecs import native
 from kvfactory.codecs.kivi import KiviKeyCodec
+from kvfactory.engine.weights import pack_weight
 from kvfactory.selectors.pages import top_pages
 from kvfactory.storage.ragged import paged_decode
 
@@ -45,6 +46,9 @@ pool = torch.randn(2, 3, 4, 16, generator=torch.Generator().manual_seed(2))
 decode = [torch.randn(1, 4, 16), pool, pool.flip(1), torch.tensor([[2, 0]]), torch.tensor([1]),
           torch.tensor([6])]
 decoded = paged_decode(*decode, 0.25) - paged_decode(*decode, 0.25, kernel=False)
+torch.set_num_threads(1)  # the engine's setting, where its linear layers go in panels
+weight, rows = torch.randn(64, 48), torch.randn(5, 48)
+packed = pack_weight(weight)
 print(json.dumps({
     "kvfactory": kvfactory.__file__, "torch": torch.__file__,
     "finders": [getattr(f, "__module__", "") for f in sys.meta_path],  # classes or instances
@@ -52,6 +56,8 @@ print(json.dumps({
     "key_scores_error": (scores - expected).abs().max().item(),
     "top_pages": sorted(top_pages(ranked, 0, 5, 2).flatten().tolist()),
     "paged_decode_error": decoded.abs().max().item(),
+    "panels": packed.panels == bool(kernels.load("linear").linear_has_body()),
+    "linear_error": (packed.linear(rows, None) - rows @ weight.T).abs().max().item(),
 }))
 """
 
@@ -75,7 +81,7 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
                     "-w", str(dist)], check=True, timeout=120)
     (wheel,) = dist.glob("kvfactory-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    sources = ("__init__.py", "chunk.c", "kivi.c", "pages.c", "ragged.c", "common.h")
+    sources = ("__init__.py", "chunk.c", "kivi.c", "linear.c", "pages.c", "ragged.c", "common.h")
     assert {f"kvfactory/kernels/{f}" for f in sources} <= shipped
 
     venv = tmp_path / "venv"
@@ -104,11 +110,12 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
     assert Path(probe["kvfactory"]).is_relative_to(site)  # the wheel's copy, not a checkout's
     assert not any("editable" in finder for finder in probe["finders"])
     assert any(Path(probe["torch"]).is_relative_to(p) for p in shared)
-    kernel_names = ["chunk", "kivi", "pages", "ragged"]
+    kernel_names = ["chunk", "kivi", "linear", "pages", "ragged"]
     assert probe["libraries"] == dict.fromkeys(kernel_names, True), run.stderr  # the build's warning
     built = sorted(p.name for p in (cache / "kvfactory" / "kernels").glob("*.so"))
-    assert [name.split("-")[0] for name in built] == kernel_names  # chunk, pages and ragged compiled here,
+    assert [name.split("-")[0] for name in built] == kernel_names  # all but kivi compiled here,
     assert seeded.name in built  # from the installed sources; kivi found under the same sources' key
     assert probe["key_scores_error"] < 1e-4
     assert probe["top_pages"] == [1, 3]
     assert probe["paged_decode_error"] < 1e-5
+    assert probe["panels"] and probe["linear_error"] < 1e-5
