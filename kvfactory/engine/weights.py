@@ -75,9 +75,11 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     rows = x.reshape(-1, inputs).contiguous()
     bias = None if bias is None else bias.contiguous()  # held while the kernel reads it
     out = torch.empty(rows.shape[0], count * PANEL, dtype=x.dtype)
-    kernels.load("linear").rows_linear(
+    computed = kernels.load("linear").rows_linear(
         M=rows.shape[0], N=count * PANEL, K=inputs, x=rows.data_ptr(), xs=inputs, w=panels.data_ptr(),
         bias=None if bias is None else bias.data_ptr(), out=out.data_ptr(), os=count * PANEL)
+    if not computed:  # no AVX-512 body in this build: ``out`` was never written
+        raise RuntimeError("kernels/linear.c has no body on this CPU; pack with pack_weight, which checks")
     return out.reshape(*x.shape[:-1], count * PANEL)
 
 

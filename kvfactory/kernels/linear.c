@@ -13,7 +13,6 @@
 
 enum { PANEL = 32, ROWS = 8, BLOCK = 64 };
 
-
 #define ROW_KERNEL(MR)                                                                                \
     static void rows##MR(int64_t K, const float *x, int64_t xs, const float *w, const float *bias,    \
                          float *out, int64_t os) {                                                    \
