@@ -9,8 +9,10 @@
  * score of the tile (16 tokens' dot products summed into one vector at a time), then the tile's
  * softmax against each row's running maximum (FlashAttention's online softmax, Dao et al. 2022, one
  * rescale per tile), then the value sums, held in registers across the tile. float16 and bfloat16
- * rows are converted into float32 16 tokens at a time. A sequence's blocks lie anywhere in the pool,
- * so the next ones are prefetched by hand.
+ * rows are converted into float32 16 tokens at a time. A sequence's blocks may lie anywhere in the
+ * pool: a block that does not continue the one before it in memory is prefetched by hand into L2, as
+ * no hardware prefetcher sees it coming; one that does is left to the hardware, whose stream a
+ * software prefetch would only crowd.
  * Built by kvfactory/kernels/__init__.py, called by kvfactory/storage/ragged.py.
  */
 #include <math.h>
@@ -23,6 +25,7 @@
 #define TILE 256     /* tokens per softmax step: R rows' scores stay in L1 */
 #define AHEAD 2      /* blocks prefetched ahead */
 #define AHEAD_BYTES 4096  /* of each of their K and V, the first this many (the hardware streams the rest) */
+#define INTO_L2 1    /* __builtin_prefetch's locality for them: L2, leaving L1's miss buffers to the loads */
 
 /* A tile's tokens as runs of consecutive rows of the pool: run i is rows [row[i], row[i] + n[i]) of
  * the KV head's [num_blocks * P, D], n[i] <= CHUNK. */
@@ -212,11 +215,11 @@ static inline __attribute__((always_inline)) void attend_rows(
         runs.runs = 0;
         while (t < end && n < TILE) {
             const int64_t at = t / P, offset = t % P;
-            if (offset == 0 && at + AHEAD <= last) {  /* blocks are scattered: no hardware prefetcher sees the next */
+            if (offset == 0 && at + AHEAD <= last && table[at + AHEAD] != table[at + AHEAD - 1] + 1) {
                 const int64_t ahead = table[at + AHEAD] * bytes;
                 for (int64_t i = 0; i < (bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES); i += 64) {
-                    __builtin_prefetch(k + ahead + i);
-                    __builtin_prefetch(v + ahead + i);
+                    __builtin_prefetch(k + ahead + i, 0, INTO_L2);
+                    __builtin_prefetch(v + ahead + i, 0, INTO_L2);
                 }
             }
             int64_t take = P - offset < end - t ? P - offset : end - t;
