@@ -24,7 +24,7 @@ from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.selectors.sparse import SparseStore
 from kvfactory.selectors.spec import SelectorSpec
 from kvfactory.storage.base import LayerStore
-from kvfactory.storage.blocks import BlockIds, PagedPool
+from kvfactory.storage.blocks import GroupTables, PagedPool
 from kvfactory.storage.dense import DenseStore
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
@@ -43,8 +43,7 @@ class LayerContext:
     selector: SelectorSpec | None = None  # this layer's selector spec (its share of the read budget)
     routing: RoutingMetrics | None = None
     routing_context: RoutingContext | None = None
-    group: tuple[int, ...] = ()  # the layers whose paged storage shares its blocks (``blocks``)
-    blocks: BlockIds | None = None  # the cache's block table of that group, None for a layer alone
+    tables: GroupTables | None = None  # the cache's block tables of the layer's group, None for a layer alone
     first_use: FirstUseScales | None = None  # the factory's first-use scales (quantization calibrate)
 
 
@@ -82,11 +81,11 @@ def compose_layer(config: CacheConfig, layer: LayerContext) -> LayerStore:
                                                                    layer.first_use)
     unit = None if codecs is None else math.lcm(codecs[0].unit, codecs[1].unit)
     store = config.storage.cls(**storage_options(config, unit))
-    if layer.blocks is not None:
-        store.share_blocks(layer.group, layer.blocks)
+    if layer.tables is not None:
+        store.share_blocks(layer.tables)
     if codecs is not None:
         residual = quantization.residual_for(quantization.codec_name(layer.layer_idx, layer.num_layers))
-        store = QuantizedStore(store, *codecs, residual, layer.workspace)
+        store = QuantizedStore(store, *codecs, residual, layer.workspace, tables=layer.tables)
     if config.eviction is not None and layer.window is None:
         store = EvictionStore(store, config.eviction.build_policy(), config.eviction, layer.num_layers,
                               eviction_slack(config, quantized=codecs is not None))

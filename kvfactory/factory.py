@@ -23,7 +23,7 @@ from kvfactory.selectors.metrics import RoutingMetrics
 from kvfactory.sizing import KVShape, bytes_per_token_per_layer
 from kvfactory.spellings import PagedKVCacheConfig
 from kvfactory.storage.base import LayerStore, PrefixLayout
-from kvfactory.storage.blocks import BlockIds, PagedPool
+from kvfactory.storage.blocks import GroupTables, PagedPool
 from kvfactory.storage.forward_lock import ForwardLock
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
@@ -71,17 +71,14 @@ class KVCacheFactory:
         self.first_use = FirstUseScales(shape.kv_heads) if calibrate else None
         # caches of a factory (or of one pool) share memory: their forwards take turns
         self.forward_lock = pool.forward_lock if pool is not None else ForwardLock()
-        # layers that hold the same tokens share blocks and one block table per sequence; eviction and
-        # quantized pages keep each layer's own, while the full-precision windows in front of quantized
-        # pages share one table per group of layers of one window size and codec (``table_groups``)
+        # layers that hold the same tokens share blocks and one block table per sequence and block kind
+        # (``groups``: the layers of one window size and codec); under eviction each layer keeps its own
         groupable = pool is not None and not storage.cls.evicts and self.config.eviction is None
-        alone = [(i,) for i in range(len(self.windows))]
         quantization = self.config.quantization
-        self.groups = layer_groups(self.windows) if groupable and quantization is None else alone
         codecs = [None if quantization is None else quantization.codec_name(i, len(self.windows))
                   for i in range(len(self.windows))]
-        self.table_groups = layer_groups(list(zip(self.windows, codecs, strict=True))) if groupable \
-            else alone
+        self.groups = layer_groups(list(zip(self.windows, codecs, strict=True))) if groupable \
+            else [(i,) for i in range(len(self.windows))]
         selector = self.config.selector
         self.layer_selectors = {} if selector is None else selector.per_layer(model_config, [
             i for i, window in enumerate(self.windows) if window is None and i >= selector.dense_layers])
@@ -124,12 +121,12 @@ class KVCacheFactory:
     def _stores(self, routing: RoutingMetrics | None, context: RoutingContext | None) -> list[LayerStore]:
         """A new store per layer (``kvfactory.compose.compose_layer``); a group's share one block table."""
         shared = {}
-        for group in self.table_groups:
-            blocks = BlockIds(self.pool.page_size) if len(group) > 1 else None
-            shared.update({layer_idx: (group, blocks) for layer_idx in group})
+        for group in self.groups:
+            tables = GroupTables(group) if len(group) > 1 else None
+            shared.update({layer_idx: tables for layer_idx in group})
         return [compose_layer(self.config, LayerContext(
             layer_idx, len(self.windows), window, self.pool, self.workspace,
-            self.layer_selectors.get(layer_idx, self.config.selector), routing, context, *shared[layer_idx],
+            self.layer_selectors.get(layer_idx, self.config.selector), routing, context, shared[layer_idx],
             self.first_use))
             for layer_idx, window in enumerate(self.windows)]
 

@@ -596,7 +596,7 @@ class KVCacheManager:
         (``WindowPages``), each layer group's, from those not named yet."""
         if self.window_pages is None:
             return
-        groups = self.factory.table_groups
+        groups = self.factory.groups
         views = [record.cache.layers[group[0]].store.window_pages() for group in groups]
         if any(view is None for view in views) or len({view[0] for view in views}) != 1:
             return
@@ -626,7 +626,7 @@ class KVCacheManager:
             pages = self.window_pages.find(names[blocks - span:blocks])
             if pages is not None:
                 windows: list[torch.Tensor] = [None] * len(self.factory.windows)
-                for group, group_pages in zip(self.factory.table_groups, pages, strict=True):
+                for group, group_pages in zip(self.factory.groups, pages, strict=True):
                     for layer in group:
                         windows[layer] = group_pages
                 return blocks, windows

@@ -19,6 +19,7 @@ again; per-token codecs and KIVI's min/max groups reproduce their codes, so this
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import weakref
@@ -31,7 +32,7 @@ from kvfactory.codecs import Codec, Encoded, fused, native
 from kvfactory.codecs.calibration import FIRST_USE_TOKENS
 from kvfactory.errors import ShapeError
 from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv, take_tokens
-from kvfactory.storage.blocks import BlockTable, PagedPool, PoolSpec, append_each
+from kvfactory.storage.blocks import BlockTable, GroupTables, PagedPool, PoolSpec, append_each
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.workspace import ReadWorkspace
 
@@ -105,13 +106,20 @@ class PagedRuns:
 
     A block holds ``lcm(page_size, codec units)`` tokens (32 for KIVI's 32-token key groups on
     16-token pages) of packed codes, scales and zero points, so the pool's blocks hold the bytes
-    a quantized cache really keeps; one row in consecutive blocks is read as a view.
+    a quantized cache really keeps; one row in consecutive blocks is read as a view. The layers of a
+    group (``tables``: one window size and codec, which encode the same tokens at the same steps)
+    share one block table, so a block is allocated, refcounted and cached once for all of them.
     """
 
-    def __init__(self, key_codec: Codec, value_codec: Codec, layer_idx: int, pool: PagedPool) -> None:
+    def __init__(self, key_codec: Codec, value_codec: Codec, layer_idx: int, pool: PagedPool,
+                 tables: GroupTables | None = None) -> None:
         self.key_codec, self.value_codec, self.layer_idx, self.pool = key_codec, value_codec, layer_idx, pool
         self.block_tokens = math.lcm(pool.page_size, key_codec.unit, value_codec.unit)
         self.table = BlockTable(self.block_tokens)
+        self.tables = tables
+        self.group = () if tables is None else tables.layers
+        if tables is not None:
+            self.table.join(tables.ids("packed", self.block_tokens))
         self._spec: PoolSpec | None = None
         self._views: tuple[tuple, tuple[Encoded, Encoded]] | None = None  # encoded(), while unchanged
         weakref.finalize(self, self.table.release)
@@ -129,7 +137,7 @@ class PagedRuns:
             encodes = ((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), k.dtype)
             self._spec = PoolSpec("packed", self.layer_idx, self.block_tokens, tuple(
                 (name, tuple(t.shape[1:]), t.dtype) for name, t in streams.items()), like[0].device,
-                encodes=encodes)
+                self.group, encodes)
         return self._spec
 
     def append(self, ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -138,11 +146,11 @@ class PagedRuns:
     def adopt(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hold the whole blocks ``ids [batch, blocks]`` of this layer's packed pool, filled by another
         sequence (referenced, copied on write); returns empty K and V of the shapes they encode."""
-        block_pool = self.pool.pools.get(("packed", (self.layer_idx,)))
+        block_pool = self.pool.pools.get(("packed", self.group or (self.layer_idx,)))
         if block_pool is None or block_pool.spec.encodes is None or bool((ids < 0).any()):
             raise ShapeError(f"layer {self.layer_idx}: {ids.shape[1]} quantized pages this pool does not "
                              f"hold")
-        self._spec = block_pool.spec
+        self._spec = dataclasses.replace(block_pool.spec, layer_idx=self.layer_idx)  # the group leader's
         (hk, dk), (hv, dv), dtype = self._spec.encodes
         self.table.adopt(block_pool.layer(self.layer_idx), ids, 0, ids.shape[1] * self.block_tokens)
         with torch.inference_mode(False):  # shape/dtype witnesses that hold no tokens
@@ -174,7 +182,11 @@ class PagedRuns:
 
     def block_requests(self, tokens: int, batch: int,
                        like: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[PoolSpec, int]]:
-        return [(self.spec(like), self.table.blocks_needed(tokens, batch))] if tokens else []
+        """The blocks of encoding ``tokens`` more; asked of a group's first layer only, which allocates
+        them for all."""
+        if not tokens or not self.table.leader:
+            return []
+        return [(self.spec(like), self.table.blocks_needed(tokens, batch))]
 
 
 def append_runs(runs: list[PagedRuns], ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]
@@ -193,8 +205,8 @@ class QuantizedStore(LayerStore):
     of at most one unit)."""
 
     def __init__(self, inner: LayerStore, key_codec: Codec, value_codec: Codec, residual: int,
-                 workspace: ReadWorkspace, sample_every: int = 16) -> None:
-        self.inner, self.key_codec, self.value_codec = inner, key_codec, value_codec
+                 workspace: ReadWorkspace, sample_every: int = 16, tables: GroupTables | None = None) -> None:
+        self.inner, self.key_codec, self.value_codec, self.tables = inner, key_codec, value_codec, tables
         self.residual, self.workspace, self.sample_every = residual, workspace, sample_every
         self._flushes = 0
         self._error = torch.zeros(4, dtype=torch.float64)  # K error, K norm, V error, V norm (squared sums)
@@ -218,7 +230,7 @@ class QuantizedStore(LayerStore):
         if self._packed is None:
             if isinstance(self.inner, PagedStore):
                 self._packed = PagedRuns(self.key_codec, self.value_codec, self.layer_idx,
-                                         self.inner.ensure_pool())
+                                         self.inner.ensure_pool(), self.tables)
             else:
                 self._packed = PackedRuns(self.key_codec, self.value_codec)
         return self._packed
@@ -452,9 +464,11 @@ class QuantizedStore(LayerStore):
         twin.bind(self.layer_idx)
         twin._flushes, twin._error, twin._like = self._flushes, self._error.clone(), self._like
         twin._realigned = self._realigned
-        if isinstance(self._packed, PagedRuns):
-            twin._packed = PagedRuns(self.key_codec, self.value_codec, self.layer_idx, self._packed.pool)
-            self._packed.table.fork_into(twin._packed.table)
+        if isinstance(self.inner, PagedStore):  # every layer of a group forks its table: the twins share one
+            runs = self.packed
+            twin._packed = PagedRuns(self.key_codec, self.value_codec, self.layer_idx, runs.pool)
+            twin._packed.group = runs.group
+            runs.table.fork_into(twin._packed.table)
         elif self._packed is not None:
             raise self._unsupported("forked over dense storage")
         return twin

@@ -556,6 +556,24 @@ class BlockIds:
             self._rounds[op] = (value, self._rounds[op][1])
 
 
+class GroupTables:
+    """One sequence's ``BlockIds`` in each block pool of one layer group (plain or window K/V, quantized
+    pages): made when the group's first layer asks for a kind, found there by the others, so each
+    kind's blocks are allocated once for the group."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.layers = layers
+        self._ids: dict[str, BlockIds] = {}
+
+    def ids(self, kind: str, page_size: int) -> BlockIds:
+        """The group's ``BlockIds`` of ``kind``, blocks of ``page_size`` tokens."""
+        shared = self._ids.setdefault(kind, BlockIds(page_size))
+        if shared.page_size != page_size:
+            raise ShapeError(f"layers {list(self.layers)}: {kind} blocks of {page_size} tokens joined a "
+                             f"group whose blocks hold {shared.page_size}")
+        return shared
+
+
 class BlockTable:
     """One layer's view of a sequence's blocks (its group's ``BlockIds``): it holds tokens ``[start,
     start + length)`` of each row's blocks, written into this layer's tensors (``blocks``); released by

@@ -17,7 +17,7 @@ import torch
 
 from kvfactory.errors import ConfigError, ShapeError, UnsupportedError
 from kvfactory.storage.base import LayerStore, MemoryReport, PrefixLayout, check_kv
-from kvfactory.storage.blocks import BlockIds, BlockTable, LayerBlocks, PagedPool, PoolSpec, raw
+from kvfactory.storage.blocks import BlockIds, BlockTable, GroupTables, LayerBlocks, PagedPool, PoolSpec, raw
 from kvfactory.storage.ragged import block_tables
 
 MAX_PAGE_SIZE = 65536  # tokens per block: larger pages are a typo, not a layout
@@ -99,11 +99,11 @@ class PagedStore(LayerStore):
                          blocks=options.get("pool_blocks"), bytes=options.get("pool_bytes"),
                          num_layers=num_layers)
 
-    def share_blocks(self, group: tuple[int, ...], blocks: BlockIds) -> None:
-        """Allocate together with the other layers of ``group`` (layers that hold the same tokens):
-        this sequence's blocks in the group's pool are ``blocks``, one table for all of them."""
-        self.group = group
-        self._table.join(blocks)
+    def share_blocks(self, tables: GroupTables) -> None:
+        """Allocate together with the other layers of a group (layers that hold the same tokens): this
+        sequence's blocks of this store's kind in the group's pool are ``tables``', one table for all."""
+        self.group = tables.layers
+        self._table.join(tables.ids(self.kind, self.page_size))
 
     def attach(self, pool: PagedPool) -> None:
         if pool.page_size != self.page_size:

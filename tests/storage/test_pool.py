@@ -272,30 +272,36 @@ def test_the_layers_of_a_group_share_one_block_table_and_each_block_is_allocated
     assert [(spec.layers, blocks) for spec, blocks in requests] == [((0, 2), 1), ((1, 3), 1)]
 
 
-def test_quantized_layers_share_their_windows_table_and_keep_their_own_quantized_pages() -> None:
-    """KIVI pages: a layer's packed blocks are its own (a prefix cache names them layer by layer), while
-    the full-precision windows in front of them, which every layer fills and empties at the same
-    tokens, share one block table per group; generation equals the same codecs over dense storage."""
+def test_quantized_layers_share_one_table_per_group_for_their_pages_and_windows() -> None:
+    """KIVI pages: the layers of one window size and codec encode the same tokens at the same steps, so
+    their quantized pages and the full-precision windows in front of them each take one block table per
+    group, every block allocated once; generation equals the same codecs over dense storage."""
     torch.manual_seed(0)
     config = tiny_config("gemma3", num_hidden_layers=4, layer_types=list(GEMMA3_LAYERS * 2))
     model = AutoModelForCausalLM.from_config(config).eval()
     quantization = {"codec": "int4", "group_size": 8, "residual": 4}
     factory = KVCacheFactory(model.config, {"type": "paged", "page_size": 4, "quantization": quantization})
-    assert factory.groups == [(0,), (1,), (2,), (3,)] and factory.table_groups == [(0, 2), (1, 3)]
+    assert factory.groups == [(0, 2), (1, 3)]
     cache, prompt = factory.create_cache(), random_prompt(30)
     inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
     out = generate(model, inputs, cache, max_new_tokens=12)
     dense = KVCacheFactory(model.config, {"type": "dense", "quantization": quantization}).create_cache()
     assert_same_generation(generate(model, inputs, dense, max_new_tokens=12), out)
-    for group in factory.table_groups:
+    for group in factory.groups:
         first, second = (cache.layers[layer].store for layer in group)
         assert first.inner.held_blocks() is second.inner.held_blocks()  # one window table
     first, second = cache.layers[1].store, cache.layers[3].store  # full attention: quantized pages too
     assert first.quantized_tokens == second.quantized_tokens == 32
-    assert [pool.layers for pool in factory.pool.block_pools("packed")] == [(0,), (1,), (2,), (3,)]
-    windows = factory.pool.block_pools("window")
-    assert [pool.layers for pool in windows] == [(0, 2), (1, 3)]
-    assert all(set(pool.refcount[pool.refcount > 0]) == {1} for pool in windows)  # allocated once
+    assert first.runs.table.ids is second.runs.table.ids and first.runs.table.ids.shape == (1, 4)
+    for kind in ("packed", "window"):
+        pools = factory.pool.block_pools(kind)
+        assert [pool.layers for pool in pools] == [(0, 2), (1, 3)]
+        assert all(set(pool.refcount[pool.refcount > 0]) <= {1} for pool in pools)  # allocated once
+    packed = factory.pool.pools[("packed", (1, 3))]
+    assert int((packed.refcount > 0).sum()) == 4  # 32 tokens in 8-token groups, in both layers
+    requests = cache.block_requests(16, *(torch.zeros(1, 1, 1, 16),) * 2)  # two groups more: asked once
+    packed_groups = [spec.layers for spec, n in requests if spec.kind == "packed" and n]
+    assert (1, 3) in packed_groups and sorted(set(packed_groups)) == sorted(packed_groups)
 
 
 def test_a_fork_copies_a_shared_block_once_per_group_on_write() -> None:
