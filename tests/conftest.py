@@ -17,6 +17,17 @@ from redis_server import RedisServer
 torch.set_num_threads(max(1, min(2, int(os.environ.get("KVFACTORY_TEST_THREADS", "1")))))
 
 
+@pytest.fixture(autouse=True)
+def suite_threads():
+    """Each test ends on the threads it started with: a CLI command run in-process sets torch's threads
+    for the whole process (``--threads``), which would change what later tests measure or choose
+    (the engine's panel layout is picked on one thread only)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)`` of the embedded SmolLM2-135M-Instruct, fp32, eval mode."""
