@@ -2,7 +2,8 @@
 
 A batch of sequences (one query token each) over one SmolLM2 layer's block pool (9 query heads over
 3 KV heads, head_dim 64, pages of 16 tokens, fp32), each sequence's blocks shuffled through the pool.
-Times ``kvfactory.storage.ragged.paged_decode`` in C (blocks read in place), its torch path
+Times ``kvfactory.storage.ragged.paged_decode`` in C (blocks read in place; also over the same pool
+with each sequence's blocks consecutive, as a prefill allocates them), its torch path
 (``kernel=False``: one padded gather and masked attention for the batch) and a baseline that gathers
 each sequence with ``index_select`` and runs SDPA on it. Then the same batch in int4 pages (the
 ``int4`` preset's stores, written in interleaved 512-token chunks as an engine's prefills write
@@ -62,10 +63,18 @@ def main() -> None:
     def kernel() -> torch.Tensor:
         return paged_decode(query, k_pool, v_pool, tables, starts, lengths, scale)
 
+    in_order = torch.arange(blocks).view(args.sequences, per_sequence)
+
+    def kernel_in_order() -> torch.Tensor:
+        return paged_decode(query, k_pool, v_pool, in_order, starts, lengths, scale)
+
     def gathered() -> torch.Tensor:
         return paged_decode(query, k_pool, v_pool, tables, starts, lengths, scale, kernel=False)
 
+    read_bytes = 2 * args.sequences * args.tokens * KV_HEADS * HEAD_DIM * 4
     expected = baseline()
+    in_order_torch = paged_decode(query, k_pool, v_pool, in_order, starts, lengths, scale, kernel=False)
+    torch.testing.assert_close(kernel_in_order(), in_order_torch, atol=1e-5, rtol=1e-5)
     for fn in (kernel, gathered):
         torch.testing.assert_close(fn(), expected, atol=1e-5, rtol=1e-5)
     stores = int4_stores(args.sequences, args.tokens, gen)
@@ -79,13 +88,16 @@ def main() -> None:
 
     torch.testing.assert_close(int4_in_place(), int4_each(), atol=1e-4, rtol=1e-4)
     times = {name: timed(fn, args.runs) for name, fn in
-             (("c_kernel", kernel), ("torch_path", gathered), ("gather_sdpa", baseline),
+             (("c_kernel", kernel), ("c_kernel_blocks_in_order", kernel_in_order), ("torch_path", gathered),
+              ("gather_sdpa", baseline),
               ("int4_in_place", int4_in_place), ("int4_each_sequence", int4_each))}
     print(json.dumps({
         "benchmark": "ragged_decode", "threads": 1, "sequences": args.sequences, "tokens": args.tokens,
         "query_heads": QUERY_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
         "dtype": "float32", "layer_kv_mib": round(2 * k_pool.numel() * 4 / 2**20, 1),
         **{f"{name}_ms": round(t * 1e3, 3) for name, t in times.items()},
+        **{f"{name}_read_gb_s": round(read_bytes / times[name] / 1e9, 1)
+           for name in ("c_kernel", "c_kernel_blocks_in_order")},
         "speedup_vs_torch_path": round(times["torch_path"] / times["c_kernel"], 2),
         "speedup_vs_gather_sdpa": round(times["gather_sdpa"] / times["c_kernel"], 2),
         "int4_speedup_vs_each_sequence": round(times["int4_each_sequence"] / times["int4_in_place"], 2),
