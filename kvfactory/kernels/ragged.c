@@ -22,7 +22,8 @@
 #define MAX_DIM 512  /* channels per head; checked by the caller */
 #define MAX_GROUP 16 /* query heads taken together; larger groups go in slices of this many */
 #define CHUNK 16     /* tokens scored (and converted from float16 / bfloat16) at a time */
-#define TILE 256     /* tokens per softmax step: R rows' scores stay in L1 */
+#define TILE 1024    /* tokens per softmax step: R rows' scores stay in L2, and a sequence's K and V streams
+                        * take turns rarely (a switch costs the hardware prefetcher its run-up) */
 #define AHEAD 2      /* blocks prefetched ahead */
 #define AHEAD_BYTES 4096  /* of each of their K and V, the first this many (the hardware streams the rest) */
 #define INTO_L2 1    /* __builtin_prefetch's locality for them: L2, leaving L1's miss buffers to the loads */
