@@ -116,7 +116,6 @@ class PagedRuns:
         self.key_codec, self.value_codec, self.layer_idx, self.pool = key_codec, value_codec, layer_idx, pool
         self.block_tokens = math.lcm(pool.page_size, key_codec.unit, value_codec.unit)
         self.table = BlockTable(self.block_tokens)
-        self.tables = tables
         self.group = () if tables is None else tables.layers
         if tables is not None:
             self.table.join(tables.ids("packed", self.block_tokens))
