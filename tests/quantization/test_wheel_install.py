@@ -22,6 +22,7 @@ import pytest
 from kvfactory import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
+KERNELS = sorted(kernels.SIGNATURES)  # every C library the package declares: each ships and builds
 
 # Run in the new environment: which kvfactory it imports, and the kernels' results against torch.
 PROBE = """
@@ -81,7 +82,7 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
                     "-w", str(dist)], check=True, timeout=120)
     (wheel,) = dist.glob("kvfactory-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    sources = ("__init__.py", "chunk.c", "kivi.c", "linear.c", "pages.c", "ragged.c", "common.h")
+    sources = ("__init__.py", *(f"{name}.c" for name in KERNELS), "common.h")
     assert {f"kvfactory/kernels/{f}" for f in sources} <= shipped
 
     venv = tmp_path / "venv"
@@ -110,10 +111,9 @@ def test_the_installed_wheel_builds_and_loads_the_c_kernels(tmp_path) -> None:
     assert Path(probe["kvfactory"]).is_relative_to(site)  # the wheel's copy, not a checkout's
     assert not any("editable" in finder for finder in probe["finders"])
     assert any(Path(probe["torch"]).is_relative_to(p) for p in shared)
-    kernel_names = ["chunk", "kivi", "linear", "pages", "ragged"]
-    assert probe["libraries"] == dict.fromkeys(kernel_names, True), run.stderr  # the build's warning
+    assert probe["libraries"] == dict.fromkeys(KERNELS, True), run.stderr  # the build's warning
     built = sorted(p.name for p in (cache / "kvfactory" / "kernels").glob("*.so"))
-    assert [name.split("-")[0] for name in built] == kernel_names  # all but kivi compiled here,
+    assert [name.split("-")[0] for name in built] == KERNELS  # all but kivi compiled here,
     assert seeded.name in built  # from the installed sources; kivi found under the same sources' key
     assert probe["key_scores_error"] < 1e-4
     assert probe["top_pages"] == [1, 3]
