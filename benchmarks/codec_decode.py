@@ -14,25 +14,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-import time
 
 import torch
 
 from kvfactory.codecs import make_codec
+from kvfactory.roofline import median_seconds
 from kvfactory.storage.workspace import ReadWorkspace
 
 HEADS, HEAD_DIM, RESIDUAL = 3, 64, 128
-
-
-def timed(fn, runs: int) -> float:
-    fn()  # warm-up: the workspace reaches its size, caches warm
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def naive(codec, enc, residual: torch.Tensor) -> torch.Tensor:
@@ -69,7 +58,7 @@ def main() -> None:
             slow_read = functools.partial(naive, codec, enc, residual)
             fast_read = functools.partial(into_workspace, codec, enc, residual, ReadWorkspace())
             assert torch.equal(slow_read(), fast_read())
-            slow, fast = timed(slow_read, args.runs), timed(fast_read, args.runs)
+            slow, fast = median_seconds(slow_read, args.runs), median_seconds(fast_read, args.runs)
             rows.append({"codec": name, "tokens": quantized + RESIDUAL, "batch": args.batch,
                          "naive_ms": round(slow * 1e3, 3), "workspace_ms": round(fast * 1e3, 3),
                          "speedup": round(slow / fast, 2)})

@@ -18,11 +18,11 @@ import json
 
 import torch
 import torch.nn.functional as F
-from codec_decode import timed
 
 from kvfactory import attention
 from kvfactory.codecs.spec import QuantizationSpec
 from kvfactory.quantization.store import QuantizedRead, QuantizedStore
+from kvfactory.roofline import median_seconds
 from kvfactory.storage import DenseStore
 from kvfactory.storage.workspace import ReadWorkspace
 
@@ -62,7 +62,7 @@ def main() -> None:
                     return attention.attend(query, QuantizedRead(store), None, scale)
 
                 torch.testing.assert_close(chunked().transpose(1, 2), whole(), atol=1e-4, rtol=1e-4)
-                slow, fast = timed(whole, args.runs), timed(chunked, args.runs)
+                slow, fast = median_seconds(whole, args.runs), median_seconds(chunked, args.runs)
                 mib = 2 * batch * KV_HEADS * length * HEAD_DIM * 4 / 2**20
                 rows.append({"codec": codec, "tokens": length, "batch": batch,
                              "fp32_layer_kv_mib": round(mib, 1),

@@ -21,13 +21,13 @@ import json
 
 import torch
 import torch.nn.functional as F
-from codec_decode import timed
 
 from kvfactory import attention
 from kvfactory.manager import KVCacheManager
 from kvfactory.models import load_config
 from kvfactory.presets import load_preset
 from kvfactory.quantization.ragged import quantized_decode
+from kvfactory.roofline import median_seconds
 from kvfactory.storage.ragged import paged_decode
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
@@ -87,7 +87,7 @@ def main() -> None:
                           [:, 0] for s, store in enumerate(stores)])
 
     torch.testing.assert_close(int4_in_place(), int4_each(), atol=1e-4, rtol=1e-4)
-    times = {name: timed(fn, args.runs) for name, fn in
+    times = {name: median_seconds(fn, args.runs) for name, fn in
              (("c_kernel", kernel), ("c_kernel_blocks_in_order", kernel_in_order), ("torch_path", gathered),
               ("gather_sdpa", baseline),
               ("int4_in_place", int4_in_place), ("int4_each_sequence", int4_each))}

@@ -67,7 +67,9 @@ def model_cost(model: Any) -> ModelCost:
                      weight_bytes=sum(distinct.values()))
 
 
-def _median_seconds(run: Any, runs: int) -> float:
+def median_seconds(run: Any, runs: int) -> float:
+    """The median wall time of ``runs`` calls of ``run`` after one untimed call (caches and workspaces
+    warm): what every timing here and in ``benchmarks/`` reports."""
     run()
     samples = []
     for _ in range(runs):
@@ -94,7 +96,7 @@ def gemm_rate(model: Any, rows: int = 512, runs: int = 3) -> float:
             F.linear(x, w) if p is None else p.linear(x, None)
 
     with torch.inference_mode():
-        seconds = _median_seconds(run, runs)
+        seconds = median_seconds(run, runs)
     return 2 * rows * sum(w.numel() for w in weights) / seconds / 1e9
 
 
@@ -102,4 +104,4 @@ def read_rate(nbytes: int = 2**30, runs: int = 5) -> float:
     """GB/s at which this core streams ``nbytes`` of float32 from memory (a sum over a buffer far
     larger than the caches): the bandwidth ceiling of a decode step."""
     buffer = torch.ones(nbytes // 4)
-    return nbytes / _median_seconds(buffer.sum, runs) / 1e9
+    return nbytes / median_seconds(buffer.sum, runs) / 1e9
