@@ -76,8 +76,9 @@ class StepBatch:
     segments: list[Segment]
     in_place: bool = True  # decode paged layers with the ragged kernels (False: through each cache)
     plans: dict[tuple[BlockIds, ...], DecodePlan] = field(default_factory=dict)  # by the sequences' blocks
-    # each layer's quantized pages' last plan, kept by the engine from step to step (``packed_plan``)
-    packed_plans: dict[int, PackedPlan] = field(default_factory=dict)
+    # each layer group's quantized pages' last plan (the group's layers share its block tables), kept
+    # by the engine from step to step (``packed_plan``)
+    packed_plans: dict[tuple[int, ...], PackedPlan] = field(default_factory=dict)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> attention.BatchRead:
         return _StepRead(self, layer_idx, key, value)
@@ -221,9 +222,11 @@ class _StepRead(attention.BatchRead):
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
         whole = len(windowed) == len(quantized)
         windows = (plan.tables, plan.starts, plan.lengths, plan.shared) if whole else None
-        packed = packed_plan(stores, self.batch.packed_plans.get(self.layer_idx))
+        tables = stores[0].tables
+        group = (self.layer_idx,) if tables is None else tables.layers
+        packed = packed_plan(stores, self.batch.packed_plans.get(group))
         if packed is not None:
-            self.batch.packed_plans[self.layer_idx] = packed
+            self.batch.packed_plans[group] = packed
         out[0, at] = quantized_decode(q, stores, scaling, windows, packed)
 
     def _sparse(self, sparse: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,

@@ -218,7 +218,7 @@ class Engine:
                                    prefill_first=prefill_first)
         self.max_waiting = max_waiting
         self.in_place_decode = in_place_decode
-        self._packed_plans: dict[int, PackedPlan] = {}  # each layer's quantized pages' read, step to step
+        self._packed_plans: dict[tuple[int, ...], PackedPlan] = {}  # each layer group's quantized pages' read
         # what the last step's forward computed: (first position, end) per sequence, and the rows that
         # gave logits; for cost accounting (``kvfactory.roofline``)
         self.computed_spans: list[tuple[int, int]] = []

@@ -56,7 +56,8 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
     """KIVI pages decoded by the batched in-place kernels (``quantized_decode``, over packed blocks and
     windows, full windows encoding their oldest group in one batch: ``flush_windows``) give the tokens
     each sequence's own cache gives (``in_place_decode=False``); sliding layers (Mistral's) keep reading
-    through their caches."""
+    through their caches. The packed blocks' read plan is kept once per layer group, whose layers share
+    one block table."""
     from kvfactory.engine import batch
 
     calls, flushed = [], []
@@ -71,13 +72,15 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
     config = {"type": "paged", "page_size": 4, "quantization": quantization}
     prompts = [random_prompt(n, seed=n)[0].tolist() for n in (5, 23, 12, 40)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    outputs = {mode: [o.token_ids for o in Engine(model, None, config, pool_tokens=1024, in_place_decode=mode,
-                                                  max_num_batched_tokens=64).generate(prompts, params)]
-               for mode in (True, False)}
+    engines = {mode: Engine(model, None, config, pool_tokens=1024, in_place_decode=mode,
+                            max_num_batched_tokens=64) for mode in (True, False)}
+    outputs = {mode: [o.token_ids for o in engine.generate(prompts, params)]
+               for mode, engine in engines.items()}
     assert outputs[True] == outputs[False]
     if getattr(model.config, "sliding_window", None) is None:  # sliding layers read through their caches
         assert calls and max(calls) > 0  # the packed part was read in place
         assert flushed and max(flushed) > 1  # several sequences' windows encoded in one batch
+        assert list(engines[True]._packed_plans) == engines[True].manager.factory.groups
 
 
 @pytest.mark.parametrize("name", [n for n in ENGINE_ARCHITECTURES if n not in ("mistral-sw8", "gemma3")])
