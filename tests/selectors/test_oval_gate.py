@@ -15,7 +15,7 @@ from kvfactory import KVCacheFactory
 from kvfactory.selectors import teacher
 from kvfactory.selectors.oval import load_router
 from kvfactory.selectors.oval import train as oval_train
-from kvfactory.selectors.oval.gate import BlockGate
+from kvfactory.selectors.oval.gate import BlockGate, GateShape
 from kvfactory.selectors.pages import PageSummaries
 
 
@@ -61,3 +61,21 @@ def test_a_cache_decodes_with_a_trained_gate_and_reads_its_embeddings() -> None:
         read = (store._last_read[..., :pages] == store.steps).sum(-1)
         assert (read == store.spec.pages_to_read(pages)).all()
     assert cache.routing_metrics()["read_fraction"] < 0.6
+
+
+def test_decode_scoring_follows_the_weights_as_training_changes_them() -> None:
+    """``score_pages`` keeps each layer's scaled query projection between steps; it equals
+    ``page_logits`` for one new token and several, before and after the weights change in place."""
+    gate = BlockGate(GateShape(query_heads=4, kv_heads=2, head_dim=16, layers=(0, 3), dim=8))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        gate.page.normal_(generator=gen)
+        gate.query.normal_(generator=gen)
+    embedded = torch.randn(1, 2, 10, 8, generator=gen).half()
+    for _ in range(2):
+        for rows in (2, 6):  # one new token's two query heads, and three new tokens'
+            queries = torch.randn(1, 2, rows, 16, generator=gen)
+            expected = gate.page_logits(queries, embedded, 3).detach()
+            torch.testing.assert_close(gate.score_pages(queries, embedded, 3), expected, atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            gate.query.mul_(-2.0)  # as an optimiser's step changes them

@@ -50,6 +50,8 @@ class BlockGate(RouterModule):
         layers, d, e = len(shape.layers), shape.head_dim, shape.dim
         self.page = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, 3 * d, e))
         self.query = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, self.group * d, e))
+        # each gated layer's query projection over sqrt(dim) in float32, with the weights' version
+        self._scaled: dict[int, tuple[int, torch.Tensor]] = {}
 
     @property
     def group(self) -> int:
@@ -76,10 +78,27 @@ class BlockGate(RouterModule):
     def gate_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
         """``queries [B, Hkv, R, D]`` (R = the KV head's query heads x new tokens, head-major) -> one gate
         query per new token, ``[B, Hkv, new, dim]``."""
-        b, h, rows, d = queries.shape
-        joined = queries.view(b, h, self.group, rows // self.group, d).transpose(2, 3).flatten(3)
         projection = self.query[self.shape.index_of(layer)]
-        return joined.to(projection.dtype) @ projection
+        return self._joined(queries).to(projection.dtype) @ projection
+
+    def _joined(self, queries: torch.Tensor) -> torch.Tensor:
+        """``queries [B, Hkv, R, D]`` -> each new token's query heads side by side,
+        ``[B, Hkv, new, R / new * D]``."""
+        b, h, rows, d = queries.shape
+        if rows == self.group:  # one new token (a decode step): its heads are side by side already
+            return queries.reshape(b, h, 1, rows * d)
+        return queries.view(b, h, self.group, rows // self.group, d).transpose(2, 3).flatten(3)
+
+    def _scaled_query(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s query projection over sqrt(dim), float32: made once per version of the
+        weights, so a decode step's scoring is one product (training changes them in place, which
+        counts a new version)."""
+        version = self.query._version
+        kept = self._scaled.get(layer)
+        if kept is None or kept[0] != version:
+            scaled = self.query[self.shape.index_of(layer)].detach().float() / math.sqrt(self.shape.dim)
+            kept = self._scaled[layer] = (version, scaled)
+        return kept[1]
 
     def page_logits(self, queries: torch.Tensor, embedded: torch.Tensor, layer: int) -> torch.Tensor:
         """``[B, Hkv, pages]``: the best new token's logit of each page, from ``queries [B, Hkv, R, D]``
@@ -87,8 +106,8 @@ class BlockGate(RouterModule):
         gate = self.gate_queries(queries, layer).float() / math.sqrt(self.shape.dim)
         return (gate @ embedded.float().transpose(-1, -2)).amax(2)
 
-    @torch.no_grad()
     def score_pages(self, queries: torch.Tensor, embedded: torch.Tensor, layer: int) -> torch.Tensor:
         """``page_logits`` for a decode step, through ``best_dot`` (``kernels/pages.c`` on the CPU: the
-        stored float16 embeddings read in place, no float copy)."""
-        return best_dot(self.gate_queries(queries, layer).float() / math.sqrt(self.shape.dim), embedded)
+        stored float16 embeddings read in place, no float copy); the weights are taken detached, so it
+        records no graph."""
+        return best_dot(self._joined(queries).float() @ self._scaled_query(layer), embedded)
