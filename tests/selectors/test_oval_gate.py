@@ -4,6 +4,7 @@ decodes with it."""
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 
@@ -64,8 +65,9 @@ def test_a_cache_decodes_with_a_trained_gate_and_reads_its_embeddings() -> None:
 
 
 def test_decode_scoring_follows_the_weights_as_training_changes_them() -> None:
-    """``score_pages`` keeps each layer's scaled query projection between steps; it equals
-    ``page_logits`` for one new token and several, before and after the weights change in place."""
+    """``score_pages`` (a decode step's path, which keeps each layer's scaled projection) equals
+    ``page_logits`` (training's) for one new token and several, before and after the weights change in
+    place, and in a copy trained apart."""
     gate = BlockGate(GateShape(query_heads=4, kv_heads=2, head_dim=16, layers=(0, 3), dim=8))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -79,3 +81,11 @@ def test_decode_scoring_follows_the_weights_as_training_changes_them() -> None:
             torch.testing.assert_close(gate.score_pages(queries, embedded, 3), expected, atol=1e-5, rtol=1e-5)
         with torch.no_grad():
             gate.query.mul_(-2.0)  # as an optimiser's step changes them
+    twin = copy.deepcopy(gate)  # its weights start at version 0; the projection it copied was made at 2
+    with torch.no_grad():
+        twin.query.add_(1.0)
+        twin.query.add_(1.0)
+    queries = torch.randn(1, 2, 2, 16, generator=gen)
+    for module in (twin, gate):
+        expected = module.page_logits(queries, embedded, 3).detach()
+        torch.testing.assert_close(module.score_pages(queries, embedded, 3), expected, atol=1e-5, rtol=1e-5)

@@ -50,8 +50,8 @@ class BlockGate(RouterModule):
         layers, d, e = len(shape.layers), shape.head_dim, shape.dim
         self.page = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, 3 * d, e))
         self.query = torch.nn.Parameter(torch.zeros(layers, shape.kv_heads, self.group * d, e))
-        # each gated layer's query projection over sqrt(dim) in float32, with the weights' version
-        self._scaled: dict[int, tuple[int, torch.Tensor]] = {}
+        # each gated layer's query projection over sqrt(dim) in float32, for decode steps (``_scaled_query``)
+        self._scaled: dict[int, tuple[tuple[int, int, int], torch.Tensor]] = {}
 
     @property
     def group(self) -> int:
@@ -90,14 +90,15 @@ class BlockGate(RouterModule):
         return queries.view(b, h, self.group, rows // self.group, d).transpose(2, 3).flatten(3)
 
     def _scaled_query(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s query projection over sqrt(dim), float32: made once per version of the
-        weights, so a decode step's scoring is one product (training changes them in place, which
-        counts a new version)."""
-        version = self.query._version
+        """Layer ``layer``'s query projection over sqrt(dim), float32, detached: made again whenever the
+        weights change (an optimiser's in-place step counts a new version; a copy of this module, or
+        new storage, has other weights), so a decode step's scoring is one product."""
+        weights = self.query
+        state = (id(weights), weights._version, weights.data_ptr())
         kept = self._scaled.get(layer)
-        if kept is None or kept[0] != version:
-            scaled = self.query[self.shape.index_of(layer)].detach().float() / math.sqrt(self.shape.dim)
-            kept = self._scaled[layer] = (version, scaled)
+        if kept is None or kept[0] != state:
+            scaled = weights.detach()[self.shape.index_of(layer)].float() / math.sqrt(self.shape.dim)
+            kept = self._scaled[layer] = (state, scaled)
         return kept[1]
 
     def page_logits(self, queries: torch.Tensor, embedded: torch.Tensor, layer: int) -> torch.Tensor:
