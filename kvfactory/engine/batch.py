@@ -222,8 +222,7 @@ class _StepRead(attention.BatchRead):
         q = query[0, :, at].transpose(0, 1)  # [S, Hq, D]
         whole = len(windowed) == len(quantized)
         windows = (plan.tables, plan.starts, plan.lengths, plan.shared) if whole else None
-        tables = stores[0].tables
-        group = (self.layer_idx,) if tables is None else tables.layers
+        group = stores[0].packed.group or (self.layer_idx,)  # a fork's twins keep their original's group
         packed = packed_plan(stores, self.batch.packed_plans.get(group))
         if packed is not None:
             self.batch.packed_plans[group] = packed
