@@ -1,16 +1,17 @@
 """Where an engine decode step's time goes: linear layers, the attention kernel, the rest.
 
 ``--sequences`` prompts of ``--tokens`` tokens each (the shipped WikiText excerpt), prefilled first,
-then ``--steps`` decode steps of all of them at once, profiled with ``torch.profiler`` on one thread, with the
-engine's packed weights (``Engine(pack_weights=True)``, the default) and without them, and with
-``--compiled`` the compiled step too (``Engine(compile_step=True)``). Linear
-layers are the time in ``aten::mm`` and oneDNN's linear; the attention kernel is the engine's
-``paged_decode`` / ``quantized_decode`` calls (wrapped in a ``record_function`` here) or the compiled
-step's ``kvfactory::paged_decode_step`` op (with its write); the rest is
-the model's other operations and the engine's Python. Also prints the bytes a step must read
-(weights and K/V) and the rate that implies. Prints JSON.
+then ``--steps`` decode steps of all of them at once over the preset ``--config``, profiled with
+``torch.profiler`` on one thread, with the engine's packed weights (``Engine(pack_weights=True)``, the
+default) and without them, and with ``--compiled`` the compiled step too (``Engine(compile_step=True)``).
+Linear layers are the time in ``aten::mm``, oneDNN's linear and the compiled step's panels; the attention
+kernel is the engine's ``paged_decode`` / ``quantized_decode`` calls (wrapped in a ``record_function``
+here) or the compiled step's ``kvfactory::paged_decode_step`` or ``quantized_decode_step`` op (with its
+write); the rest is the model's other operations and the engine's Python. Also prints the bytes a step
+must read (weights and K/V as the pool stores it) and the rate that implies. Prints JSON.
 
-    python benchmarks/step_profile.py [--sequences 8] [--tokens 2048] [--steps 10] [--compiled]
+    python benchmarks/step_profile.py [--sequences 8] [--tokens 2048] [--steps 10] [--config paged16]
+        [--compiled]
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from kvfactory.models import load_model
 from kvfactory.presets import load_preset
 from kvfactory.texts import shipped_text
 
-LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
-KERNEL_OPS = ("paged_decode", "quantized_decode", "kvfactory::paged_decode_step")  # the last: compiled
+LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvfactory::panel_linear")
+KERNEL_OPS = ("paged_decode", "quantized_decode", "kvfactory::paged_decode_step",
+              "kvfactory::quantized_decode_step")  # the last two: compiled
 
 
 def _recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,6 +54,7 @@ def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[i
         engine.step()
     for _ in range(3):
         engine.step()
+    kv = engine.manager.pool.memory_report().used  # the K/V a step reads: every sequence's, as stored
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -60,9 +63,11 @@ def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[i
     events = {e.key: e for e in prof.key_averages()}
     linear = sum(events[k].self_cpu_time_total for k in LINEAR_OPS if k in events) / 1e3 / steps
     kernel = sum(events[k].cpu_time_total for k in KERNEL_OPS if k in events)
+    weights = sum(p.nbytes for p in model.parameters())
     return {"step_ms": round(step * 1e3, 1), "linear_ms": round(linear, 1),
             "attention_kernel_ms": round(kernel / 1e3 / steps, 1),
-            "profiled_step_ms": round(sum(e.self_cpu_time_total for e in events.values()) / 1e3 / steps, 1)}
+            "profiled_step_ms": round(sum(e.self_cpu_time_total for e in events.values()) / 1e3 / steps, 1),
+            "kv_mb_per_step": round(kv / 1e6, 1), "read_gb_per_s": round((weights + kv) / step / 1e9, 2)}
 
 
 def main() -> None:
@@ -83,19 +88,13 @@ def main() -> None:
         raise SystemExit(f"the shipped text holds {len(ids)} tokens, fewer than {n} x {length}")
     prompts = [ids[i * length:(i + 1) * length] for i in range(n)]
     config = load_preset(args.config)
-    weights = sum(p.nbytes for p in model.parameters())
-    kv_heads = model.config.num_key_value_heads
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
-    kv = 2 * model.config.num_hidden_layers * kv_heads * head_dim * 4 * n * length
     runs = {"model_weights": profile_steps(model, tokenizer, config, prompts, args.steps, False),
             "packed_weights": profile_steps(model, tokenizer, config, prompts, args.steps, True)}
     if args.compiled:
         runs["compiled_step"] = profile_steps(model, tokenizer, config, prompts, args.steps, True, True)
-    for run in runs.values():
-        run["read_gb_per_s"] = round((weights + kv) / run["step_ms"] / 1e6, 2)
+    weights = sum(p.nbytes for p in model.parameters())
     print(json.dumps({"cpu": cpu_model(), "threads": 1, "sequences": n, "tokens": length,
-                      "config": args.config, "weights_mb": round(weights / 1e6, 1),
-                      "kv_mb_per_step": round(kv / 1e6, 1), **runs}, indent=1))
+                      "config": args.config, "weights_mb": round(weights / 1e6, 1), **runs}, indent=1))
 
 
 if __name__ == "__main__":

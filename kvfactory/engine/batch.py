@@ -35,7 +35,14 @@ import torch
 
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
-from kvfactory.quantization.ragged import PackedPlan, flush_windows, in_place, packed_plan, quantized_decode
+from kvfactory.quantization.ragged import (
+    PackedPlan,
+    flush_full_windows,
+    flush_windows,
+    in_place,
+    packed_plan,
+    quantized_decode,
+)
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.blocks import BlockIds
 from kvfactory.storage.paged import PagedStore, append_one_each, write_slots
@@ -201,9 +208,7 @@ class _StepRead(attention.BatchRead):
         stores = [layer.store for _, layer in quantized]
         fits = [store.fits_window(1) for store in stores]
         if not all(fits):  # full windows encode their oldest group first, in one batch
-            flushes = [0 if fit else store.batch_flush(1) for store, fit in zip(stores, fits, strict=True)]
-            for tokens in set(flushes) - {0}:
-                flush_windows([s for s, n in zip(stores, flushes, strict=True) if n == tokens], tokens)
+            flush_full_windows([store for store, fit in zip(stores, fits, strict=True) if not fit], 1)
             fits = [store.fits_window(1) for store in stores]
         windowed = [i for i, fit in enumerate(fits) if fit]  # most steps: the token joins the window
         plan = None

@@ -2,20 +2,23 @@
 ``torch.compile`` (inductor's CPU backend, the weights frozen into the graph, which prepacks them),
 with no graph break at attention.
 
-Each attention layer stores its new K/V and reads its sequences' pages in one torch custom op,
-``kvfactory::paged_decode_step`` (``write_tokens`` and ``paged_decode``, vLLM's PagedAttention, Kwon
-et al. 2023), over tensors built once per step and layer group before the forward (``DecodeStep``):
-each layer's pool tensors, and per group the new tokens' slots, the block tables, the first token's
-offsets and the lengths read. No cache update runs inside the graph; the stores count the written
-token after the forward, as the eager step does. Shapes are dynamic, so one graph serves every batch
-of two or more sequences and every context (a dimension of size 1 compiles once more: at most a few
-graphs in all).
+Each attention layer stores its new K/V and reads its sequences' pages in one torch custom op
+(``kvfactory.engine.step_ops``): ``paged_decode_step`` over plain pages, ``quantized_decode_step``
+over KIVI pages (their packed blocks and full-precision windows), over tensors built once per step
+and layer group before the forward (``DecodeStep``): each layer's pool tensors, and per group the new
+tokens' slots, the block tables, the first token's offsets, the lengths read and, for KIVI pages, the
+packed block tables and tokens. No cache update runs inside the graph: windows that the new token
+would push past their residual encode their oldest group before the forward, as the eager step's
+layers would before writing it (``flush_windows``), and the stores count the written token after the
+forward, as the eager step does. Shapes are dynamic, so one graph serves every batch of two or more
+sequences and every context (a dimension of size 1 compiles once more: at most a few graphs in all).
 
-It covers plain pages only (the engine refuses ``compile_step`` for other configs). Steps it does not
-cover run eagerly (``kvfactory.engine.batch``): prefill chunks, a single sequence, and layers of a
-group standing at different places. If
-the compiler fails, that step and every later one run the same function eagerly. Logits differ from
-the eager step's by summation order (fused kernels, prepacked weights).
+It covers plain pages and KIVI pages that the C kernels read (the engine refuses ``compile_step``
+for other configs). Steps it does not cover run eagerly (``kvfactory.engine.batch``): prefill
+chunks, a single sequence, layers of a group standing at different places, KIVI pages before any
+sequence holds a packed token or while their scales wait for their first tokens. If the compiler
+fails, that step and every later one run the same function eagerly. Logits differ from the eager
+step's by summation order (fused kernels, prepacked weights).
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from typing import Any
 import torch
 
 from kvfactory import attention
-from kvfactory.cache import attention_layout
+from kvfactory.cache import KVCache, KVLayer, attention_layout
+from kvfactory.codecs import native
 from kvfactory.engine.batch import Segment, decode_plan
-from kvfactory.storage.paged import write_tokens
-from kvfactory.storage.ragged import paged_decode
+from kvfactory.engine.step_ops import PACKED
+from kvfactory.quantization.ragged import PackedPlan, flush_full_windows, packed_plan
+from kvfactory.quantization.store import BlockLayout, QuantizedStore, block_layout, packed_block_tokens
+from kvfactory.storage.base import LayerStore
 
 logger = logging.getLogger("kvfactory")
 
@@ -49,57 +55,84 @@ def _compile_config() -> Iterator[None]:
         yield
 
 
-@torch.library.custom_op("kvfactory::paged_decode_step", mutates_args=("k_pool", "v_pool"))
-def paged_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-                      v_pool: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor,
-                      lengths: torch.Tensor, shared: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode token per sequence: write ``key`` / ``value [1, Hkv, S, D]`` into ``slots [S]`` of the
-    layer's pools ``[Hkv, blocks, page_size, D]``, then attend with ``query [1, Hq, S, D]`` over each
-    sequence's blocks (``paged_decode``'s ``tables``, ``starts``, ``lengths`` and ``shared`` blocks, a
-    0-d tensor so that no count recompiles): ``[1, S, Hq, Dv]``."""
-    write_tokens(k_pool, slots, key[0])
-    write_tokens(v_pool, slots, value[0])
-    out = paged_decode(query[0].transpose(0, 1), k_pool, v_pool, tables, starts, lengths, scale, check=False,
-                       shared=int(shared))
-    return out[None]
+@dataclass(frozen=True)
+class Codes:
+    """How a layer's KIVI pages are read: ``bits`` per code, values grouped by ``group`` channels, in
+    blocks of ``block_tokens`` tokens laid out as ``layout`` (``block_layout``)."""
+
+    bits: int
+    group: int
+    block_tokens: int
+    layout: BlockLayout
 
 
-@paged_decode_step.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-      slots: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-      shared: torch.Tensor, scale: float) -> torch.Tensor:
-    return query.new_empty(1, query.shape[2], query.shape[1], v_pool.shape[-1])
+def layer_codes(cache: KVCache, like: tuple[torch.Tensor, torch.Tensor], query_heads: int
+                ) -> list[Codes | None] | None:
+    """Each layer's ``Codes`` (None for plain pages) in caches like ``cache`` (a new one, none written),
+    K/V shaped like ``like`` ``[1, kv_heads, any, head_dim]``; None where a layer is neither plain pages
+    nor full-attention KIVI pages that the C kernels read, with ``query_heads`` grouped over its KV heads
+    as they take them (``kvfactory.quantization.ragged.in_place``)."""
+    kv_heads = like[0].shape[1]
+    grouped = query_heads % kv_heads == 0 and query_heads // kv_heads <= native.MAX_ROWS
+    codes: list[Codes | None] = []
+    for layer in cache.layers:
+        store = layer.store
+        if store.plain_pages:
+            codes.append(None)
+        elif grouped and isinstance(store, QuantizedStore) and store.kernel_codecs \
+                and not layer.is_sliding:
+            keys, values = store.key_codec, store.value_codec
+            block_tokens = packed_block_tokens(store.inner.page_size, keys, values)
+            codes.append(Codes(keys.bits, values.group_size, block_tokens,
+                               block_layout(keys, values, block_tokens, like)))
+        else:
+            return None
+    return codes
 
 
-def _groups(windows: list[int | None]) -> tuple[list[int | None], tuple[int, ...], list[list[int]]]:
-    """Layer groups by window: each group's window, each layer's group, each group's layers."""
-    order = list(dict.fromkeys(windows))
-    group = tuple(order.index(window) for window in windows)
-    return order, group, [[i for i, g in enumerate(group) if g == index] for index in range(len(order))]
+def _layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]:
+    """Each layer's index in ``groups`` (the layers that share one block table per sequence)."""
+    index = dict.fromkeys(range(layers), 0)
+    for g, members in enumerate(groups):
+        index.update(dict.fromkeys(members, g))
+    return tuple(index.values())
 
 
 @dataclass
 class DecodeStep:
     """What every layer of one compiled decode step reads: layer ``i``'s pools ``keys[i]`` /
-    ``values[i]`` and, for its group ``group[i]``, the plan's ``slots``, ``tables``, ``starts``,
-    ``lengths`` and ``shared`` blocks (``kvfactory.engine.batch.DecodePlan``)."""
+    ``values[i]`` (plain pages, or KIVI pages' full-precision windows) and the tensors of its packed
+    pages ``packed[i]`` (``step_ops.PACKED``; None for plain pages) read as ``codes[i]`` says; for its
+    group ``group[i]``, the plan's ``slots``, ``tables``, ``starts``, ``lengths`` and ``shared`` blocks
+    (``kvfactory.engine.batch.DecodePlan``) and, for KIVI pages, the packed pages' ``packed_tables``,
+    ``packed_tokens`` and ``packed_shared`` blocks (``kvfactory.quantization.ragged.PackedPlan``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    packed: list[list[torch.Tensor] | None]
+    codes: tuple[Codes | None, ...]
     group: tuple[int, ...]
     slots: list[torch.Tensor]
     tables: list[torch.Tensor]
     starts: list[torch.Tensor]
     lengths: list[torch.Tensor]
     shared: list[torch.Tensor]
+    packed_tables: list[torch.Tensor | None]
+    packed_tokens: list[torch.Tensor | None]
+    packed_shared: list[torch.Tensor | None]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
         i = module.layer_idx
         g = self.group[i]
-        return torch.ops.kvfactory.paged_decode_step(query, key, value, self.keys[i], self.values[i],
-                                                     self.slots[g], self.tables[g], self.starts[g],
-                                                     self.lengths[g], self.shared[g], scaling)
+        pages = (self.keys[i], self.values[i], self.slots[g], self.tables[g], self.starts[g], self.lengths[g],
+                 self.shared[g])
+        codes = self.codes[i]
+        if codes is None:
+            return torch.ops.kvfactory.paged_decode_step(query, key, value, *pages, scaling)
+        return torch.ops.kvfactory.quantized_decode_step(
+            query, key, value, *pages, self.packed[i], self.packed_tables[g], self.packed_tokens[g],
+            self.packed_shared[g], scaling, codes.bits, codes.group)
 
 
 class CompiledDecode:
@@ -107,61 +140,103 @@ class CompiledDecode:
     so a first request does not wait for the compiler); ``plan`` prepares a step's tensors (or says the
     step is not one it covers), ``forward`` runs it and counts the tokens written."""
 
-    def __init__(self, model: Any, like: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """``like``: K/V shaped like one layer's writes ``[1, kv_heads, any, head_dim]``."""
+    def __init__(self, model: Any, like: tuple[torch.Tensor, torch.Tensor], codes: list[Codes | None],
+                 groups: list[tuple[int, ...]]) -> None:
+        """``like``: K/V shaped like one layer's writes ``[1, kv_heads, any, head_dim]``; ``codes``: each
+        layer's (``layer_codes``); ``groups``: the layers that share a block table per sequence."""
         self.model = model
         key, value = like
         self.like = key.new_empty(*key.shape[:2], 1, key.shape[3]), value.new_empty(*value.shape[:2], 1,
                                                                                      value.shape[3])
         self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=key.device)  # skips mask building
         self.windows = attention_layout(model.config)
-        self.order, self.group, self.members = _groups(self.windows)
+        self.codes = tuple(codes)
+        self.members = [list(members) for members in groups]
+        self.group = _layer_groups(groups, len(self.windows))
         self.compiled = torch.compile(self._logits, backend=self._inductor, dynamic=True, fullgraph=True)
         self.recompiles = 0  # graphs compiled after the dummy step's: only where a size became 1
         self._warm = False
         self.failure: str | None = None  # why the compiler failed: every step runs eagerly then
         self.steps = 0  # steps run through the compiled graph
+        self._packed: dict[int, PackedPlan] = {}  # each group's last packed plan (``packed_plan``)
         with torch.inference_mode():
             self._run(*self._dummy_step())
         self._warm = True
 
-    def plan(self, segments: list[Segment]) -> tuple[DecodeStep, list[list[list]]] | None:
+    def plan(self, segments: list[Segment]) -> tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]
+                                                     ] | None:
         """A ``DecodeStep`` for ``segments`` with room made for each token, and each group's layers per
-        sequence (to count the token written after the forward); None, touching nothing, for a step
-        this path does not cover."""
+        sequence with the pages that hold its token (to count it written after the forward); None for a
+        step this path does not cover, having touched nothing but windows that encoded their oldest
+        group (as the eager step would before its write)."""
         if len(segments) < 2 or any(segment.tokens != 1 for segment in segments):
             return None
         caches = [segment.cache for segment in segments]
-        order, group, members = self.order, self.group, self.members
+        codes = self.codes
         for cache in caches:
-            if [layer.sliding_window for layer in cache.layers] != self.windows or any(
-                    not layer.store.plain_pages or layer.store.blocks is None for layer in cache.layers):
+            if [layer.sliding_window for layer in cache.layers] != self.windows:
                 return None
-            for layers in members:
-                places = [cache.layers[i].store.place() for i in layers]
-                if any(place != places[0] for place in places):
+            for layer, kind in zip(cache.layers, codes, strict=True):
+                if not self._covers(layer.store, kind):
                     return None
-        plans = [decode_plan([cache.layers[layers[0]].store for cache in caches], order[index], *self.like)
-                 for index, layers in enumerate(members)]
-        blocks = [layer.store.blocks for layer in caches[0].layers]
-        step = DecodeStep([b.k for b in blocks], [b.v for b in blocks], group, [p.slots for p in plans],
-                          [p.tables for p in plans], [p.starts for p in plans], [p.lengths for p in plans],
-                          [torch.tensor(p.shared) for p in plans])
-        return step, [[[cache.layers[i] for cache in caches] for i in layers] for layers in members]
+        stores = [[cache.layers[i].store for cache in caches] for i in range(len(codes))]
+        for i, kind in enumerate(codes):
+            if kind is not None:
+                flush_full_windows([store for store in stores[i] if not store.fits_window(1)], 1)
+        pages = [row if kind is None else [store.inner for store in row] for row, kind in zip(stores, codes,
+                                                                                               strict=True)]
+        if any(store.blocks is None for row in pages for store in row):
+            return None
+        for layers in self.members:
+            for s in range(len(caches)):
+                place = pages[layers[0]][s].place()
+                if any(pages[i][s].place() != place for i in layers[1:]):
+                    return None
+        packed: list[PackedPlan | None] = []
+        for g, layers in enumerate(self.members):
+            plan = None
+            if codes[layers[0]] is not None:
+                plan = packed_plan(stores[layers[0]], self._packed.get(g))
+                if plan is None or any(packed_plan(stores[i], plan) is not plan for i in layers[1:]):
+                    return None
+                self._packed[g] = plan
+            packed.append(plan)
+        plans = [decode_plan(pages[layers[0]], self.windows[layers[0]], *self.like)
+                 for layers in self.members]
+        step = DecodeStep(
+            [row[0].blocks.k for row in pages], [row[0].blocks.v for row in pages],
+            [None if kind is None else [stores[i][packed[self.group[i]].first].runs.table.blocks.tensors[name]
+                                        for name in PACKED] for i, kind in enumerate(codes)],
+            codes, self.group, [p.slots for p in plans], [p.tables for p in plans], [p.starts for p in plans],
+            [p.lengths for p in plans], [torch.tensor(p.shared) for p in plans],
+            [None if p is None else p.tables for p in packed],
+            [None if p is None else p.tokens for p in packed],
+            [None if p is None else torch.tensor(p.shared) for p in packed])
+        return step, [[[(caches[s].layers[i], pages[i][s]) for s in range(len(caches))] for i in layers]
+                      for layers in self.members]
+
+    @staticmethod
+    def _covers(store: LayerStore, codes: Codes | None) -> bool:
+        """Whether a layer's store is read as the graph reads it: plain pages, or KIVI pages the kernels
+        read in place whose window takes the token, after a batched flush where it is full."""
+        if codes is None:
+            return store.plain_pages
+        return isinstance(store, QuantizedStore) and store.kernel_pages and (
+            store.fits_window(1) or store.batch_flush(1) > 0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                planned: tuple[DecodeStep, list[list[list]]]) -> torch.Tensor:
+                planned: tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]]) -> torch.Tensor:
         """Logits ``[S, vocab]`` of the planned step's tokens ``input_ids [S]`` at ``positions [S]``; every
-        layer's stores then count their token written, as the eager step does."""
+        layer's pages then count their token written, as the eager step does."""
         step, groups = planned
         logits = self._run(input_ids, positions, step)
         self.steps += self.failure is None
         key = self.like[0]
         for layers in groups:
             for depth, row in enumerate(layers):
-                for layer in row:
+                for layer, pages in row:
                     if depth:  # the group's first layer counted it when the plan made room
-                        layer.store.count_written(1)
+                        pages.count_written(1)
                     layer.written(key)
         return logits
 
@@ -183,17 +258,29 @@ class CompiledDecode:
         return torch._dynamo.lookup_backend("inductor")(graph, inputs)
 
     def _dummy_step(self) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
-        """Two sequences of 10 and 11 tokens in blocks of 4 of scratch pools, every size distinct and
-        above 1 (so that the graph compiled for it serves every real step)."""
+        """Two sequences of 10 and 11 tokens in blocks of 4 of scratch pools (KIVI pages: 3 and 4 more
+        blocks of packed tokens), every size distinct and above 1 (so that the graph compiled for it
+        serves every real step)."""
         key, value = self.like
+        device = key.device
         with torch.inference_mode(False):  # as a pool's tensors are made (``BlockPool.layer``)
-            pools = [torch.zeros(key.shape[1], 7, 4, x.shape[3], dtype=x.dtype, device=x.device)
+            pools = [torch.zeros(key.shape[1], 7, 4, x.shape[3], dtype=x.dtype, device=device)
                      for _ in self.windows for x in (key, value)]
-        order, group = self.order, self.group
-        plan = [torch.tensor(x, device=key.device)
+            packed = [None if kind is None else
+                      [torch.zeros(shape[0], 9, *shape[1:], dtype=dtype, device=device)
+                       for _, shape, dtype in kind.layout] for kind in self.codes]
+        plan = [torch.tensor(x, device=device)
                 for x in ([9, 22], [[0, 1, 2], [3, 4, 5]], [0, 0], [10, 11], 0)]
-        step = DecodeStep(pools[0::2], pools[1::2], group, *([x.clone() for _ in order] for x in plan))
-        return torch.tensor([1, 2], device=key.device), torch.tensor([9, 10], device=key.device), step
+        quantized = [any(self.codes[i] is not None for i in layers) for layers in self.members]
+        blocks = [next((self.codes[i].block_tokens for i in layers if self.codes[i] is not None), 0)
+                  for layers in self.members]
+        packed_plans = [[torch.tensor(x, device=device) for x in ([[0, 1, 2, 3], [4, 5, 6, 7]],
+                                                                   [3 * n, 4 * n], 0)] if q else [None] * 3
+                        for q, n in zip(quantized, blocks, strict=True)]
+        step = DecodeStep(pools[0::2], pools[1::2], packed, self.codes, self.group,
+                          *([x.clone() for _ in self.members] for x in plan),
+                          *([p[j] for p in packed_plans] for j in range(3)))
+        return torch.tensor([1, 2], device=device), torch.tensor([9, 10], device=device), step
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=self.mask,

@@ -32,7 +32,7 @@ import torch
 
 from kvfactory.cache import PackedBatch, join_batch, packed_forward, use_engine_attention
 from kvfactory.engine.batch import Segment, StepBatch
-from kvfactory.engine.compiled import CompiledDecode
+from kvfactory.engine.compiled import CompiledDecode, layer_codes
 from kvfactory.engine.metrics import EngineMetrics
 from kvfactory.engine.params import SamplingParams
 from kvfactory.engine.request import Request, RequestOutput, RequestStatus
@@ -161,7 +161,7 @@ class Engine:
     ``pack_weights``: give the model's linear layers a copy of their weights in oneDNN's blocked
     layout, which every step multiplies by (``weights``: a decode step reads the weights about 1.5x
     faster, for the weights' bytes more memory); the model keeps it after the engine.
-    ``compile_step``: run decode steps of two or more sequences over plain pages through
+    ``compile_step``: run decode steps of two or more sequences over plain pages or KIVI pages through
     ``torch.compile`` (``compiled``: compiled when the engine is made, about a minute for SmolLM2;
     the weights are frozen into the graph, so train or load new weights into a new engine; off
     with ``in_place_decode=False``).
@@ -197,11 +197,6 @@ class Engine:
         self.manager = KVCacheManager(model.config, config, prefix_caching=prefix_caching,
                                       host_bytes=host_bytes, tiers=prefix_tiers,
                                       warn_unused_prefix_cache=False)  # a server's traffic: a metric
-        spec = self.manager.factory.config
-        if compile_step and not (spec.storage.cls.plain_pages and spec.quantization is spec.eviction is
-                                 spec.selector is None):
-            raise ConfigError("compile_step", compile_step, "False for this cache config: the compiled "
-                              "decode step covers plain pages (no codec, eviction policy or page selector)")
         text = model.config.get_text_config(decoder=True)
         self.max_model_len: int | None = getattr(text, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
@@ -212,6 +207,11 @@ class Engine:
         # its stores work out their block layouts (a codec's encoded block) once, not at every admission
         self._probe = self.manager.factory.create_cache()
         join_batch(self._probe)
+        codes = layer_codes(self._probe, like, text.num_attention_heads) if compile_step else None
+        if compile_step and codes is None:
+            raise ConfigError("compile_step", compile_step, "False for this cache config: the compiled "
+                              "decode step covers plain pages and KIVI pages (int4, int2) of full-attention "
+                              "layers, with no eviction policy or page selector")
         # eviction policies compress a prompt as a whole when it is written: prefill them in one step
         chunked = self.manager.factory.config.eviction is None
         self.scheduler = Scheduler(self.memory, max_num_seqs, max_num_batched_tokens, chunked_prefill=chunked,
@@ -223,7 +223,8 @@ class Engine:
         # gave logits; for cost accounting (``kvfactory.roofline``)
         self.computed_spans: list[tuple[int, int]] = []
         self.logit_rows = 0
-        self.compiled = CompiledDecode(model, like) if compile_step and in_place_decode else None
+        self.compiled = CompiledDecode(model, like, codes, self._probe.groups) \
+            if codes is not None and in_place_decode else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos = _eos_ids(model)

@@ -16,6 +16,7 @@ as plain pages read theirs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,19 @@ def flush_windows(stores: list[QuantizedStore], tokens: int) -> None:
     for i, store in enumerate(stores):
         row = [Encoded({name: t[i:i + 1] for name, t in enc.tensors.items()}, tokens) for enc in (ek, ev)]
         store.took_front(keys[i:i + 1], values[i:i + 1], *row, codecs)
+
+
+def flush_full_windows(stores: list[QuantizedStore], tokens: int) -> None:
+    """The windows of ``stores`` (one-row stores of one layer) that ``tokens`` more would push past their
+    residual encode their oldest groups first, in one batch per flush size (``flush_windows``), where
+    ``batch_flush`` takes them (else the store's ``append`` encodes as it writes)."""
+    pending: dict[int, list[QuantizedStore]] = {}
+    for store in stores:
+        flush = store.batch_flush(tokens)
+        if flush:
+            pending.setdefault(flush, []).append(store)
+    for flush, flushed in pending.items():
+        flush_windows(flushed, flush)
 
 
 @dataclass
@@ -118,22 +132,34 @@ def quantized_decode(query: torch.Tensor, stores: list[QuantizedStore], scale: f
 
 def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], plan: PackedPlan, scale: float
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The packed part as outputs ``[S, Hq, D]`` with their log-sum-exps ``[S, Hq]`` (float32; ``-inf``
-    where a sequence has no packed tokens there) for ``merge_parts``: the blocks every sequence reads
-    whole (a shared prompt's, ``plan.shared``) decoded once and read once for all query rows
-    (``shared_attention``), where the kernels take them, and each sequence's other blocks in place."""
+    """``packed_parts`` of ``stores`` (as ``quantized_decode`` takes them) read by ``plan``, a shared
+    prompt's blocks decoded into the store's reused workspace."""
     store = stores[plan.first]
-    runs = store.runs
-    pool, block_tokens, tables, tokens, shared = (runs.table.blocks.tensors, runs.block_tokens, plan.tables,
-                                                   plan.tokens, plan.shared)
-    head = _shared_packed(query, store, pool, tables[0, :shared], scale) if shared else None
+    return packed_parts(query, store.runs.table.blocks.tensors, store.key_codec.bits,
+                        store.value_codec.group_size, plan.tables, plan.tokens, plan.shared, scale,
+                        store.workspace.buffer)
+
+
+def packed_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,
+                 tables: torch.Tensor, tokens: torch.Tensor, shared: int, scale: float,
+                 buffer: Callable[[str, tuple[int, ...], torch.Tensor], torch.Tensor] | None = None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each sequence's query ``[S, Hq, D]`` over its ``tokens [S]`` packed tokens in blocks ``tables``
+    of one layer's pool of KIVI pages (see ``native.pool_pointers``; ``bits`` per code, values grouped
+    by ``group`` channels), as outputs ``[S, Hq, D]`` with their log-sum-exps ``[S, Hq]`` (float32;
+    ``-inf`` where a sequence has no packed tokens there) for ``merge_parts``. The ``shared`` leading
+    blocks that every sequence reads whole (a shared prompt's) are decoded once, into
+    ``buffer(slot, shape, like)`` where given (a reused workspace), and read once for all query rows
+    (``shared_attention``), where the kernels take them; each sequence's other blocks in place."""
+    head = _shared_packed(query, pool, bits, group, tables[0, :shared], scale, buffer) if shared else None
     if head is None:
-        return [_paged_packed(query, store, pool, tables, tokens, scale)]
-    return [head, _paged_packed(query, store, pool, tables[:, shared:], tokens - shared * block_tokens,
+        return [_paged_packed(query, pool, bits, group, tables, tokens, scale)]
+    block_tokens = pool["k.codes"].shape[2] * pool["k.codes"].shape[3]
+    return [head, _paged_packed(query, pool, bits, group, tables[:, shared:], tokens - shared * block_tokens,
                                 scale)]
 
 
-def _paged_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, torch.Tensor],
+def _paged_packed(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,
                   tables: torch.Tensor, tokens: torch.Tensor, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence over its ``tokens`` packed tokens in blocks ``tables`` (one call of
@@ -145,22 +171,25 @@ def _paged_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, to
     out = torch.empty(s, hq, d, dtype=torch.float32)
     lse = torch.empty(s, hq, dtype=torch.float32)
     kernels.load("kivi").kivi_paged_decode(
-        s, hq, hkv, d, store.key_codec.bits, store.value_codec.group_size, q.data_ptr(), scale,
-        *native.pool_pointers(pool), num_blocks, key_groups, group_tokens, code_bytes, tables.data_ptr(),
-        tables.shape[1], tokens.data_ptr(), out.data_ptr(), lse.data_ptr())
+        s, hq, hkv, d, bits, group, q.data_ptr(), scale, *native.pool_pointers(pool), num_blocks, key_groups,
+        group_tokens, code_bytes, tables.data_ptr(), tables.shape[1], tokens.data_ptr(), out.data_ptr(),
+        lse.data_ptr())
     return out, lse
 
 
-def _shared_packed(query: torch.Tensor, store: QuantizedStore, pool: dict[str, torch.Tensor],
-                   ids: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _shared_packed(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,
+                   ids: torch.Tensor, scale: float,
+                   buffer: Callable[[str, tuple[int, ...], torch.Tensor], torch.Tensor] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every query row over the packed blocks ``ids``: decoded once (``kivi_paged_dequantize``, a few
-    hundred KiB per KV head for a 1,024-token prompt, into the store's reused workspace) and read by
-    ``shared_attention``; None where that does not take them."""
+    hundred KiB per KV head for a 1,024-token prompt) and read by ``shared_attention``; None where that
+    does not take them."""
     hkv, _, key_groups, group_tokens, _ = pool["k.codes"].shape
     d, tokens = query.shape[2], ids.numel() * key_groups * group_tokens
     if not shared_fits(query):
         return None
-    keys, values = (store.workspace.buffer(f"shared_{side}", (hkv, 1, tokens, d), query) for side in "kv")
-    native.paged_dequantize(pool, ids, store.key_codec.bits, store.value_codec.group_size, keys[:, 0],
-                            values[:, 0])
+    shape = (hkv, 1, tokens, d)
+    keys, values = (query.new_empty(shape) if buffer is None else buffer(f"shared_{side}", shape, query)
+                    for side in "kv")
+    native.paged_dequantize(pool, ids, bits, group, keys[:, 0], values[:, 0])
     return shared_attention(query, keys, values, torch.zeros(1, dtype=torch.long), scale)

@@ -47,6 +47,25 @@ def _split(streams: dict[str, torch.Tensor], tokens: int) -> tuple[Encoded, Enco
     return tuple(Encoded({n[2:]: t for n, t in streams.items() if n[0] == side}, tokens) for side in "kv")
 
 
+BlockLayout = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # each tensor's name, shape and dtype
+
+
+def block_layout(key_codec: Codec, value_codec: Codec, block_tokens: int,
+                 like: tuple[torch.Tensor, torch.Tensor]) -> BlockLayout:
+    """What the codecs make of one block of ``block_tokens`` tokens shaped like ``like`` (K and V
+    ``[any, kv_heads, any, head_dim]``): each encoded tensor's name, shape ``(kv_heads, ...)`` and
+    dtype, as a pool's block of quantized pages holds them (``PoolSpec.tensors``)."""
+    blank = [x.new_zeros((1, x.shape[1], block_tokens, x.shape[3])) for x in like]
+    streams = _streams(key_codec.encode(blank[0]), value_codec.encode(blank[1]))
+    return tuple((name, tuple(t.shape[1:]), t.dtype) for name, t in streams.items())
+
+
+def packed_block_tokens(page_size: int, key_codec: Codec, value_codec: Codec) -> int:
+    """Tokens in one block of quantized pages over pages of ``page_size``: whole pages and whole codec
+    units (32 for KIVI's 32-token key groups on 16-token pages)."""
+    return math.lcm(page_size, key_codec.unit, value_codec.unit)
+
+
 class PackedRuns:
     """Encoded keys and values appended along the unit axis (dim 2) into buffers with headroom.
 
@@ -114,7 +133,7 @@ class PagedRuns:
     def __init__(self, key_codec: Codec, value_codec: Codec, layer_idx: int, pool: PagedPool,
                  tables: GroupTables | None = None) -> None:
         self.key_codec, self.value_codec, self.layer_idx, self.pool = key_codec, value_codec, layer_idx, pool
-        self.block_tokens = math.lcm(pool.page_size, key_codec.unit, value_codec.unit)
+        self.block_tokens = packed_block_tokens(pool.page_size, key_codec, value_codec)
         self.table = BlockTable(self.block_tokens)
         self.group = () if tables is None else tables.layers
         if tables is not None:
@@ -130,13 +149,11 @@ class PagedRuns:
     def spec(self, like: tuple[torch.Tensor, torch.Tensor]) -> PoolSpec:
         """The block layout: what the codecs make of one block of tokens shaped like ``like``."""
         if self._spec is None:
-            blank = [x.new_zeros((1, x.shape[1], self.block_tokens, x.shape[3])) for x in like]
-            streams = _streams(self.key_codec.encode(blank[0]), self.value_codec.encode(blank[1]))
             k, v = like
             encodes = ((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), k.dtype)
-            self._spec = PoolSpec("packed", self.layer_idx, self.block_tokens, tuple(
-                (name, tuple(t.shape[1:]), t.dtype) for name, t in streams.items()), like[0].device,
-                self.group, encodes)
+            self._spec = PoolSpec("packed", self.layer_idx, self.block_tokens,
+                                  block_layout(self.key_codec, self.value_codec, self.block_tokens, like),
+                                  like[0].device, self.group, encodes)
         return self._spec
 
     def append(self, ek: Encoded, ev: Encoded, like: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -259,12 +276,17 @@ class QuantizedStore(LayerStore):
         return self._kernel_shapes[1] and isinstance(packed, PagedRuns) and packed.table.start == 0 \
             and packed.block_tokens <= native.MAX_BLOCK
 
-    def _kernel_shapes_fit(self, like: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    @property
+    def kernel_codecs(self) -> bool:
+        """Whether the C kernels take this store's codes: KIVI keys and values of one bit width in
+        quantized pages over plain pages, the kernels built."""
         keys, values = self.key_codec, self.value_codec
-        return (self.inner.plain_pages and like[0].shape[0] == 1 and like[0].device.type == "cpu"
-                and (keys.kernel_layout, values.kernel_layout) == ("kivi-keys", "kivi-values")
-                and keys.bits == values.bits and like[1].shape[3] == like[0].shape[3] <= native.MAX_DIM
-                and native.available())
+        return (self.inner.plain_pages and keys.bits == values.bits and native.available()
+                and (keys.kernel_layout, values.kernel_layout) == ("kivi-keys", "kivi-values"))
+
+    def _kernel_shapes_fit(self, like: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return (self.kernel_codecs and like[0].shape[0] == 1 and like[0].device.type == "cpu"
+                and like[1].shape[3] == like[0].shape[3] <= native.MAX_DIM)
 
     def fits_window(self, tokens: int) -> bool:
         """Whether ``tokens`` more stay in the full-precision window without a flush, so a batched

@@ -1,7 +1,8 @@
-"""The compiled decode step (``kvfactory.engine.compiled``): its custom op is a well-formed torch op
-that writes and reads as the eager kernels do; engines that compile give the tokens of engines that
-do not, on a dense and a hybrid (sliding-window) architecture; a compiler failure decodes eagerly
-with the same tokens; configs it does not cover are refused."""
+"""The compiled decode step (``kvfactory.engine.compiled``): its plain pages' custom op is a well-formed
+torch op that writes and reads as the eager kernels do (KIVI pages' op: ``test_ragged_quantized``);
+engines that compile give the tokens of engines that do not, on a dense and a hybrid (sliding-window)
+architecture, over plain and KIVI pages; a compiler failure decodes eagerly with the same tokens;
+configs it does not cover are refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gc
 
 import pytest
 import torch
+from configs import composite
 from helpers import greedy_tokens
 from tiny_models import random_prompt, tiny_model
 from torch.profiler import ProfilerActivity, profile
@@ -82,14 +84,20 @@ def _generate(model: torch.nn.Module, config: dict, compile_step: bool) -> tuple
     return [output.token_ids for output in outputs], engine
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: sliding layers (window 8) and full ones
-def test_compiled_and_eager_steps_give_the_same_tokens(name: str) -> None:
-    """Also: caches made before their first forward, one dropped and one still held, leave kvfactory's
+PLAIN = {"type": "paged", "page_size": 4}
+INT4 = {"type": "paged", "page_size": 4, "quantization": {"codec": "int4", "residual": 8, "group_size": 8}}
+
+
+@pytest.mark.parametrize(("name", "config"), [("llama", PLAIN), ("gemma3", PLAIN), ("llama", INT4)],
+                         ids=["llama", "gemma3", "llama-int4"])  # gemma3: sliding layers (window 8) and full
+def test_compiled_and_eager_steps_give_the_same_tokens(name: str, config: dict) -> None:
+    """Plain pages, and KIVI pages whose windows flush a group of 8 tokens every 8 steps (before the
+    forward, where the compiled step runs), some sequences holding packed tokens and some not yet.
+    Also: caches made before their first forward, one dropped and one still held, leave kvfactory's
     model-finding forward hook registered until a forward runs it; the step still compiles (the hook,
     which takes a lock, does nothing in a traced forward) rather than falling back to eager steps, and
     the held cache then finds its model in its own first forward."""
     model = tiny_model(name)
-    config = {"type": "paged", "page_size": 4}
     eager, _ = _generate(model, config, compile_step=False)
     KVCacheFactory(model.config, config).create_cache()
     gc.collect()
@@ -101,7 +109,8 @@ def test_compiled_and_eager_steps_give_the_same_tokens(name: str) -> None:
     panels = isinstance(model.lm_head, PackedLinear) and model.lm_head.packed.panels
     assert ("kvfactory::panel_linear" in ops) == panels
     assert greedy_tokens(model, PROMPTS[0], NEW, cache=held) == eager[0]
-    assert compiled == eager == [greedy_tokens(model, prompt, NEW) for prompt in PROMPTS]
+    factory = KVCacheFactory(model.config, config)
+    assert compiled == eager == [greedy_tokens(model, p, NEW, factory.create_cache()) for p in PROMPTS]
     assert engine.compiled.failure is None
     assert engine.compiled.recompiles == 0  # the graph compiled for the dummy step served every real one
     assert engine.compiled.steps >= NEW - 1  # decode steps of several sequences ran compiled
@@ -122,8 +131,12 @@ def test_a_compiler_failure_decodes_eagerly_with_the_same_tokens(monkeypatch: py
     assert engine.compiled.failure == "TorchDynamoException: no C++ compiler" and engine.compiled.steps == 0
 
 
-def test_configs_it_does_not_cover_are_refused() -> None:
-    config = {"type": "composite", "strategies": [{"name": "paged", "page_size": 4},
-                                                  {"name": "quantized", "codec": "int4", "residual": 8}]}
-    with pytest.raises(ConfigError, match="compile_step.*plain pages"):
-        Engine(tiny_model("llama"), None, config, pool_tokens=512, compile_step=True)
+@pytest.mark.parametrize(("name", "config"), [
+    ("llama", {"type": "paged", "page_size": 4, "quantization": "int8"}),  # codes the kernels do not read
+    ("gemma3", INT4),  # KIVI pages on sliding layers
+    ("llama", composite({"name": "eviction", "policy": "streaming_llm", "budget": 16, "n_sink": 2})),
+    ("llama", composite({"name": "quest", "dense_layers": 0, "read_budget": 0.5}))],
+    ids=["int8", "gemma3-int4", "eviction", "quest"])
+def test_configs_it_does_not_cover_are_refused(name: str, config: dict) -> None:
+    with pytest.raises(ConfigError, match="compile_step.*plain pages and KIVI pages"):
+        Engine(tiny_model(name), None, config, pool_tokens=512, compile_step=True)

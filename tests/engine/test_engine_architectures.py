@@ -59,13 +59,14 @@ def test_int4_decode_in_place_equals_each_cache(name: str, monkeypatch) -> None:
     through their caches. The packed blocks' read plan is kept once per layer group, whose layers share
     one block table."""
     from kvfactory.engine import batch
+    from kvfactory.quantization import ragged
 
     calls, flushed = [], []
-    real, real_flush = batch.quantized_decode, batch.flush_windows
+    real, real_flush = batch.quantized_decode, ragged.flush_windows
     monkeypatch.setattr(batch, "quantized_decode",
                         lambda query, stores, scale, *planned: calls.append(
                             max(s.quantized_tokens for s in stores)) or real(query, stores, scale, *planned))
-    monkeypatch.setattr(batch, "flush_windows",
+    monkeypatch.setattr(ragged, "flush_windows",  # a decode step's flushes (``flush_full_windows``)
                         lambda stores, tokens: flushed.append(len(stores)) or real_flush(stores, tokens))
     model = tiny_model(name)
     quantization = {"codec": "int4", "group_size": 8, "residual": 4}

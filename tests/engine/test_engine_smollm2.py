@@ -108,7 +108,7 @@ def test_sequences_behind_one_quantized_prompt_read_it_once_and_answer_as_alone(
     engine = Engine(model, tokenizer, config, pool_tokens=8192, max_num_batched_tokens=512)
     engine.generate(prompts[:1], GREEDY)
     reads, shared = [], ragged_quantized._shared_packed
-    spy = lambda *args: reads.append(args[3].numel()) or shared(*args)  # noqa: E731 (the blocks read at once)
+    spy = lambda *args: reads.append(args[4].numel()) or shared(*args)  # noqa: E731 (the blocks read at once)
     monkeypatch.setattr(ragged_quantized, "_shared_packed", spy)
     outputs = engine.generate(prompts[1:], GREEDY)
     assert reads and min(reads) * engine.manager.layout.block_tokens >= 128

@@ -3,7 +3,7 @@ decoded K/V: several KIVI stores of one pool (int4 and int2, 16- and 64-token pa
 hold one or two key groups and the last may be partly filled), lengths inside the full-precision
 window, at a flush and far past it, GQA, MQA and multi-head shapes, code widths the kernel inlines and
 ones it does not, and a store whose front was dropped. ``in_place`` refuses the stores it cannot
-read."""
+read. The compiled step's op over KIVI pages (``kvfactory::quantized_decode_step``) likewise."""
 
 from __future__ import annotations
 
@@ -16,8 +16,16 @@ from transformers import LlamaConfig
 
 from kvfactory import kernels
 from kvfactory.codecs import native
+from kvfactory.engine.batch import decode_plan
+from kvfactory.engine.step_ops import PACKED
 from kvfactory.manager import KVCacheManager
-from kvfactory.quantization.ragged import flush_windows, in_place, packed_plan, quantized_decode
+from kvfactory.quantization.ragged import (
+    flush_full_windows,
+    flush_windows,
+    in_place,
+    packed_plan,
+    quantized_decode,
+)
 from kvfactory.storage.ragged import block_tables, shared_fits, shared_prefix
 
 pytestmark = pytest.mark.skipif(kernels.load("kivi") is None or kernels.load("ragged") is None,
@@ -231,3 +239,56 @@ def test_a_batched_flush_stores_what_each_store_would(page_size: int) -> None:
         assert a.quantization_error() == pytest.approx(b.quantization_error(), nan_ok=True)
     query = torch.randn(len(lengths), 9, 64, generator=torch.Generator().manual_seed(5))
     assert torch.equal(quantized_decode(query, batched, 0.125), quantized_decode(query, each, 0.125))
+
+
+def _step_op_args(stores: list, query_heads: int, seed: int) -> tuple:
+    """``kvfactory::quantized_decode_step``'s arguments for one new token of each store (one layer's),
+    planned as the compiled step plans them: full windows flushed, room made in the windows."""
+    flush_full_windows([store for store in stores if not store.fits_window(1)], 1)
+    _, kv_heads, _, head_dim = stores[0].like[0].shape
+    like = torch.empty(1, kv_heads, 1, head_dim)
+    window = decode_plan([store.inner for store in stores], None, like, like)
+    packed = packed_plan(stores)
+    pool = stores[packed.first].runs.table.blocks.tensors
+    blocks = stores[0].inner.blocks
+    gen = torch.Generator().manual_seed(seed)
+    query, key, value = (torch.randn(1, heads, len(stores), head_dim, generator=gen)
+                         for heads in (query_heads, kv_heads, kv_heads))
+    return (query, key, value, blocks.k, blocks.v, window.slots, window.tables, window.starts, window.lengths,
+            torch.tensor(window.shared), [pool[name] for name in PACKED], packed.tables, packed.tokens,
+            torch.tensor(packed.shared), head_dim ** -0.5, stores[0].key_codec.bits,
+            stores[0].value_codec.group_size)
+
+
+@pytest.mark.parametrize(("lengths", "fork"), [(LENGTHS, False), ([700], True)], ids=["own", "shared-prompt"])
+def test_the_compiled_steps_op_writes_each_token_then_attends_over_its_decoded_kv(lengths, fork) -> None:
+    """``kvfactory::quantized_decode_step`` (``kvfactory.engine.step_ops``) stores each sequence's new
+    token in its window, where the stores then hold it, and returns attention over each sequence's
+    decoded K/V: sequences of their own pages (some at a flush), and forks behind a shared prompt's
+    packed blocks read once for all."""
+    config = {"type": "paged", "page_size": 16, "quantization": "int4", "pool_tokens": 8192}
+    manager, stores = stores_of(config, 9, 3, 64, lengths)
+    if fork:
+        stores += [manager.fork("s0", f"f{i}").layers[0].store for i in range(3)]
+    args = _step_op_args(stores, 9, seed=4)
+    query, key, value = args[:3]
+    read = [*args[:3], *args[5:10], *args[10], *args[11:14]]  # every tensor but the windows' pools
+    kept = [x.clone() for x in read]
+    out = torch.ops.kvfactory.quantized_decode_step(*args)
+    for before, after in zip(kept, read, strict=True):  # FP8 scales compared as bytes
+        assert torch.equal(before.reshape(-1).view(torch.uint8), after.reshape(-1).view(torch.uint8))
+    for i, store in enumerate(stores):
+        held_k, held_v = store.inner.gather()
+        assert torch.equal(held_k[0, :, -1], key[0, :, i]) and torch.equal(held_v[0, :, -1], value[0, :, i])
+    assert fork == bool(args[13])  # the shared prompt's packed blocks, read once for all
+    torch.testing.assert_close(out[0], reference(query[0].transpose(0, 1), stores, args[14]), atol=2e-5,
+                               rtol=1e-4)
+
+
+def test_the_compiled_steps_op_passes_torch_custom_op_checks() -> None:
+    """The fake kernel's shapes, autograd registration and tracing with dynamic shapes. (opcheck's schema
+    test cannot compare FP8 scales; the test above checks that the op changes nothing but the windows.)"""
+    _, stores = stores_of({"type": "paged", "page_size": 16, "quantization": "int4"}, 9, 3, 64, [300, 161])
+    torch.library.opcheck(torch.ops.kvfactory.quantized_decode_step.default, _step_op_args(stores, 9, seed=6),
+                          test_utils=("test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
