@@ -4,11 +4,12 @@
 then ``--steps`` decode steps of all of them at once over the preset ``--config``, profiled with
 ``torch.profiler`` on one thread, with the engine's packed weights (``Engine(pack_weights=True)``, the
 default) and without them, and with ``--compiled`` the compiled step too (``Engine(compile_step=True)``).
-Linear layers are the time in ``aten::mm``, oneDNN's linear and the compiled step's panels; the attention
-kernel is the engine's ``paged_decode`` / ``quantized_decode`` calls (wrapped in a ``record_function``
-here) or the compiled step's ``kvfactory::paged_decode_step`` or ``quantized_decode_step`` op (with its
-write); the rest is the model's other operations and the engine's Python. Also prints the bytes a step
-must read (weights and K/V as the pool stores it) and the rate that implies. Prints JSON.
+Linear layers are the time in ``aten::mm``, oneDNN's linear and the engine's panels (``panel_linear``);
+the attention kernel is the engine's ``paged_decode`` / ``quantized_decode`` calls (both wrapped in a
+``record_function`` here) or the compiled step's ``kvfactory::paged_decode_step`` or
+``kvfactory::quantized_decode_step`` op (with its write); the rest is the model's other operations and
+the engine's Python. Also prints the bytes a step must read (weights and K/V as the pool stores them)
+and the rate that implies. Prints JSON.
 
     python benchmarks/step_profile.py [--sequences 8] [--tokens 2048] [--steps 10] [--config paged16]
         [--compiled]
@@ -25,13 +26,14 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvfactory.engine import Engine, SamplingParams, batch
+from kvfactory.engine import Engine, SamplingParams, batch, weights
 from kvfactory.measure import cpu_model
 from kvfactory.models import load_model
 from kvfactory.presets import load_preset
 from kvfactory.texts import shipped_text
 
-LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "kvfactory::panel_linear")
+LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "panel_linear",
+              "kvfactory::panel_linear")
 KERNEL_OPS = ("paged_decode", "quantized_decode", "kvfactory::paged_decode_step",
               "kvfactory::quantized_decode_step")  # the last two: compiled
 
@@ -63,11 +65,11 @@ def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[i
     events = {e.key: e for e in prof.key_averages()}
     linear = sum(events[k].self_cpu_time_total for k in LINEAR_OPS if k in events) / 1e3 / steps
     kernel = sum(events[k].cpu_time_total for k in KERNEL_OPS if k in events)
-    weights = sum(p.nbytes for p in model.parameters())
+    weight_bytes = sum(p.nbytes for p in model.parameters())
     return {"step_ms": round(step * 1e3, 1), "linear_ms": round(linear, 1),
             "attention_kernel_ms": round(kernel / 1e3 / steps, 1),
             "profiled_step_ms": round(sum(e.self_cpu_time_total for e in events.values()) / 1e3 / steps, 1),
-            "kv_mb_per_step": round(kv / 1e6, 1), "read_gb_per_s": round((weights + kv) / step / 1e9, 2)}
+            "kv_mb_per_step": round(kv / 1e6, 1), "read_gb_per_s": round((weight_bytes + kv) / step / 1e9, 2)}
 
 
 def main() -> None:
@@ -81,6 +83,7 @@ def main() -> None:
     torch.set_num_threads(1)
     batch.paged_decode = _recorded("paged_decode", batch.paged_decode)
     batch.quantized_decode = _recorded("quantized_decode", batch.quantized_decode)
+    weights.panel_linear = _recorded("panel_linear", weights.panel_linear)
     model, tokenizer = load_model()
     ids = tokenizer(shipped_text())["input_ids"]
     n, length = args.sequences, args.tokens
@@ -92,9 +95,9 @@ def main() -> None:
             "packed_weights": profile_steps(model, tokenizer, config, prompts, args.steps, True)}
     if args.compiled:
         runs["compiled_step"] = profile_steps(model, tokenizer, config, prompts, args.steps, True, True)
-    weights = sum(p.nbytes for p in model.parameters())
+    weight_bytes = sum(p.nbytes for p in model.parameters())
     print(json.dumps({"cpu": cpu_model(), "threads": 1, "sequences": n, "tokens": length,
-                      "config": args.config, "weights_mb": round(weights / 1e6, 1), **runs}, indent=1))
+                      "config": args.config, "weights_mb": round(weight_bytes / 1e6, 1), **runs}, indent=1))
 
 
 if __name__ == "__main__":
