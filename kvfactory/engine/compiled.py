@@ -91,11 +91,10 @@ def layer_codes(cache: KVCache, like: tuple[torch.Tensor, torch.Tensor], query_h
 
 
 def _layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]:
-    """Each layer's index in ``groups`` (the layers that share one block table per sequence)."""
-    index = dict.fromkeys(range(layers), 0)
-    for g, members in enumerate(groups):
-        index.update(dict.fromkeys(members, g))
-    return tuple(index.values())
+    """Each layer's index in ``groups`` (the layers that share one block table per sequence; every layer
+    in one)."""
+    index = {layer: g for g, members in enumerate(groups) for layer in members}
+    return tuple(index[layer] for layer in range(layers))
 
 
 @dataclass
