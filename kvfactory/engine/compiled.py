@@ -10,8 +10,8 @@ tokens' slots, the block tables, the first token's offsets, the lengths read and
 packed block tables and tokens. No cache update runs inside the graph: windows that the new token
 would push past their residual encode their oldest group before the forward, as the eager step's
 layers would before writing it (``flush_windows``), and the stores count the written token after the
-forward, as the eager step does. Shapes are dynamic, so one graph serves every batch of two or more
-sequences and every context (a dimension of size 1 compiles once more: at most a few graphs in all).
+forward, as the eager step does. Shapes are dynamic and block tables at least two wide, so one graph
+serves every batch of two or more sequences and every context.
 
 It covers plain pages and KIVI pages that the C kernels read (the engine refuses ``compile_step``
 for other configs). Steps it does not cover run eagerly (``kvfactory.engine.batch``): prefill
@@ -97,6 +97,12 @@ def _layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]
     return tuple(index[layer] for layer in range(layers))
 
 
+def _two_wide(tables: torch.Tensor) -> torch.Tensor:
+    """Block tables ``[S, width]`` with a column of block 0 added where ``width`` is 1 (never read: the
+    lengths bound every read), a size the compiled graph would compile again for."""
+    return tables if tables.shape[1] > 1 else torch.cat([tables, torch.zeros_like(tables)], 1)
+
+
 @dataclass
 class DecodeStep:
     """What every layer of one compiled decode step reads: layer ``i``'s pools ``keys[i]`` /
@@ -153,7 +159,7 @@ class CompiledDecode:
         self.members = [list(members) for members in groups]
         self.group = _layer_groups(groups, len(self.windows))
         self.compiled = torch.compile(self._logits, backend=self._inductor, dynamic=True, fullgraph=True)
-        self.recompiles = 0  # graphs compiled after the dummy step's: only where a size became 1
+        self.recompiles = 0  # graphs compiled after the dummy step's (none expected)
         self._warm = False
         self.failure: str | None = None  # why the compiler failed: every step runs eagerly then
         self.steps = 0  # steps run through the compiled graph
@@ -206,9 +212,9 @@ class CompiledDecode:
             [row[0].blocks.k for row in pages], [row[0].blocks.v for row in pages],
             [None if kind is None else [stores[i][packed[self.group[i]].first].runs.table.blocks.tensors[name]
                                         for name in PACKED] for i, kind in enumerate(codes)],
-            codes, self.group, [p.slots for p in plans], [p.tables for p in plans], [p.starts for p in plans],
-            [p.lengths for p in plans], [torch.tensor(p.shared) for p in plans],
-            [None if p is None else p.tables for p in packed],
+            codes, self.group, [p.slots for p in plans], [_two_wide(p.tables) for p in plans],
+            [p.starts for p in plans], [p.lengths for p in plans], [torch.tensor(p.shared) for p in plans],
+            [None if p is None else _two_wide(p.tables) for p in packed],
             [None if p is None else p.tokens for p in packed],
             [None if p is None else torch.tensor(p.shared) for p in packed])
         return step, [[[(caches[s].layers[i], pages[i][s]) for s in range(len(caches))] for i in layers]

@@ -76,6 +76,25 @@ def test_every_config_equals_its_cache_alone(smollm2, preset: str) -> None:
     assert engine.stats()["sequences"] == 0
 
 
+@pytest.mark.parametrize("preset", ["paged16", "int4"])
+def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str) -> None:
+    """The compiled decode step (``compile_step``) over plain and KIVI pages (the long prompt's packed
+    groups read by the KIVI kernel, the short ones' windows alone) gives what the same cache computes
+    alone under ``generate``; every decode step ran compiled, in the graph compiled with the engine."""
+    model, tokenizer = smollm2
+    long_prompt = tokenizer("Call me Ishmael. " * 40)["input_ids"]
+    prompts = [*ids_of(tokenizer, PROMPTS[:2]), long_prompt]
+    config = load_preset(preset)
+    engine = Engine(model, tokenizer, config, pool_tokens=4096, compile_step=True)
+    outputs = engine.generate(prompts, GREEDY)
+    factory = KVCacheFactory(model.config, config)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
+    compiled = engine.compiled
+    assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, GREEDY.max_tokens - 1)
+    assert engine.stats()["sequences"] == 0
+
+
 @pytest.mark.parametrize("preset", ["int8", "int4"])
 def test_quantized_pages_reuse_a_cached_prompt_as_computed(smollm2, preset: str) -> None:
     """A second request behind the same long prompt adopts its whole quantized pages and, for KIVI's
