@@ -276,12 +276,11 @@ class CompiledDecode:
                        for _, shape, dtype in kind.layout] for kind in self.codes]
         plan = [torch.tensor(x, device=device)
                 for x in ([9, 22], [[0, 1, 2], [3, 4, 5]], [0, 0], [10, 11], 0)]
-        quantized = [any(self.codes[i] is not None for i in layers) for layers in self.members]
-        blocks = [next((self.codes[i].block_tokens for i in layers if self.codes[i] is not None), 0)
-                  for layers in self.members]
-        packed_plans = [[torch.tensor(x, device=device) for x in ([[0, 1, 2, 3], [4, 5, 6, 7]],
-                                                                   [3 * n, 4 * n], 0)] if q else [None] * 3
-                        for q, n in zip(quantized, blocks, strict=True)]
+        kinds = [self.codes[layers[0]] for layers in self.members]  # a group's layers share one codec
+        packed_plans = [[None] * 3 if kind is None else [
+            torch.tensor(x, device=device) for x in ([[0, 1, 2, 3], [4, 5, 6, 7]],
+                                                      [3 * kind.block_tokens, 4 * kind.block_tokens], 0)]
+                        for kind in kinds]
         step = DecodeStep(pools[0::2], pools[1::2], packed, self.codes, self.group,
                           *([x.clone() for _ in self.members] for x in plan),
                           *([p[j] for p in packed_plans] for j in range(3)))
