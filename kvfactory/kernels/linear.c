@@ -6,12 +6,16 @@
  * that keeps 16 accumulators busy per weight read reads at the core's memory rate. A prefill chunk
  * multiplies hundreds of rows: they go in blocks of 64, which stay in the L2 cache while every panel
  * passes over them, 8 rows at a time. AVX-512 only: elsewhere linear_has_body() is 0 and callers keep
- * their GEMM. */
+ * their GEMM.
+ *
+ * Each k also prefetches the panel AHEAD floats on into L2 by hand: the hardware prefetcher alone, with
+ * 16 multiply-adds between a panel's cache lines, streams it at about two thirds of the core's read
+ * rate for 8 rows (benchmarks/linear_layouts.py). */
 #include <stdint.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-enum { PANEL = 32, ROWS = 8, BLOCK = 64 };
+enum { PANEL = 32, ROWS = 8, BLOCK = 64, AHEAD = 512 /* 2 KiB: 16 k ahead */ };
 
 #define ROW_KERNEL(MR)                                                                                \
     static void rows##MR(int64_t K, const float *x, int64_t xs, const float *w, const float *bias,    \
@@ -21,6 +25,8 @@ enum { PANEL = 32, ROWS = 8, BLOCK = 64 };
         __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();                          \
         for (int m = 0; m < MR; m++) acc[m][0] = b0, acc[m][1] = b1;                                   \
         for (int64_t k = 0; k < K; k++) {                                                             \
+            _mm_prefetch((const char *)(w + k * PANEL + AHEAD), _MM_HINT_T1);                          \
+            _mm_prefetch((const char *)(w + k * PANEL + AHEAD + 16), _MM_HINT_T1);                     \
             __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16);     \
             for (int m = 0; m < MR; m++) {                                                            \
                 __m512 v = _mm512_set1_ps(x[m * xs + k]);                                             \
