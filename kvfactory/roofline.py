@@ -81,7 +81,7 @@ def median_seconds(run: Any, runs: int) -> float:
 
 def gemm_rate(model: Any, rows: int = 512, runs: int = 3) -> float:
     """GFLOP/s of every decoder linear layer of ``model`` multiplying ``rows`` rows in the layout the
-    engine packs them into (``kvfactory.engine.weights.pack_weight``), else through ``F.linear``: the
+    engine takes for that many (``kvfactory.engine.weights.pack_weight``), else through ``F.linear``: the
     arithmetic ceiling of a prefill chunk of ``rows`` tokens."""
     from kvfactory.engine.weights import pack_weight
 
@@ -93,7 +93,7 @@ def gemm_rate(model: Any, rows: int = 512, runs: int = 3) -> float:
     def run() -> None:
         for w, p in zip(weights, packed, strict=True):
             x = inputs[w.shape[1]]
-            F.linear(x, w) if p is None else p.linear(x, None)
+            F.linear(x, w) if p is None else p.linear(x, w, None)
 
     with torch.inference_mode():
         seconds = median_seconds(run, runs)

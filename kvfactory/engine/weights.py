@@ -14,6 +14,12 @@ few rows, and on AMD CPUs falls short for many rows too. Two layouts do better
 - **oneDNN's** blocked layout (``torch.ops.mkldnn``, the layout torch's inductor packs weights into;
   vLLM's CPU build runs the same library), reordered once, spread over torch's threads: elsewhere.
 
+For many rows the panels are not faster everywhere: on an Intel Xeon MKL's GEMM over the row-major
+weight multiplies 256 rows about 1.15x faster, on an AMD EPYC it is slower. So when a weight goes into
+panels, ``gemm_is_faster`` times both on ``TUNE_ROWS`` rows of its shape, once per shape and process,
+and a weight where the GEMM won multiplies ``GEMM_ROWS`` rows or more by its own row-major weight
+(``PackedWeight.gemm_rows``): few rows always take the panels.
+
 ``pack_linear_weights`` gives each float32 CPU ``nn.Linear`` of a model a packed copy of its weight and
 routes every input to it. The copy costs the weights' bytes once more. Its results differ from the
 unpacked GEMM's by summation order only (about 1e-6 relative in fp32). A weight changed in place is
@@ -23,13 +29,18 @@ packed again before its next use; a forward that needs gradients takes the model
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from kvfactory import kernels
 
 BATCH_HINT = 32  # rows oneDNN lays the weight out for; any row count runs on it
 PANEL = 32  # output columns per panel of kernels/linear.c's layout
+GEMM_ROWS = 128  # rows from which a weight may take the row-major GEMM (``gemm_is_faster``); fewer: panels
+TUNE_ROWS = 256  # rows ``gemm_is_faster`` times both on (a prefill chunk's order of size)
+TUNE_OUTPUTS = 2048  # at most this many output columns timed (an output embedding's 49,152 would take long)
 
 
 def packing_available() -> bool:
@@ -95,14 +106,34 @@ def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], panels.shape[0] * PANEL))
 
 
+@cache
+def gemm_is_faster(outputs: int, inputs: int) -> bool:
+    """Whether the row-major GEMM (``F.linear``) multiplies ``TUNE_ROWS`` rows by a random ``[outputs,
+    inputs]`` weight (at most ``TUNE_OUTPUTS`` outputs) faster than ``panel_linear``, timed here, once
+    per shape (the median of three calls each after a warm one)."""
+    from kvfactory.roofline import median_seconds
+
+    weight = torch.randn(min(outputs, TUNE_OUTPUTS), inputs)
+    x, panels = torch.randn(TUNE_ROWS, inputs), pack_panels(weight)
+    with torch.inference_mode():
+        gemm = median_seconds(lambda: F.linear(x, weight), 3)
+        return gemm < median_seconds(lambda: panel_linear(x, panels, None), 3)
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight in the layout the engine multiplies by: panels (``pack_panels``) or oneDNN's (``pack``)."""
+    """A weight in the layout the engine multiplies by: panels (``pack_panels``) or oneDNN's (``pack``);
+    ``gemm_rows``: rows from which the weight's own row-major GEMM is used instead (``gemm_is_faster``),
+    None for never."""
 
     data: torch.Tensor
     panels: bool
+    gemm_rows: int | None = None
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` in the layout that is fastest for ``x``'s row count."""
+        if self.gemm_rows is not None and x.numel() >= self.gemm_rows * x.shape[-1]:
+            return F.linear(x, weight, bias)
         return panel_linear(x, self.data, bias) if self.panels else packed_linear(x, self.data, bias)
 
     @property
@@ -111,9 +142,11 @@ class PackedWeight:
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """``weight`` in panels where ``panels_fit`` says so, else in oneDNN's layout; None without either."""
+    """``weight`` in panels where ``panels_fit`` says so (with the GEMM for many rows where
+    ``gemm_is_faster``), else in oneDNN's layout; None without either."""
     if panels_fit(weight):
-        return PackedWeight(pack_panels(weight), True)
+        faster = gemm_is_faster(*weight.shape)
+        return PackedWeight(pack_panels(weight), True, GEMM_ROWS if faster else None)
     return PackedWeight(pack(weight), False) if packing_available() else None
 
 
@@ -132,7 +165,7 @@ class PackedLinear(torch.nn.Linear):
             return panel_linear_op(x, packed.data, self.bias) if packed.panels else super().forward(x)
         if self.weight._version != self.packed_version:  # trained or loaded since: pack again
             self.packed, self.packed_version = pack_weight(self.weight), self.weight._version
-        return self.packed.linear(x, self.bias)
+        return self.packed.linear(x, self.weight, self.bias)
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:

@@ -1,6 +1,7 @@
 """Packed weights for the engine's steps (``kvfactory.engine.weights``): the same products in panels and
-in oneDNN's layout, the layout chosen by what the kernel and torch's threads allow, the model's own
-parameters, state dict and ties, a repack after an in-place change, the model's path elsewhere."""
+in oneDNN's layout, the layout chosen by what the kernel and torch's threads allow, many rows through
+the row-major GEMM where it was timed faster, the model's own parameters, state dict and ties, a
+repack after an in-place change, the model's path elsewhere."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 from tiny_models import random_prompt, tiny_model
 
 from kvfactory import kernels
+from kvfactory.engine import weights
 from kvfactory.engine.weights import (
+    GEMM_ROWS,
     PackedLinear,
+    gemm_is_faster,
     pack_linear_weights,
     pack_weight,
     packing_available,
@@ -85,3 +89,23 @@ def test_a_packed_model_keeps_its_state_dict_ties_and_outputs() -> None:
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert type(model.lm_head) is PackedLinear
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not PANEL_KERNEL, reason="kernels/linear.c has no AVX-512 body on this CPU")
+@pytest.mark.parametrize("gemm_faster", [True, False])
+def test_many_rows_take_the_gemm_where_it_was_timed_faster(monkeypatch, gemm_faster: bool) -> None:
+    """A weight whose shape the GEMM multiplied faster takes it from ``GEMM_ROWS`` rows on, and panels
+    below; one where the panels won takes them for every row count; the products agree either way."""
+    assert isinstance(gemm_is_faster(64, 48), bool)
+    monkeypatch.setattr(weights, "gemm_is_faster", lambda outputs, inputs: gemm_faster)
+    linear = torch.nn.Linear(48, 64)
+    pack_linear_weights(torch.nn.Sequential(linear))
+    assert linear.packed.panels and linear.packed.gemm_rows == (GEMM_ROWS if gemm_faster else None)
+    calls, panels = [], weights.panel_linear
+    monkeypatch.setattr(weights, "panel_linear", lambda *args: calls.append(args) or panels(*args))
+    for rows in (1, 8, GEMM_ROWS - 1, GEMM_ROWS, 512):
+        x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            torch.testing.assert_close(linear(x), x @ linear.weight.T + linear.bias, atol=1e-5, rtol=1e-5)
+        assert len(calls) == (0 if gemm_faster and rows >= GEMM_ROWS else 1), rows
+        calls.clear()
