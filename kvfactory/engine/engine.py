@@ -158,9 +158,10 @@ class Engine:
     sequences wait in.
     ``prefill_first``: steps that prefill carry no decode tokens (``scheduler``: wider decode
     batches, decodes paused while a prompt prefills); default: mixed steps.
-    ``pack_weights``: give the model's linear layers a copy of their weights in oneDNN's blocked
-    layout, which every step multiplies by (``weights``: a decode step reads the weights about 1.5x
-    faster, for the weights' bytes more memory); the model keeps it after the engine.
+    ``pack_weights``: give the model's linear layers a copy of their weights laid out for the steps,
+    which every step multiplies by (``weights``: kvfactory's panels on one AVX-512 thread, else
+    oneDNN's blocked layout; a decode step reads the weights 1.5 to 2.7x faster, for the weights'
+    bytes more memory); the model keeps it after the engine.
     ``compile_step``: run decode steps of two or more sequences over plain pages or KIVI pages through
     ``torch.compile`` (``compiled``: compiled when the engine is made, about a minute for SmolLM2;
     the weights are frozen into the graph, so train or load new weights into a new engine; off
