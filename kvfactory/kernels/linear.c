@@ -2,10 +2,10 @@
  * panel p holds columns 32p .. 32p+31 as [K][32], so a panel streams from memory once, in order, and
  * each k multiplies two vectors of weights by the same input value of up to 8 rows at a time.
  *
- * A decode step multiplies few rows by every weight: the work is reading the weights, and a kernel
- * that keeps 16 accumulators busy per weight read reads at the core's memory rate. A prefill chunk
- * multiplies hundreds of rows: they go in blocks of 64, which stay in the L2 cache while every panel
- * passes over them, 8 rows at a time. AVX-512 only: elsewhere linear_has_body() is 0 and callers keep
+ * A decode step multiplies few rows by every weight: the work is reading the weights, so up to 16 rows
+ * (32 accumulators, some spilled past 14) take each panel in one pass. A prefill chunk multiplies
+ * hundreds of rows: they go in blocks of 64, which stay in the L2 cache while every panel passes over
+ * them, 8 rows at a time. AVX-512 only: elsewhere linear_has_body() is 0 and callers keep
  * their GEMM.
  *
  * Each k also prefetches the panel AHEAD floats on into L2 by hand: the hardware prefetcher alone, with
@@ -15,7 +15,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-enum { PANEL = 32, ROWS = 8, BLOCK = 64, AHEAD = 512 /* 2 KiB: 16 k ahead */ };
+enum { PANEL = 32, ROWS = 8, WIDE = 16, BLOCK = 64, AHEAD = 512 /* 2 KiB: 16 k ahead */ };
 
 #define ROW_KERNEL(MR)                                                                                \
     static void rows##MR(int64_t K, const float *x, int64_t xs, const float *w, const float *bias,    \
@@ -40,9 +40,11 @@ enum { PANEL = 32, ROWS = 8, BLOCK = 64, AHEAD = 512 /* 2 KiB: 16 k ahead */ };
         }                                                                                             \
     }
 ROW_KERNEL(1) ROW_KERNEL(2) ROW_KERNEL(3) ROW_KERNEL(4) ROW_KERNEL(5) ROW_KERNEL(6) ROW_KERNEL(7) ROW_KERNEL(8)
+ROW_KERNEL(9) ROW_KERNEL(10) ROW_KERNEL(11) ROW_KERNEL(12) ROW_KERNEL(13) ROW_KERNEL(14) ROW_KERNEL(15) ROW_KERNEL(16)
 
 typedef void (*row_kernel)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t);
-static const row_kernel KERNELS[ROWS + 1] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8};
+static const row_kernel KERNELS[WIDE + 1] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8, rows9,
+                                             rows10, rows11, rows12, rows13, rows14, rows15, rows16};
 #endif
 
 int linear_has_body(void) {
@@ -59,6 +61,11 @@ int rows_linear(int64_t M, int64_t N, int64_t K, const float *x, int64_t xs, con
                 const float *bias, float *out, int64_t os) {
 #if defined(__AVX512F__)
     if (N % PANEL != 0) return 0;
+    if (M <= WIDE) {  /* a decode step: each panel read once for all its rows */
+        for (int64_t p = 0; p < N / PANEL && M > 0; p++)
+            KERNELS[M](K, x, xs, w + p * K * PANEL, bias ? bias + p * PANEL : 0, out + p * PANEL, os);
+        return 1;
+    }
     for (int64_t b = 0; b < M; b += BLOCK) {
         int64_t end = M - b < BLOCK ? M : b + BLOCK;
         for (int64_t p = 0; p < N / PANEL; p++) {

@@ -30,7 +30,7 @@ def test_packed_linear_layers_compute_the_same_products_for_every_row_count(outp
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, outputs)
     expected = {rows: linear(torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows)))
-                for rows in (0, 1, 3, 4, 8, 32, 33, 70, 512)}
+                for rows in (0, 1, 3, 4, 8, 9, 16, 17, 32, 33, 70, 512)}
     model = torch.nn.Sequential(linear)
     assert pack_linear_weights(model) > 0 and type(linear) is PackedLinear
     assert linear.packed.panels == (PANEL_KERNEL and outputs % 32 == 0)
