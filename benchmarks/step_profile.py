@@ -46,7 +46,7 @@ def _recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[int]], steps: int,
-                  pack_weights: bool, compile_step: bool = False) -> dict[str, float]:
+                  weight_bytes: int, pack_weights: bool, compile_step: bool = False) -> dict[str, float]:
     engine = Engine(model, tokenizer, config, max_num_batched_tokens=512, max_num_seqs=len(prompts),
                     prefill_first=True, prefix_caching=False, pack_weights=pack_weights,
                     compile_step=compile_step)
@@ -65,7 +65,6 @@ def profile_steps(model: Any, tokenizer: Any, config: dict, prompts: list[list[i
     events = {e.key: e for e in prof.key_averages()}
     linear = sum(events[k].self_cpu_time_total for k in LINEAR_OPS if k in events) / 1e3 / steps
     kernel = sum(events[k].cpu_time_total for k in KERNEL_OPS if k in events)
-    weight_bytes = sum(p.nbytes for p in model.parameters())
     return {"step_ms": round(step * 1e3, 1), "linear_ms": round(linear, 1),
             "attention_kernel_ms": round(kernel / 1e3 / steps, 1),
             "profiled_step_ms": round(sum(e.self_cpu_time_total for e in events.values()) / 1e3 / steps, 1),
@@ -91,11 +90,11 @@ def main() -> None:
         raise SystemExit(f"the shipped text holds {len(ids)} tokens, fewer than {n} x {length}")
     prompts = [ids[i * length:(i + 1) * length] for i in range(n)]
     config = load_preset(args.config)
-    runs = {"model_weights": profile_steps(model, tokenizer, config, prompts, args.steps, False),
-            "packed_weights": profile_steps(model, tokenizer, config, prompts, args.steps, True)}
+    weight_bytes = sum(p.nbytes for p in model.parameters())  # what a step reads of the model's own weights
+    run = (model, tokenizer, config, prompts, args.steps, weight_bytes)
+    runs = {"model_weights": profile_steps(*run, False), "packed_weights": profile_steps(*run, True)}
     if args.compiled:
-        runs["compiled_step"] = profile_steps(model, tokenizer, config, prompts, args.steps, True, True)
-    weight_bytes = sum(p.nbytes for p in model.parameters())
+        runs["compiled_step"] = profile_steps(*run, True, True)
     print(json.dumps({"cpu": cpu_model(), "threads": 1, "sequences": n, "tokens": length,
                       "config": args.config, "weights_mb": round(weight_bytes / 1e6, 1), **runs}, indent=1))
 
