@@ -1,16 +1,15 @@
 /* A linear layer on one thread, y = x W^T + b, over a weight laid out in panels of 32 output columns:
  * panel p holds columns 32p .. 32p+31 as [K][32], so a panel streams from memory once, in order, and
- * each k multiplies two vectors of weights by the same input value of up to 8 rows at a time.
+ * each k multiplies two vectors of weights by the same input value of every row taken together.
  *
  * A decode step multiplies few rows by every weight: the work is reading the weights, so up to 16 rows
- * (32 accumulators, some spilled past 14) take each panel in one pass. A prefill chunk multiplies
- * hundreds of rows: they go in blocks of 64, which stay in the L2 cache while every panel passes over
- * them, 8 rows at a time. AVX-512 only: elsewhere linear_has_body() is 0 and callers keep
- * their GEMM.
+ * (two accumulators a row) take each panel in one pass. A prefill chunk multiplies hundreds of rows:
+ * they go in blocks of 64, which stay in the L2 cache while every panel passes over them, 8 rows at a
+ * time. AVX-512 only: elsewhere linear_has_body() is 0 and callers keep their GEMM.
  *
  * Each k also prefetches the panel AHEAD floats on into L2 by hand: the hardware prefetcher alone, with
- * 16 multiply-adds between a panel's cache lines, streams it at about two thirds of the core's read
- * rate for 8 rows (benchmarks/linear_layouts.py). */
+ * the multiply-adds of 8 rows between a panel's 128-byte rows, streams it at about two thirds of the
+ * core's read rate (benchmarks/linear_layouts.py). */
 #include <stdint.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
