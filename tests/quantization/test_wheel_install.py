@@ -58,7 +58,7 @@ print(json.dumps({
     "top_pages": sorted(top_pages(ranked, 0, 5, 2).flatten().tolist()),
     "paged_decode_error": decoded.abs().max().item(),
     "panels": packed.panels == bool(kernels.load("linear").linear_has_body()),
-    "linear_error": (packed.linear(rows, None) - rows @ weight.T).abs().max().item(),
+    "linear_error": (packed.linear(rows, weight, None) - rows @ weight.T).abs().max().item(),
 }))
 """
 
