@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from kvfactory.cache import KVCache, KVLayer, attention_layout
 from kvfactory.codecs import native
 from kvfactory.engine.batch import Segment, decode_plan
 from kvfactory.engine.step_ops import PACKED
+from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.quantization.ragged import PackedPlan, flush_full_windows, packed_plan
 from kvfactory.quantization.store import BlockLayout, QuantizedStore, block_layout, packed_block_tokens
 from kvfactory.storage.base import LayerStore
@@ -44,15 +46,66 @@ logger = logging.getLogger("kvfactory")
 
 
 @contextlib.contextmanager
-def _compile_config() -> Iterator[None]:
-    """Weights frozen into the graph (inductor then prepacks them); sizes that happen to be equal while
-    compiling (the batch and a block table's width) kept as separate symbols, so neither recompiles."""
+def _compile_config(freezing: bool) -> Iterator[None]:
+    """Weights frozen into the graph where ``freezing`` (inductor then prepacks them); sizes that happen
+    to be equal while compiling (the batch and a block table's width) kept as separate symbols, so
+    neither recompiles."""
     import torch._inductor.config
     import torch.fx.experimental._config
 
-    with torch._inductor.config.patch(freezing=True), \
+    with torch._inductor.config.patch(freezing=freezing), \
             torch.fx.experimental._config.patch(use_duck_shape=False):
         yield
+
+
+class CompiledForward(ABC):
+    """A forward of ``model`` compiled by inductor's CPU backend (dynamic shapes, one whole graph),
+    compiled when made over a dummy step (``_warm_up``), so that a first request does not wait for the
+    compiler; if the compiler fails, that step and every later one run the same function eagerly.
+    ``freezing``: weights frozen into the graph (inductor prepacks those the engine's panels do not
+    hold)."""
+
+    name = "step"
+
+    def __init__(self, model: Any, freezing: bool) -> None:
+        self.model = model
+        self.freezing = freezing
+        self.compiled = torch.compile(self._logits, backend=self._inductor, dynamic=True, fullgraph=True)
+        self.recompiles = 0  # graphs compiled after the dummy step's (none expected)
+        self._warm = False
+        self.failure: str | None = None  # why the compiler failed: every step runs eagerly then
+        self.steps = 0  # steps run through the compiled graph
+
+    @abstractmethod
+    def _logits(self, *args: Any) -> torch.Tensor:
+        """The model's forward over a step's tensors (what is compiled)."""
+
+    @abstractmethod
+    def _dummy_step(self) -> tuple[Any, ...]:
+        """A step's tensors over scratch pools, sized so that its graph serves every real step."""
+
+    def _warm_up(self) -> None:
+        """Compile over the dummy step, its tensors made as the engine's steps make theirs."""
+        with torch.inference_mode():
+            self._run(*self._dummy_step())
+        self._warm = True
+
+    def _run(self, *args: Any) -> torch.Tensor:
+        """The compiled forward, else (the compiler having failed, now or before) the same eagerly."""
+        if self.failure is None:
+            try:
+                with _compile_config(self.freezing):
+                    return self.compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as exc:  # compiled nothing: run it eagerly
+                self.failure = f"{type(exc).__name__}: {exc}"
+                logger.warning("the engine's %s failed to compile; running it eagerly: %s", self.name,
+                               self.failure)
+        return self._logits(*args)
+
+    def _inductor(self, graph: torch.fx.GraphModule, inputs: list) -> Any:
+        """Inductor's backend, counting the graphs it compiles after the dummy step's."""
+        self.recompiles += self._warm
+        return torch._dynamo.lookup_backend("inductor")(graph, inputs)
 
 
 @dataclass(frozen=True)
@@ -90,14 +143,14 @@ def layer_codes(cache: KVCache, like: tuple[torch.Tensor, torch.Tensor], query_h
     return codes
 
 
-def _layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]:
+def layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]:
     """Each layer's index in ``groups`` (the layers that share one block table per sequence; every layer
     in one)."""
     index = {layer: g for g, members in enumerate(groups) for layer in members}
     return tuple(index[layer] for layer in range(layers))
 
 
-def _two_wide(tables: torch.Tensor) -> torch.Tensor:
+def two_wide(tables: torch.Tensor) -> torch.Tensor:
     """Block tables ``[S, width]`` with a column of block 0 added where ``width`` is 1 (never read: the
     lengths bound every read), a size the compiled graph would compile again for."""
     return tables if tables.shape[1] > 1 else torch.cat([tables, torch.zeros_like(tables)], 1)
@@ -140,16 +193,18 @@ class DecodeStep:
             self.packed_shared[g], scaling, codes.bits, codes.group)
 
 
-class CompiledDecode:
-    """The compiled decode step of one model, compiled when made (over a dummy step on scratch pools,
-    so a first request does not wait for the compiler); ``plan`` prepares a step's tensors (or says the
-    step is not one it covers), ``forward`` runs it and counts the tokens written."""
+class CompiledDecode(CompiledForward):
+    """The compiled decode step of one model, compiled when made (over a dummy step on scratch pools);
+    ``plan`` prepares a step's tensors (or says the step is not one it covers), ``forward`` runs it and
+    counts the tokens written."""
+
+    name = "decode step"
 
     def __init__(self, model: Any, like: tuple[torch.Tensor, torch.Tensor], codes: list[Codes | None],
                  groups: list[tuple[int, ...]]) -> None:
         """``like``: K/V shaped like one layer's writes ``[1, kv_heads, any, head_dim]``; ``codes``: each
         layer's (``layer_codes``); ``groups``: the layers that share a block table per sequence."""
-        self.model = model
+        super().__init__(model, freezing=True)
         key, value = like
         self.like = key.new_empty(*key.shape[:2], 1, key.shape[3]), value.new_empty(*value.shape[:2], 1,
                                                                                      value.shape[3])
@@ -157,16 +212,9 @@ class CompiledDecode:
         self.windows = attention_layout(model.config)
         self.codes = tuple(codes)
         self.members = [list(members) for members in groups]
-        self.group = _layer_groups(groups, len(self.windows))
-        self.compiled = torch.compile(self._logits, backend=self._inductor, dynamic=True, fullgraph=True)
-        self.recompiles = 0  # graphs compiled after the dummy step's (none expected)
-        self._warm = False
-        self.failure: str | None = None  # why the compiler failed: every step runs eagerly then
-        self.steps = 0  # steps run through the compiled graph
+        self.group = layer_groups(groups, len(self.windows))
         self._packed: dict[int, PackedPlan] = {}  # each group's last packed plan (``packed_plan``)
-        with torch.inference_mode():
-            self._run(*self._dummy_step())
-        self._warm = True
+        self._warm_up()
 
     def plan(self, segments: list[Segment]) -> tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]
                                                      ] | None:
@@ -174,7 +222,7 @@ class CompiledDecode:
         sequence with the pages that hold its token (to count it written after the forward); None for a
         step this path does not cover, having touched nothing but windows that encoded their oldest
         group (as the eager step would before its write)."""
-        if len(segments) < 2 or any(segment.tokens != 1 for segment in segments):
+        if not 2 <= len(segments) < GEMM_ROWS or any(segment.tokens != 1 for segment in segments):
             return None
         caches = [segment.cache for segment in segments]
         codes = self.codes
@@ -212,9 +260,9 @@ class CompiledDecode:
             [row[0].blocks.k for row in pages], [row[0].blocks.v for row in pages],
             [None if kind is None else [stores[i][packed[self.group[i]].first].runs.table.blocks.tensors[name]
                                         for name in PACKED] for i, kind in enumerate(codes)],
-            codes, self.group, [p.slots for p in plans], [_two_wide(p.tables) for p in plans],
+            codes, self.group, [p.slots for p in plans], [two_wide(p.tables) for p in plans],
             [p.starts for p in plans], [p.lengths for p in plans], [torch.tensor(p.shared) for p in plans],
-            [None if p is None else _two_wide(p.tables) for p in packed],
+            [None if p is None else two_wide(p.tables) for p in packed],
             [None if p is None else p.tokens for p in packed],
             [None if p is None else torch.tensor(p.shared) for p in packed])
         return step, [[[(caches[s].layers[i], pages[i][s]) for s in range(len(caches))] for i in layers]
@@ -244,23 +292,6 @@ class CompiledDecode:
                         pages.count_written(1)
                     layer.written(key)
         return logits
-
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: DecodeStep) -> torch.Tensor:
-        """The compiled forward, else (the compiler having failed, now or before) the same eagerly."""
-        if self.failure is None:
-            try:
-                with _compile_config():
-                    return self.compiled(input_ids, positions, step)
-            except torch._dynamo.exc.TorchDynamoException as exc:  # compiled nothing: run it eagerly
-                self.failure = f"{type(exc).__name__}: {exc}"
-                logger.warning("the engine's decode step failed to compile; decoding eagerly: %s",
-                               self.failure)
-        return self._logits(input_ids, positions, step)
-
-    def _inductor(self, graph: torch.fx.GraphModule, inputs: list) -> Any:
-        """Inductor's backend, counting the graphs it compiles after the dummy step's."""
-        self.recompiles += self._warm
-        return torch._dynamo.lookup_backend("inductor")(graph, inputs)
 
     def _dummy_step(self) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
         """Two sequences of 10 and 11 tokens in blocks of 4 of scratch pools (KIVI pages: 3 and 4 more

@@ -33,6 +33,7 @@ import torch
 from kvfactory.cache import PackedBatch, join_batch, packed_forward, use_engine_attention
 from kvfactory.engine.batch import Segment, StepBatch
 from kvfactory.engine.compiled import CompiledDecode, layer_codes
+from kvfactory.engine.compiled_prefill import CompiledPrefill
 from kvfactory.engine.metrics import EngineMetrics
 from kvfactory.engine.params import SamplingParams
 from kvfactory.engine.request import Request, RequestOutput, RequestStatus
@@ -224,8 +225,10 @@ class Engine:
         # gave logits; for cost accounting (``kvfactory.roofline``)
         self.computed_spans: list[tuple[int, int]] = []
         self.logit_rows = 0
-        self.compiled = CompiledDecode(model, like, codes, self._probe.groups) \
-            if codes is not None and in_place_decode else None
+        compiling = codes is not None and in_place_decode
+        self.compiled = CompiledDecode(model, like, codes, self._probe.groups) if compiling else None
+        self.compiled_prefill = CompiledPrefill(model, like, self._probe.groups) \
+            if compiling and CompiledPrefill.covers(self._probe, like, text.num_attention_heads) else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos = _eos_ids(model)
@@ -390,8 +393,13 @@ class Engine:
         with self.manager.pool.forward_lock.held():
             planned = self.compiled.plan(segments) if self.compiled is not None and len(rows) == len(plan) \
                 else None
+            prefill = self.compiled_prefill.plan(segments) \
+                if planned is None and self.compiled_prefill is not None else None
             if planned is not None:
                 logits, hidden = self.compiled.forward(input_ids, positions, planned), None
+            elif prefill is not None:
+                kept = torch.tensor(rows, dtype=torch.long, device=self.device)
+                logits, hidden = self.compiled_prefill.forward(input_ids, positions, prefill, kept), None
             else:
                 batch = PackedBatch(StepBatch(segments, self.in_place_decode,
                                               packed_plans=self._packed_plans).write)

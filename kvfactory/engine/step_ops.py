@@ -1,9 +1,9 @@
-"""The compiled decode step's attention as torch custom ops, so that ``torch.compile`` traces a whole
-step (``kvfactory.engine.compiled``) with no graph break at attention: each op stores a layer's new
-K/V and reads its sequences' pages, opaque to the compiler, over tensors the step planned before the
+"""The compiled steps' attention as torch custom ops, so that ``torch.compile`` traces a whole step
+(``kvfactory.engine.compiled``) with no graph break at attention: each op stores a layer's new K/V
+and reads its sequences' pages, opaque to the compiler, over tensors the step planned before the
 forward. ``paged_decode_step`` reads plain pages (vLLM's PagedAttention, Kwon et al. 2023);
 ``quantized_decode_step`` KIVI pages (Liu et al. 2024) and their full-precision windows, merged by
-their log-sum-exps."""
+their log-sum-exps; ``paged_prefill_step`` reads plain pages for prefill chunks, causally."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from kvfactory.attention import merge_parts
 from kvfactory.quantization.ragged import packed_parts
 from kvfactory.storage.paged import write_tokens
-from kvfactory.storage.ragged import paged_decode
+from kvfactory.storage.ragged import paged_decode, paged_prefill
 
 PACKED = ("k.codes", "k.scale", "k.zero", "v.codes", "v.scale", "v.zero")  # a pool of KIVI pages' tensors
 
@@ -66,5 +66,26 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch
       slots: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
       shared: torch.Tensor, packed: list[torch.Tensor], packed_tables: torch.Tensor,
       packed_tokens: torch.Tensor, packed_shared: torch.Tensor, scale: float, bits: int, group: int
+      ) -> torch.Tensor:
+    return query.new_empty(1, query.shape[2], query.shape[1], v_pool.shape[-1])
+
+
+@torch.library.custom_op("kvfactory::paged_prefill_step", mutates_args=("k_pool", "v_pool"))
+def paged_prefill_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
+                       v_pool: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, tables: torch.Tensor,
+                       totals: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prefill chunks of several sequences, packed: write ``key`` / ``value [1, Hkv, T, D]`` into
+    ``slots [T]`` of the layer's pools ``[Hkv, blocks, page_size, D]``, then each chunk attends causally
+    over its sequence's blocks (``paged_prefill``'s ``bounds``, ``tables`` and ``totals``):
+    ``[1, T, Hq, Dv]``."""
+    write_tokens(k_pool, slots, key[0])
+    write_tokens(v_pool, slots, value[0])
+    query = query[0] if query.stride(-1) == 1 else query[0].contiguous()
+    return paged_prefill(query, k_pool, v_pool, bounds, tables, totals, scale)[None]
+
+
+@paged_prefill_step.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+      slots: torch.Tensor, bounds: torch.Tensor, tables: torch.Tensor, totals: torch.Tensor, scale: float
       ) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], v_pool.shape[-1])

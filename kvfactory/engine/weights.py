@@ -15,7 +15,7 @@ few rows, and on AMD CPUs falls short for many rows too. Two layouts do better
   vLLM's CPU build runs the same library), reordered once, spread over torch's threads: elsewhere.
 
 For many rows the panels are not faster everywhere: on an Intel Xeon MKL's GEMM over the row-major
-weight multiplies 256 rows about 1.15x faster, on an AMD EPYC it is slower. So when a weight goes into
+weight multiplies 512 rows about 1.1x faster, on an AMD EPYC it is slower. So when a weight goes into
 panels, ``gemm_is_faster`` times both on ``TUNE_ROWS`` rows of its shape, once per shape and process,
 and a weight where the GEMM won multiplies ``GEMM_ROWS`` rows or more by its own row-major weight
 (``PackedWeight.gemm_rows``): few rows always take the panels.
@@ -28,6 +28,8 @@ packed again before its next use; a forward that needs gradients takes the model
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from functools import cache
 
@@ -39,7 +41,8 @@ from kvfactory import kernels
 BATCH_HINT = 32  # rows oneDNN lays the weight out for; any row count runs on it
 PANEL = 32  # output columns per panel of kernels/linear.c's layout
 GEMM_ROWS = 128  # rows from which a weight may take the row-major GEMM (``gemm_is_faster``); fewer: panels
-TUNE_ROWS = 256  # rows ``gemm_is_faster`` times both on (a prefill chunk's order of size)
+TUNE_ROWS = 512  # rows ``gemm_is_faster`` times both on (a prefill chunk's, the engine's default)
+TUNE_RUNS = 5  # calls of each it times
 TUNE_OUTPUTS = 2048  # at most this many output columns timed (an output embedding's 49,152 would take long)
 
 
@@ -110,14 +113,21 @@ def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch
 def gemm_is_faster(outputs: int, inputs: int) -> bool:
     """Whether the row-major GEMM (``F.linear``) multiplies ``TUNE_ROWS`` rows by a random ``[outputs,
     inputs]`` weight (at most ``TUNE_OUTPUTS`` outputs) faster than ``panel_linear``, timed here, once
-    per shape (the median of three calls each after a warm one)."""
-    from kvfactory.roofline import median_seconds
-
+    per shape: the best of ``TUNE_RUNS`` calls each, the two taking turns after a warm call each, so
+    that neither runs in a quieter moment than the other."""
     weight = torch.randn(min(outputs, TUNE_OUTPUTS), inputs)
     x, panels = torch.randn(TUNE_ROWS, inputs), pack_panels(weight)
+    calls = (lambda: F.linear(x, weight), lambda: panel_linear(x, panels, None))
+    best = [math.inf, math.inf]
     with torch.inference_mode():
-        gemm = median_seconds(lambda: F.linear(x, weight), 3)
-        return gemm < median_seconds(lambda: panel_linear(x, panels, None), 3)
+        for run in calls:
+            run()
+        for _ in range(TUNE_RUNS):
+            for i, run in enumerate(calls):
+                start = time.perf_counter()
+                run()
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] < best[1]
 
 
 @dataclass(frozen=True)
@@ -132,9 +142,16 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` in the layout that is fastest for ``x``'s row count."""
-        if self.gemm_rows is not None and x.numel() >= self.gemm_rows * x.shape[-1]:
+        if self.takes_gemm(x):
             return F.linear(x, weight, bias)
         return panel_linear(x, self.data, bias) if self.panels else packed_linear(x, self.data, bias)
+
+    def takes_gemm(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows are many enough for the row-major GEMM (``gemm_rows``). In a graph being
+        compiled with dynamic shapes the answer is a guard on the row count: the engine's compiled
+        decode step covers fewer rows, its compiled prefill chunks as many or more, so neither
+        recompiles."""
+        return self.gemm_rows is not None and x.numel() >= self.gemm_rows * x.shape[-1]
 
     @property
     def nbytes(self) -> int:
@@ -162,7 +179,9 @@ class PackedLinear(torch.nn.Linear):
             return super().forward(x)  # autograd needs F.linear
         if torch.compiler.is_compiling():  # the graph takes the panels as they are; inductor packs the rest
             packed = self.packed
-            return panel_linear_op(x, packed.data, self.bias) if packed.panels else super().forward(x)
+            if packed.panels and not packed.takes_gemm(x):
+                return panel_linear_op(x, packed.data, self.bias)
+            return super().forward(x)
         if self.weight._version != self.packed_version:  # trained or loaded since: pack again
             self.packed, self.packed_version = pack_weight(self.weight), self.weight._version
         return self.packed.linear(x, self.weight, self.bias)

@@ -724,14 +724,24 @@ class BlockTable:
     def next_slot(self, blocks: LayerBlocks) -> int:
         """Make room for one more token of this one-row table of plain K/V blocks and count it written:
         its slot in the layer's ``[heads, blocks * page_size]`` view, for the caller to write."""
+        fill = self._claim(blocks, 1)
+        return int(self.ids[0, fill // self.page_size]) * self.page_size + fill % self.page_size
+
+    def next_slots(self, blocks: LayerBlocks, tokens: int) -> torch.Tensor:
+        """``next_slot`` for ``tokens`` more tokens at once (a prefill chunk): their slots ``[tokens]``."""
+        at = torch.arange(self._claim(blocks, tokens), self.start + self.length)
+        return self.ids[0, at // self.page_size] * self.page_size + at % self.page_size
+
+    def _claim(self, blocks: LayerBlocks, tokens: int) -> int:
+        """Room for ``tokens`` more tokens of this one-row table, counted written: the first one's place."""
         if self.ids is None:
             self.shared.pool = blocks.pool
             self.ids = torch.empty((1, 0), dtype=torch.long)
         self.blocks = blocks
-        self._make_room(1, 1)
+        self._make_room(1, tokens)
         fill = self.start + self.length
-        self.length += 1
-        return int(self.ids[0, fill // self.page_size]) * self.page_size + fill % self.page_size
+        self.length += tokens
+        return fill
 
     def unshare(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
         """Give this group private copies of the blocks at ``(rows, cols)``, in every layer."""

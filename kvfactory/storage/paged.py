@@ -239,8 +239,17 @@ class PagedStore(LayerStore):
     def next_slot(self, key: torch.Tensor, value: torch.Tensor) -> tuple[LayerBlocks, int]:
         """Room for one more token shaped like ``key`` / ``value`` ``[1, kv_heads, any, head_dim]``:
         the layer's blocks and the slot to write it to (``append_one_each``), the token counted stored."""
-        blocks = self.ensure_pool().layer_blocks(self._spec(key, value))
+        blocks = self.layer_blocks(key, value)
         return blocks, self._table.next_slot(blocks)
+
+    def next_slots(self, key: torch.Tensor, value: torch.Tensor, tokens: int) -> torch.Tensor:
+        """``next_slot`` for ``tokens`` tokens at once (a prefill chunk): their slots ``[tokens]``."""
+        return self._table.next_slots(self.layer_blocks(key, value), tokens)
+
+    def layer_blocks(self, key: torch.Tensor, value: torch.Tensor) -> LayerBlocks:
+        """This layer's tensors of the pool's blocks for tokens shaped like ``key`` / ``value``, made on
+        first use (what a write before this layer's first one reads and writes)."""
+        return self.ensure_pool().layer_blocks(self._spec(key, value))
 
     def place(self) -> tuple[BlockIds, int, int]:
         """This sequence's blocks in the layer's group (shared by the group's layers) and where this layer's

@@ -1,8 +1,9 @@
-"""The compiled decode step (``kvfactory.engine.compiled``): its plain pages' custom op is a well-formed
-torch op that writes and reads as the eager kernels do (KIVI pages' op: ``test_ragged_quantized``);
-engines that compile give the tokens of engines that do not, on a dense and a hybrid (sliding-window)
-architecture, over plain and KIVI pages; a compiler failure decodes eagerly with the same tokens;
-configs it does not cover are refused."""
+"""The compiled steps (``kvfactory.engine.compiled``, ``compiled_prefill``): their plain pages' custom
+ops are well-formed torch ops that write and read as the eager kernels and causal attention do (KIVI
+pages' op: ``test_ragged_quantized``); engines that compile give the tokens of engines that do not, on
+a dense and a hybrid (sliding-window) architecture, over plain and KIVI pages, prefill chunks
+included; a compiler failure runs the steps eagerly with the same tokens; configs it does not cover
+are refused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
 from configs import composite
 from helpers import greedy_tokens
 from tiny_models import random_prompt, tiny_model
@@ -18,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from kvfactory import ConfigError, KVCacheFactory
 from kvfactory.engine import Engine, SamplingParams
 from kvfactory.engine.weights import PackedLinear, pack_panels
-from kvfactory.storage.ragged import paged_decode
+from kvfactory.storage.ragged import paged_decode, shared_fits
 
 PROMPTS = [random_prompt(n, seed=n)[0].tolist() for n in (5, 23, 12, 40)]
 NEW = 10
@@ -78,6 +80,49 @@ def test_the_panel_linear_op_passes_torch_custom_op_checks() -> None:
                               (torch.randn(2, rows, 24), pack_panels(weight), bias))
 
 
+def _prefill_args() -> tuple:
+    """Two prefill chunks of SmolLM2's heads in blocks of 4: 6 tokens after 5 stored ones (the fifth
+    block shared, half full) and 9 tokens of a new sequence."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, page, blocks = 9, 3, 64, 4, 20
+    tables = torch.tensor([[3, 7, 12], [5, 0, 11]])
+    bounds, totals = torch.tensor([0, 6, 15]), torch.tensor([11, 9])
+    at = [torch.arange(5, 11), torch.arange(9)]
+    slots = torch.cat([tables[s, at[s] // page] * page + at[s] % page for s in range(2)])
+    key, value = torch.randn(2, 1, kv_heads, 15, dim)
+    return (torch.randn(1, heads, 15, dim), key, value, torch.randn(kv_heads, blocks, page, dim),
+            torch.randn(kv_heads, blocks, page, dim), slots, bounds, tables, totals, 0.125)
+
+
+needs_chunk_kernel = pytest.mark.skipif(not shared_fits(torch.empty(1, 1, 64)),
+                                        reason="the chunk kernel has no AVX-512 body on this CPU")
+
+
+@needs_chunk_kernel
+def test_the_prefill_op_writes_each_chunk_then_attends_causally_over_its_blocks() -> None:
+    query, key, value, k_pool, v_pool, slots, bounds, tables, totals, scale = _prefill_args()
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    for pool, new in ((want_k, key), (want_v, value)):
+        pool.view(pool.shape[0], -1, pool.shape[-1])[:, slots] = new[0]
+    out = torch.ops.kvfactory.paged_prefill_step(query, key, value, k_pool, v_pool, slots, bounds, tables,
+                                                 totals, scale)
+    torch.testing.assert_close(k_pool, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_pool, want_v, atol=0, rtol=0)
+    for s in range(2):
+        chunk = slice(int(bounds[s]), int(bounds[s + 1]))
+        total, tokens = int(totals[s]), chunk.stop - chunk.start
+        keys, values = (pool[:, tables[s]].flatten(1, 2)[None, :, :total] for pool in (want_k, want_v))
+        visible = torch.arange(total)[None] <= torch.arange(total - tokens, total)[:, None]
+        want = F.scaled_dot_product_attention(query[:, :, chunk], keys, values, attn_mask=visible,
+                                              scale=scale, enable_gqa=True)
+        torch.testing.assert_close(out[0, chunk], want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@needs_chunk_kernel
+def test_the_prefill_op_passes_torch_custom_op_checks() -> None:
+    torch.library.opcheck(torch.ops.kvfactory.paged_prefill_step.default, _prefill_args())
+
+
 def _generate(model: torch.nn.Module, config: dict, compile_step: bool) -> tuple[list[list[int]], Engine]:
     engine = Engine(model, None, config, pool_tokens=512, compile_step=compile_step)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
@@ -114,6 +159,33 @@ def test_compiled_and_eager_steps_give_the_same_tokens(name: str, config: dict) 
     assert engine.compiled.failure is None
     assert engine.compiled.recompiles == 0  # the graph compiled for the dummy step served every real one
     assert engine.compiled.steps >= NEW - 1  # decode steps of several sequences ran compiled
+    assert engine.stats()["sequences"] == 0
+
+
+@needs_chunk_kernel
+def test_compiled_prefill_steps_give_the_eager_tokens() -> None:
+    """Prefill steps of ``GEMM_ROWS`` tokens or more (chunks of two sequences packed, a long prompt's
+    chunks after its first, a prompt behind a cached prompt's blocks) run in the compiled prefill graph,
+    compiled once, and give the tokens of the eager engine and of the cache alone."""
+    model = tiny_model("llama", head_dim=64)  # heads the chunk kernel takes
+    base = random_prompt(150, seed=7)[0].tolist()
+    first = [base + random_prompt(30, seed=8)[0].tolist(), random_prompt(70, seed=9)[0].tolist(),
+             random_prompt(300, seed=10)[0].tolist()]
+    second = [base + random_prompt(140, seed=11)[0].tolist()]
+    outputs = {}
+    for compile_step in (False, True):
+        engine = Engine(model, None, PLAIN, pool_tokens=2048, max_num_batched_tokens=200, prefill_first=True,
+                        compile_step=compile_step)
+        params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+        outputs[compile_step] = [*engine.generate(first, params), *engine.generate(second, params)]
+    compiled = engine.compiled_prefill
+    assert (compiled.failure, compiled.recompiles) == (None, 0)
+    assert compiled.steps == 4  # 180 + 20, 50 + 150, 150 tokens; then 142 after 148 cached (whole blocks)
+    assert outputs[True][-1].cached_tokens == 148
+    tokens = [[output.token_ids for output in outputs[compile_step]] for compile_step in (False, True)]
+    factory = KVCacheFactory(model.config, PLAIN)
+    alone = [greedy_tokens(model, prompt, NEW, factory.create_cache()) for prompt in first + second]
+    assert tokens[1] == tokens[0] == alone
     assert engine.stats()["sequences"] == 0
 
 

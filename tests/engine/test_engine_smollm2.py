@@ -5,6 +5,7 @@ sampling, stops, aborts and admission errors."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import greedy_tokens
 
 from kvfactory.engine import AdmissionError, Engine, EngineFullError, SamplingParams
@@ -12,6 +13,7 @@ from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
 from kvfactory.presets import load_preset
 from kvfactory.quantization import ragged as ragged_quantized
+from kvfactory.storage.ragged import shared_fits
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +81,9 @@ def test_every_config_equals_its_cache_alone(smollm2, preset: str) -> None:
 @pytest.mark.parametrize("preset", ["paged16", "int4"])
 def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str) -> None:
     """The compiled decode step (``compile_step``) over plain and KIVI pages (the long prompt's packed
-    groups read by the KIVI kernel, the short ones' windows alone) gives what the same cache computes
-    alone under ``generate``; every decode step ran compiled, in the graph compiled with the engine."""
+    groups read by the KIVI kernel, the short ones' windows alone) and the compiled prefill step over
+    plain pages give what the same cache computes alone under ``generate``; every decode step, and the
+    plain pages' prefill step, ran compiled, in the graphs compiled with the engine."""
     model, tokenizer = smollm2
     long_prompt = tokenizer("Call me Ishmael. " * 40)["input_ids"]
     prompts = [*ids_of(tokenizer, PROMPTS[:2]), long_prompt]
@@ -92,6 +95,11 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str) -> None:
         assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
     compiled = engine.compiled
     assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, GREEDY.max_tokens - 1)
+    prefill = engine.compiled_prefill  # plain pages on a CPU the chunk kernel runs on: the prompts' one step
+    if preset == "int4" or not shared_fits(torch.empty(1, 1, 64)):
+        assert prefill is None
+    else:
+        assert (prefill.failure, prefill.recompiles, prefill.steps) == (None, 0, 1)
     assert engine.stats()["sequences"] == 0
 
 

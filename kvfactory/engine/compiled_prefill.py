@@ -1,0 +1,178 @@
+"""The engine's prefill chunks compiled: the model's forward over a step of prefill chunks under
+``torch.compile``, with no graph break at attention, so that inductor fuses the elementwise work
+between the matrix products (normalisation, rotary embedding, the gated activation, residuals),
+which the eager forward runs one op at a time.
+
+Each attention layer writes its chunks' K/V into plain pages and attends causally over each
+sequence's blocks in one torch custom op (``kvfactory.engine.step_ops.paged_prefill_step``, the chunk
+kernel of ``kvfactory/kernels/chunk.c``), over tensors built once per step and layer group before the
+forward (``PrefillStep``). Room for every token is made before the forward, as the decode step's plan
+makes it, and the stores count the tokens written after it. The weights are not frozen into the graph:
+its linear layers multiply by the row-major weights (MKL's GEMM) where ``weights.gemm_is_faster`` said
+so, else by the engine's panels, and inductor keeps no copy.
+
+It covers steps of ``weights.GEMM_ROWS`` tokens or more, all of them prefill chunks, over plain pages
+of full-attention layers, on CPUs where the chunk kernel runs (float32, head sizes a multiple of 64,
+AVX-512). Every size the graph reads is at least two (block tables two wide and two rows, logits of
+two rows), so one graph serves every such step. Logits differ from the eager step's by summation
+order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfactory import attention
+from kvfactory.cache import KVCache, KVLayer, attention_layout
+from kvfactory.engine.batch import Segment
+from kvfactory.engine.compiled import CompiledForward, layer_groups, two_wide
+from kvfactory.engine.weights import GEMM_ROWS
+from kvfactory.storage.paged import PagedStore
+from kvfactory.storage.ragged import block_tables, shared_fits
+
+
+@dataclass
+class PrefillStep:
+    """What every layer of one compiled prefill step reads: layer ``i``'s pools ``keys[i]`` /
+    ``values[i]``; the chunks' bounds in the packed tokens (``bounds [S + 1]``); for its group
+    ``group[i]``, the tokens' ``slots [T]``, each sequence's block table and the tokens it then holds
+    (``tables``, ``totals``: ``paged_prefill``'s)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    group: tuple[int, ...]
+    bounds: torch.Tensor
+    slots: list[torch.Tensor]
+    tables: list[torch.Tensor]
+    totals: list[torch.Tensor]
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        i = module.layer_idx
+        g = self.group[i]
+        return torch.ops.kvfactory.paged_prefill_step(query, key, value, self.keys[i], self.values[i],
+                                                      self.slots[g], self.bounds, self.tables[g],
+                                                      self.totals[g], scaling)
+
+
+# each layer of each sequence with the tokens it took: its pages, None where the plan counted them
+Written = list[tuple[KVLayer, PagedStore | None, int]]
+
+
+class CompiledPrefill(CompiledForward):
+    """The compiled prefill step of one model, compiled when made (over a dummy step on scratch pools);
+    ``plan`` prepares a step's tensors (or says the step is not one it covers), ``forward`` runs it and
+    counts the tokens written."""
+
+    name = "prefill step"
+
+    def __init__(self, model: Any, like: tuple[torch.Tensor, torch.Tensor], groups: list[tuple[int, ...]]
+                 ) -> None:
+        """``like``: K/V shaped like one layer's writes ``[1, kv_heads, any, head_dim]``; ``groups``: the
+        layers that share a block table per sequence."""
+        super().__init__(model, freezing=False)
+        self.like = tuple(x.new_empty(*x.shape[:2], 1, x.shape[3]) for x in like)
+        self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=like[0].device)  # skips mask building
+        self.layers = len(attention_layout(model.config))
+        self.members = [list(members) for members in groups]
+        self.group = layer_groups(groups, self.layers)
+        self._warm_up()
+
+    @staticmethod
+    def covers(cache: KVCache, like: tuple[torch.Tensor, torch.Tensor], query_heads: int) -> bool:
+        """Whether caches like ``cache`` (a new one) hold plain pages of full-attention layers only, which
+        the chunk kernel reads for ``query_heads`` query heads over K/V like ``like``."""
+        key = like[0]
+        query = key.new_empty(1, query_heads, key.shape[3])
+        return query_heads % key.shape[1] == 0 and shared_fits(query) and key.dtype == torch.float32 \
+            and all(layer.store.plain_pages and layer.sliding_window is None for layer in cache.layers)
+
+    def plan(self, segments: list[Segment]) -> tuple[PrefillStep, Written] | None:
+        """A ``PrefillStep`` for ``segments`` with room made for every token, and each group's layers with
+        the pages that hold each sequence's tokens (to count them written after the forward); None,
+        having touched nothing, for a step this path does not cover."""
+        tokens = sum(segment.tokens for segment in segments)
+        if tokens < GEMM_ROWS or any(segment.tokens < 2 for segment in segments):
+            return None
+        stores = [[segment.cache.layers[i].store for segment in segments] for i in range(self.layers)]
+        if any(not store.plain_pages for row in stores for store in row):
+            return None
+        for layers in self.members:
+            for s in range(len(segments)):
+                place = stores[layers[0]][s].place()
+                if any(stores[i][s].place() != place for i in layers[1:]):
+                    return None
+                held = stores[layers[0]][s].pages_in_place()
+                if held is not None and held[2]:  # stored tokens must start at their first block's start
+                    return None
+        key, value = self.like
+        chunks = [segment.tokens for segment in segments]
+        slots, tables, totals, written = [], [], [], []
+        for layers in self.members:
+            leaders = stores[layers[0]]
+            slots.append(torch.cat([store.next_slots(key, value, n) for store, n in zip(leaders, chunks,
+                                                                                        strict=True)]))
+            held = [store.pages_in_place() for store in leaders]
+            tables.append(two_wide(_two_rows(block_tables([ids for _, ids, _, _ in held]))))
+            totals.append(_two_rows(torch.tensor([length for _, _, _, length in held])))
+            written.extend((segments[s].cache.layers[i], None if i == layers[0] else stores[i][s], n)
+                           for i in layers for s, n in enumerate(chunks))
+        pools = [stores[i][0].layer_blocks(key, value) for i in range(self.layers)]
+        bounds = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
+        step = PrefillStep([p.k for p in pools], [p.v for p in pools], self.group, bounds, slots, tables,
+                           totals)
+        return step, written
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, planned: tuple[PrefillStep, Written],
+                rows: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(rows), vocab]`` at the packed ``rows`` after the planned step over ``input_ids [T]``
+        at ``positions [T]``; every layer's pages then count their tokens written, as the eager step
+        does."""
+        step, written = planned
+        last = torch.full((max(2 - len(rows), 0),), input_ids.shape[0] - 1, dtype=rows.dtype)
+        logits = self._run(input_ids, positions, step, torch.cat([rows.cpu(), last]).to(rows.device))
+        self.steps += self.failure is None
+        key = self.like[0]
+        for layer, pages, tokens in written:
+            if pages is not None:  # the group's first layer counted them when the plan made room
+                pages.count_written(tokens)
+            layer.written(key.expand(-1, -1, tokens, -1))
+        return logits[:len(rows)]
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PrefillStep,
+                rows: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=self.mask,
+                         use_cache=False, logits_to_keep=rows, **{attention.STEP: step})
+        return out.logits[0]
+
+    def _dummy_step(self) -> tuple[torch.Tensor, torch.Tensor, PrefillStep, torch.Tensor]:
+        """Chunks of 70 and 90 tokens after 5 and 10 stored ones, in blocks of 4 of scratch pools: every
+        size distinct and above 1, ``GEMM_ROWS`` tokens or more (so that the graph compiled for it serves
+        every real step)."""
+        key, value = self.like
+        device = key.device
+        with torch.inference_mode(False):  # as a pool's tensors are made (``BlockPool.layer``)
+            pools = [torch.zeros(key.shape[1], 60, 4, x.shape[3], dtype=x.dtype, device=device)
+                     for _ in range(self.layers) for x in (key, value)]
+        chunks, stored = (70, 90), (5, 10)
+        if sum(chunks) < GEMM_ROWS:
+            raise AssertionError("the dummy prefill step must reach GEMM_ROWS tokens")
+        tables = torch.arange(50, device=device).view(2, 25)
+        slots = torch.cat([tables[s].repeat_interleave(4)[stored[s]:stored[s] + chunks[s]] * 4
+                           + torch.arange(stored[s], stored[s] + chunks[s]) % 4 for s in range(2)])
+        totals = torch.tensor([stored[0] + chunks[0], stored[1] + chunks[1]], device=device)
+        bounds = torch.tensor([0, chunks[0], sum(chunks)], device=device)
+        step = PrefillStep(pools[0::2], pools[1::2], self.group, bounds,
+                           *([x.clone() for _ in self.members] for x in (slots, tables, totals)))
+        positions = torch.cat([torch.arange(stored[s], stored[s] + chunks[s]) for s in range(2)]).to(device)
+        ids = torch.arange(1, sum(chunks) + 1, device=device)
+        return ids, positions, step, torch.tensor([chunks[0] - 1, sum(chunks) - 1], device=device)
+
+
+def _two_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a zero row appended where it has one (never read: ``bounds`` counts the chunks), a size
+    the compiled graph would compile again for."""
+    return x if x.shape[0] > 1 else torch.cat([x, torch.zeros_like(x)])
