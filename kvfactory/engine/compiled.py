@@ -11,14 +11,16 @@ packed block tables and tokens. No cache update runs inside the graph: windows t
 would push past their residual encode their oldest group before the forward, as the eager step's
 layers would before writing it (``flush_windows``), and the stores count the written token after the
 forward, as the eager step does. Shapes are dynamic and block tables at least two wide, so one graph
-serves every batch of two or more sequences and every context.
+serves every batch of two to ``GEMM_ROWS - 1`` sequences (fewer rows than the linear layers take the
+GEMM for) and every context.
 
 It covers plain pages and KIVI pages that the C kernels read (the engine refuses ``compile_step``
 for other configs). Steps it does not cover run eagerly (``kvfactory.engine.batch``): prefill
-chunks, a single sequence, layers of a group standing at different places, KIVI pages before any
-sequence holds a packed token or while their scales wait for their first tokens. If the compiler
-fails, that step and every later one run the same function eagerly. Logits differ from the eager
-step's by summation order (fused kernels, prepacked weights).
+chunks (``kvfactory.engine.compiled_prefill`` compiles those over plain pages), a single sequence,
+layers of a group standing at different places, KIVI pages before any sequence holds a packed token
+or while their scales wait for their first tokens. ``CompiledForward`` holds what both compiled steps
+share: the compilation over a dummy step and the eager fallback after a compiler failure. Logits
+differ from the eager step's by summation order (fused kernels, prepacked weights).
 """
 
 from __future__ import annotations

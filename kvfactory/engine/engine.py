@@ -164,9 +164,11 @@ class Engine:
     oneDNN's blocked layout; a decode step reads the weights 1.5 to 2.7x faster, for the weights'
     bytes more memory); the model keeps it after the engine.
     ``compile_step``: run decode steps of two or more sequences over plain pages or KIVI pages through
-    ``torch.compile`` (``compiled``: compiled when the engine is made, about a minute for SmolLM2;
-    the weights are frozen into the graph, so train or load new weights into a new engine; off
-    with ``in_place_decode=False``).
+    ``torch.compile`` (``compiled``), and prefill steps of 128 tokens or more (``weights.GEMM_ROWS``)
+    over plain pages of full-attention layers (``compiled_prefill``, None where it does not apply);
+    both compiled when the engine is made, about a minute each for SmolLM2; the decode step's weights
+    are frozen into its graph, so train or load new weights into a new engine; off with
+    ``in_place_decode=False``.
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_config: dict[str, Any] | None = None, *,
