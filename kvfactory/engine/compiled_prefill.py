@@ -1,21 +1,22 @@
-"""The engine's prefill chunks compiled: the model's forward over a step of prefill chunks under
-``torch.compile``, with no graph break at attention, so that inductor fuses the elementwise work
-between the matrix products (normalisation, rotary embedding, the gated activation, residuals),
-which the eager forward runs one op at a time.
+"""The engine's prefill steps compiled: the model's forward over a step of prefill chunks (and, in
+mixed steps, decode tokens) under ``torch.compile``, with no graph break at attention, so that
+inductor fuses the elementwise work between the matrix products (normalisation, rotary embedding,
+the gated activation, residuals), which the eager forward runs one op at a time.
 
-Each attention layer writes its chunks' K/V into plain pages and attends causally over each
-sequence's blocks in one torch custom op (``kvfactory.engine.step_ops.paged_prefill_step``, the chunk
-kernel of ``kvfactory/kernels/chunk.c``), over tensors built once per step and layer group before the
-forward (``PrefillStep``). Room for every token is made before the forward, as the decode step's plan
-makes it, and the stores count the tokens written after it. The weights are not frozen into the graph:
-its linear layers multiply by the row-major weights (MKL's GEMM) where ``weights.gemm_is_faster`` said
-so, else by the engine's panels, and inductor keeps no copy.
+Each attention layer writes its tokens' K/V into plain pages and attends causally over each
+sequence's blocks in one torch custom op (``kvfactory.engine.step_ops.paged_prefill_step``: chunks
+through the chunk kernel of ``kvfactory/kernels/chunk.c``, decode tokens through the paged decode
+kernel), over tensors built once per step and layer group before the forward (``PrefillStep``). Room
+for every token is made before the forward, as the decode step's plan makes it, and the stores count
+the tokens written after it. The weights are not frozen into the graph: its linear layers multiply
+by the row-major weights (MKL's GEMM) where ``weights.gemm_is_faster`` said so, else by the engine's
+panels, and inductor keeps no copy.
 
-It covers steps of ``weights.GEMM_ROWS`` tokens or more, all of them prefill chunks, over plain pages
-of full-attention layers, on CPUs where the chunk kernel runs (float32, head sizes a multiple of 64,
-AVX-512). Every size the graph reads is at least two (block tables two wide and two rows, logits of
-two rows), so one graph serves every such step. Logits differ from the eager step's by summation
-order.
+It covers steps of ``weights.GEMM_ROWS`` tokens or more over plain pages of full-attention layers, on
+CPUs where the chunk kernel runs (float32, head sizes a multiple of 64, AVX-512); the engine's decode
+steps, fewer tokens, go to ``kvfactory.engine.compiled``. Every size the graph reads is at least two
+(block tables two wide and two rows, logits of two rows), so one graph serves every such step.
+Logits differ from the eager step's by summation order.
 """
 
 from __future__ import annotations
@@ -94,8 +95,7 @@ class CompiledPrefill(CompiledForward):
         """A ``PrefillStep`` for ``segments`` with room made for every token, and each group's layers with
         the pages that hold each sequence's tokens (to count them written after the forward); None,
         having touched nothing, for a step this path does not cover."""
-        tokens = sum(segment.tokens for segment in segments)
-        if tokens < GEMM_ROWS or any(segment.tokens < 2 for segment in segments):
+        if sum(segment.tokens for segment in segments) < GEMM_ROWS:
             return None
         stores = [[segment.cache.layers[i].store for segment in segments] for i in range(self.layers)]
         if any(not store.plain_pages for row in stores for store in row):

@@ -3,7 +3,7 @@
 and reads its sequences' pages, opaque to the compiler, over tensors the step planned before the
 forward. ``paged_decode_step`` reads plain pages (vLLM's PagedAttention, Kwon et al. 2023);
 ``quantized_decode_step`` KIVI pages (Liu et al. 2024) and their full-precision windows, merged by
-their log-sum-exps; ``paged_prefill_step`` reads plain pages for prefill chunks, causally."""
+their log-sum-exps; ``paged_prefill_step`` reads plain pages for prefill steps, causally."""
 
 from __future__ import annotations
 
@@ -74,10 +74,10 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch
 def paged_prefill_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                        v_pool: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, tables: torch.Tensor,
                        totals: torch.Tensor, scale: float) -> torch.Tensor:
-    """Prefill chunks of several sequences, packed: write ``key`` / ``value [1, Hkv, T, D]`` into
-    ``slots [T]`` of the layer's pools ``[Hkv, blocks, page_size, D]``, then each chunk attends causally
-    over its sequence's blocks (``paged_prefill``'s ``bounds``, ``tables`` and ``totals``):
-    ``[1, T, Hq, Dv]``."""
+    """Prefill chunks (and decode tokens, chunks of one) of several sequences, packed: write ``key`` /
+    ``value [1, Hkv, T, D]`` into ``slots [T]`` of the layer's pools ``[Hkv, blocks, page_size, D]``,
+    then each chunk attends causally over its sequence's blocks (``paged_prefill``'s ``bounds``,
+    ``tables`` and ``totals``): ``[1, T, Hq, Dv]``."""
     write_tokens(k_pool, slots, key[0])
     write_tokens(v_pool, slots, value[0])
     query = query[0] if query.stride(-1) == 1 else query[0].contiguous()

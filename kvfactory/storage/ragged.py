@@ -127,25 +127,32 @@ def shared_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
 
 def paged_prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bounds: torch.Tensor,
                   tables: torch.Tensor, totals: torch.Tensor, scale: float) -> torch.Tensor:
-    """Prefill chunks of several sequences, packed, each attending causally over its blocks in place:
-    chunk ``j < len(bounds) - 1`` is positions ``[bounds[j], bounds[j + 1])`` of ``query [Hq, T, D]``
-    (float32, any strides but the channels'), the last ``bounds[j + 1] - bounds[j]`` of the
-    ``totals[j]`` tokens its sequence holds from the start of blocks ``tables[j]`` of a float32 pool
-    ``[Hkv, num_blocks, page_size, D]`` (its own K/V written there first). Returns ``[T, Hq, D]``. One
-    call of the chunk kernel per chunk (``kvfactory/kernels/chunk.c``); a caller checks ``shared_fits``
-    first. ``RuntimeError`` where the kernel cannot run (no memory for its tiles)."""
+    """Prefill chunks and decode tokens of several sequences, packed, each attending causally over its
+    blocks in place: chunk ``j < len(bounds) - 1`` is positions ``[bounds[j], bounds[j + 1])`` of
+    ``query [Hq, T, D]`` (float32, any strides but the channels'), the last ``bounds[j + 1] - bounds[j]``
+    of the ``totals[j]`` tokens its sequence holds from the start of blocks ``tables[j]`` of a float32
+    pool ``[Hkv, num_blocks, page_size, D]`` (its own K/V written there first). Returns ``[T, Hq, D]``.
+    Chunks of one token (decode tokens of a mixed step) go to ``paged_decode`` together, the others to
+    the chunk kernel (``kvfactory/kernels/chunk.c``) one call each; a caller checks ``shared_fits``
+    first. ``RuntimeError`` where the chunk kernel cannot run (no memory for its tiles)."""
     hq, t, d = query.shape
     hkv, page = k_pool.shape[0], k_pool.shape[2]
     lib = kernels.load("chunk")
     tables = tables.to("cpu", torch.int64).contiguous()
     out = torch.empty(t, hq, d)
     ends, totals = bounds.tolist(), totals.tolist()
+    single = [j for j in range(len(ends) - 1) if ends[j + 1] - ends[j] == 1]
+    if single:
+        at, rows = torch.tensor([ends[j] for j in single]), torch.tensor(single)
+        lengths = torch.tensor([totals[j] for j in single])
+        out[at] = paged_decode(query[:, at].transpose(0, 1), k_pool, v_pool, tables[rows],
+                               torch.zeros_like(lengths), lengths, scale, check=False)
     for j in range(len(ends) - 1):
         q, total = query[:, ends[j]:ends[j + 1]], totals[j]
-        if not lib.chunk_attention(hq, hkv, q.shape[1], total, d, q.data_ptr(), q.stride(0), q.stride(1),
-                                   k_pool.data_ptr(), k_pool.stride(0), d, v_pool.data_ptr(),
-                                   v_pool.stride(0), d, tables[j].data_ptr(), page, 1, scale,
-                                   out[ends[j]].data_ptr(), None):
+        if q.shape[1] > 1 and not lib.chunk_attention(
+                hq, hkv, q.shape[1], total, d, q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(),
+                k_pool.stride(0), d, v_pool.data_ptr(), v_pool.stride(0), d, tables[j].data_ptr(), page, 1,
+                scale, out[ends[j]].data_ptr(), None):
             raise RuntimeError(f"the chunk kernel could not attend {q.shape[1]} queries over {total} tokens")
     return out
 

@@ -81,16 +81,16 @@ def test_the_panel_linear_op_passes_torch_custom_op_checks() -> None:
 
 
 def _prefill_args() -> tuple:
-    """Two prefill chunks of SmolLM2's heads in blocks of 4: 6 tokens after 5 stored ones (the fifth
-    block shared, half full) and 9 tokens of a new sequence."""
+    """Two prefill chunks and a decode token of SmolLM2's heads in blocks of 4: 6 tokens after 5 stored
+    ones, the ninth token of a sequence and 9 tokens of a new sequence."""
     torch.manual_seed(2)
     heads, kv_heads, dim, page, blocks = 9, 3, 64, 4, 20
-    tables = torch.tensor([[3, 7, 12], [5, 0, 11]])
-    bounds, totals = torch.tensor([0, 6, 15]), torch.tensor([11, 9])
-    at = [torch.arange(5, 11), torch.arange(9)]
-    slots = torch.cat([tables[s, at[s] // page] * page + at[s] % page for s in range(2)])
-    key, value = torch.randn(2, 1, kv_heads, 15, dim)
-    return (torch.randn(1, heads, 15, dim), key, value, torch.randn(kv_heads, blocks, page, dim),
+    tables = torch.tensor([[3, 7, 12], [9, 14, 0], [5, 0, 11]])
+    bounds, totals = torch.tensor([0, 6, 7, 16]), torch.tensor([11, 9, 9])
+    at = [torch.arange(5, 11), torch.tensor([8]), torch.arange(9)]
+    slots = torch.cat([tables[s, at[s] // page] * page + at[s] % page for s in range(3)])
+    key, value = torch.randn(2, 1, kv_heads, 16, dim)
+    return (torch.randn(1, heads, 16, dim), key, value, torch.randn(kv_heads, blocks, page, dim),
             torch.randn(kv_heads, blocks, page, dim), slots, bounds, tables, totals, 0.125)
 
 
@@ -108,7 +108,7 @@ def test_the_prefill_op_writes_each_chunk_then_attends_causally_over_its_blocks(
                                                  totals, scale)
     torch.testing.assert_close(k_pool, want_k, atol=0, rtol=0)
     torch.testing.assert_close(v_pool, want_v, atol=0, rtol=0)
-    for s in range(2):
+    for s in range(3):
         chunk = slice(int(bounds[s]), int(bounds[s + 1]))
         total, tokens = int(totals[s]), chunk.stop - chunk.start
         keys, values = (pool[:, tables[s]].flatten(1, 2)[None, :, :total] for pool in (want_k, want_v))
@@ -163,10 +163,12 @@ def test_compiled_and_eager_steps_give_the_same_tokens(name: str, config: dict) 
 
 
 @needs_chunk_kernel
-def test_compiled_prefill_steps_give_the_eager_tokens() -> None:
+@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill-first", "mixed-steps"])
+def test_compiled_prefill_steps_give_the_eager_tokens(prefill_first: bool) -> None:
     """Prefill steps of ``GEMM_ROWS`` tokens or more (chunks of two sequences packed, a long prompt's
-    chunks after its first, a prompt behind a cached prompt's blocks) run in the compiled prefill graph,
-    compiled once, and give the tokens of the eager engine and of the cache alone."""
+    chunks after its first, a prompt behind a cached prompt's blocks; in mixed steps, with the decode
+    tokens of the sequences already prefilled) run in the compiled prefill graph, compiled once, and
+    give the tokens of the eager engine and of the cache alone."""
     model = tiny_model("llama", head_dim=64)  # heads the chunk kernel takes
     base = random_prompt(150, seed=7)[0].tolist()
     first = [base + random_prompt(30, seed=8)[0].tolist(), random_prompt(70, seed=9)[0].tolist(),
@@ -174,13 +176,14 @@ def test_compiled_prefill_steps_give_the_eager_tokens() -> None:
     second = [base + random_prompt(140, seed=11)[0].tolist()]
     outputs = {}
     for compile_step in (False, True):
-        engine = Engine(model, None, PLAIN, pool_tokens=2048, max_num_batched_tokens=200, prefill_first=True,
-                        compile_step=compile_step)
+        engine = Engine(model, None, PLAIN, pool_tokens=2048, max_num_batched_tokens=200,
+                        prefill_first=prefill_first, compile_step=compile_step)
         params = SamplingParams(max_tokens=NEW, ignore_eos=True)
         outputs[compile_step] = [*engine.generate(first, params), *engine.generate(second, params)]
     compiled = engine.compiled_prefill
     assert (compiled.failure, compiled.recompiles) == (None, 0)
-    assert compiled.steps == 4  # 180 + 20, 50 + 150, 150 tokens; then 142 after 148 cached (whole blocks)
+    # 180 + 20, 50 + 150, 150 tokens (mixed: 1 + 50 + 149, 2 + 151); then 142 after 148 cached (whole blocks)
+    assert compiled.steps == 4
     assert outputs[True][-1].cached_tokens == 148
     tokens = [[output.token_ids for output in outputs[compile_step]] for compile_step in (False, True)]
     factory = KVCacheFactory(model.config, PLAIN)
