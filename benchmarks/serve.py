@@ -144,9 +144,9 @@ def run_engine(model: Any, tokenizer: Any, config: str, prompts: list[list[int]]
                kv_gib: int | None = None, compile_step: bool = False, roofline: Roofline | None = None
                ) -> dict[str, Any]:
     """The engine over every prompt at t=0: a pool of ``kv_gib`` GiB, else one that holds them all.
-    ``compile_step``: the compiled decode step, compiled when the engine is made, before the clock
-    starts (as vLLM compiles and warms up before it serves). A decode step must read the weights and
-    the K/V the pool holds (a shared prompt's blocks once)."""
+    ``compile_step``: the compiled decode and prefill steps, compiled when the engine is made, before
+    the clock starts (as vLLM compiles and warms up before it serves). A decode step must read the
+    weights and the K/V the pool holds (a shared prompt's blocks once)."""
     spec = resolve_cache(config)
     if spec.config is None:
         raise SystemExit(f"engine:{config}: the engine takes a kvfactory config, not {spec.source}")

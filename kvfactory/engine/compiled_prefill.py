@@ -94,7 +94,8 @@ class CompiledPrefill(CompiledForward):
     def plan(self, segments: list[Segment]) -> tuple[PrefillStep, Written] | None:
         """A ``PrefillStep`` for ``segments`` with room made for every token, and each group's layers with
         the pages that hold each sequence's tokens (to count them written after the forward); None,
-        having touched nothing, for a step this path does not cover."""
+        having touched nothing, for a step this path does not cover; ``CacheFullError``, having touched
+        nothing, where the pool cannot hold the step."""
         if sum(segment.tokens for segment in segments) < GEMM_ROWS:
             return None
         stores = [[segment.cache.layers[i].store for segment in segments] for i in range(self.layers)]
@@ -110,6 +111,11 @@ class CompiledPrefill(CompiledForward):
                     return None
         key, value = self.like
         chunks = [segment.tokens for segment in segments]
+        pool = segments[0].cache.shared
+        if pool is not None:  # CacheFullError before any room is made: a step is written whole or not at all
+            pool.check([request for layers in self.members
+                        for store, n in zip(stores[layers[0]], chunks, strict=True)
+                        for request in store.block_requests(n, 1, key, value)])
         slots, tables, totals, written = [], [], [], []
         for layers in self.members:
             leaders = stores[layers[0]]

@@ -149,7 +149,7 @@ class PackedWeight:
     def takes_gemm(self, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows are many enough for the row-major GEMM (``gemm_rows``). In a graph being
         compiled with dynamic shapes the answer is a guard on the row count: the engine's compiled
-        decode step covers fewer rows, its compiled prefill chunks as many or more, so neither
+        decode step covers fewer rows, its compiled prefill step as many or more, so neither
         recompiles."""
         return self.gemm_rows is not None and x.numel() >= self.gemm_rows * x.shape[-1]
 

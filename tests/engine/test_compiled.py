@@ -17,8 +17,9 @@ from helpers import greedy_tokens
 from tiny_models import random_prompt, tiny_model
 from torch.profiler import ProfilerActivity, profile
 
-from kvfactory import ConfigError, KVCacheFactory
+from kvfactory import CacheFullError, ConfigError, KVCacheFactory
 from kvfactory.engine import Engine, SamplingParams
+from kvfactory.engine.batch import Segment
 from kvfactory.engine.weights import PackedLinear, pack_panels
 from kvfactory.storage.ragged import paged_decode, shared_fits
 
@@ -190,6 +191,19 @@ def test_compiled_prefill_steps_give_the_eager_tokens(prefill_first: bool) -> No
     alone = [greedy_tokens(model, prompt, NEW, factory.create_cache()) for prompt in first + second]
     assert tokens[1] == tokens[0] == alone
     assert engine.stats()["sequences"] == 0
+
+
+@needs_chunk_kernel
+def test_a_prefill_step_the_pool_cannot_hold_is_refused_before_any_room_is_made() -> None:
+    """Two chunks of 100 tokens need 50 blocks of 4; the pool holds 40: ``CacheFullError`` from the plan,
+    with no block taken and no token counted."""
+    engine = Engine(tiny_model("llama", head_dim=64), None, PLAIN, pool_tokens=160, compile_step=True)
+    caches = [engine.manager.create(f"s{i}") for i in range(2)]
+    free = engine.manager.stats()["pool_blocks_free"]
+    with pytest.raises(CacheFullError):
+        engine.compiled_prefill.plan([Segment(caches[0], 0, 100), Segment(caches[1], 100, 200)])
+    assert engine.manager.stats()["pool_blocks_free"] == free
+    assert all(layer.store.size() == 0 for cache in caches for layer in cache.layers)
 
 
 def test_a_compiler_failure_decodes_eagerly_with_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
