@@ -44,6 +44,7 @@ from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.quantization.ragged import PackedPlan, flush_full_windows, packed_plan
 from kvfactory.quantization.store import BlockLayout, QuantizedStore, block_layout, packed_block_tokens
 from kvfactory.storage.base import LayerStore
+from kvfactory.storage.paged import PagedStore
 
 logger = logging.getLogger("kvfactory")
 
@@ -153,6 +154,17 @@ def layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]:
     return tuple(index[layer] for layer in range(layers))
 
 
+def groups_aligned(members: list[list[int]], stores: list[list[PagedStore]]) -> bool:
+    """Whether each sequence's layers of a group (``members``; ``stores[layer][sequence]``) all stand
+    where the group's first layer stands (``place``), so that one plan per group serves them all."""
+    for layers in members:
+        for s, first in enumerate(stores[layers[0]]):
+            place = first.place()
+            if any(stores[i][s].place() != place for i in layers[1:]):
+                return False
+    return True
+
+
 def two_wide(tables: torch.Tensor) -> torch.Tensor:
     """Block tables ``[S, width]`` with a column of block 0 added where ``width`` is 1 (never read: the
     lengths bound every read), a size the compiled graph would compile again for."""
@@ -243,11 +255,8 @@ class CompiledDecode(CompiledForward):
                                                                                                strict=True)]
         if any(store.blocks is None for row in pages for store in row):
             return None
-        for layers in self.members:
-            for s in range(len(caches)):
-                place = pages[layers[0]][s].place()
-                if any(pages[i][s].place() != place for i in layers[1:]):
-                    return None
+        if not groups_aligned(self.members, pages):
+            return None
         packed: list[PackedPlan | None] = []
         for g, layers in enumerate(self.members):
             plan = None

@@ -29,7 +29,7 @@ import torch
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, attention_layout
 from kvfactory.engine.batch import Segment
-from kvfactory.engine.compiled import CompiledForward, layer_groups, two_wide
+from kvfactory.engine.compiled import CompiledForward, groups_aligned, layer_groups, two_wide
 from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import block_tables, shared_fits
@@ -101,12 +101,11 @@ class CompiledPrefill(CompiledForward):
         stores = [[segment.cache.layers[i].store for segment in segments] for i in range(self.layers)]
         if any(not store.plain_pages for row in stores for store in row):
             return None
+        if not groups_aligned(self.members, stores):
+            return None
         for layers in self.members:
-            for s in range(len(segments)):
-                place = stores[layers[0]][s].place()
-                if any(stores[i][s].place() != place for i in layers[1:]):
-                    return None
-                held = stores[layers[0]][s].pages_in_place()
+            for store in stores[layers[0]]:
+                held = store.pages_in_place()
                 if held is not None and held[2]:  # stored tokens must start at their first block's start
                     return None
         key, value = self.like
