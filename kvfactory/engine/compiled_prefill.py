@@ -163,8 +163,6 @@ class CompiledPrefill(CompiledForward):
             pools = [torch.zeros(key.shape[1], 60, 4, x.shape[3], dtype=x.dtype, device=device)
                      for _ in range(self.layers) for x in (key, value)]
         chunks, stored = (70, 90), (5, 10)
-        if sum(chunks) < GEMM_ROWS:
-            raise AssertionError("the dummy prefill step must reach GEMM_ROWS tokens")
         tables = torch.arange(50, device=device).view(2, 25)
         slots = torch.cat([tables[s].repeat_interleave(4)[stored[s]:stored[s] + chunks[s]] * 4
                            + torch.arange(stored[s], stored[s] + chunks[s]) % 4 for s in range(2)])
@@ -173,7 +171,7 @@ class CompiledPrefill(CompiledForward):
         step = PrefillStep(pools[0::2], pools[1::2], self.group, bounds,
                            *([x.clone() for _ in self.members] for x in (slots, tables, totals)))
         positions = torch.cat([torch.arange(stored[s], stored[s] + chunks[s]) for s in range(2)]).to(device)
-        ids = torch.arange(1, sum(chunks) + 1, device=device)
+        ids = torch.ones(sum(chunks), dtype=torch.long, device=device)
         return ids, positions, step, torch.tensor([chunks[0] - 1, sum(chunks) - 1], device=device)
 
 

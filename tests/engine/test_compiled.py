@@ -86,7 +86,7 @@ def _prefill_args() -> tuple:
     ones, the ninth token of a sequence and 9 tokens of a new sequence."""
     torch.manual_seed(2)
     heads, kv_heads, dim, page, blocks = 9, 3, 64, 4, 20
-    tables = torch.tensor([[3, 7, 12], [9, 14, 0], [5, 0, 11]])
+    tables = torch.tensor([[3, 7, 12], [9, 14, 15], [5, 0, 11]])
     bounds, totals = torch.tensor([0, 6, 7, 16]), torch.tensor([11, 9, 9])
     at = [torch.arange(5, 11), torch.tensor([8]), torch.arange(9)]
     slots = torch.cat([tables[s, at[s] // page] * page + at[s] % page for s in range(3)])
