@@ -165,10 +165,11 @@ def groups_aligned(members: list[list[int]], stores: list[list[PagedStore]]) -> 
     return True
 
 
-def two_wide(tables: torch.Tensor) -> torch.Tensor:
-    """Block tables ``[S, width]`` with a column of block 0 added where ``width`` is 1 (never read: the
-    lengths bound every read), a size the compiled graph would compile again for."""
-    return tables if tables.shape[1] > 1 else torch.cat([tables, torch.zeros_like(tables)], 1)
+def at_least_two(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with a zero slice appended along ``dim`` where it has one there (a block table's width, a
+    row per sequence: never read, the lengths and bounds end every read), a size the compiled graph
+    would compile again for."""
+    return x if x.shape[dim] > 1 else torch.cat([x, torch.zeros_like(x)], dim)
 
 
 @dataclass
@@ -272,9 +273,9 @@ class CompiledDecode(CompiledForward):
             [row[0].blocks.k for row in pages], [row[0].blocks.v for row in pages],
             [None if kind is None else [stores[i][packed[self.group[i]].first].runs.table.blocks.tensors[name]
                                         for name in PACKED] for i, kind in enumerate(codes)],
-            codes, self.group, [p.slots for p in plans], [two_wide(p.tables) for p in plans],
+            codes, self.group, [p.slots for p in plans], [at_least_two(p.tables, 1) for p in plans],
             [p.starts for p in plans], [p.lengths for p in plans], [torch.tensor(p.shared) for p in plans],
-            [None if p is None else two_wide(p.tables) for p in packed],
+            [None if p is None else at_least_two(p.tables, 1) for p in packed],
             [None if p is None else p.tokens for p in packed],
             [None if p is None else torch.tensor(p.shared) for p in packed])
         return step, [[[(caches[s].layers[i], pages[i][s]) for s in range(len(caches))] for i in layers]

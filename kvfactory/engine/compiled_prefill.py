@@ -29,7 +29,7 @@ import torch
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, attention_layout
 from kvfactory.engine.batch import Segment
-from kvfactory.engine.compiled import CompiledForward, groups_aligned, layer_groups, two_wide
+from kvfactory.engine.compiled import CompiledForward, at_least_two, groups_aligned, layer_groups
 from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import block_tables, shared_fits
@@ -121,8 +121,8 @@ class CompiledPrefill(CompiledForward):
             slots.append(torch.cat([store.next_slots(key, value, n) for store, n in zip(leaders, chunks,
                                                                                         strict=True)]))
             held = [store.pages_in_place() for store in leaders]
-            tables.append(two_wide(_two_rows(block_tables([ids for _, ids, _, _ in held]))))
-            totals.append(_two_rows(torch.tensor([length for _, _, _, length in held])))
+            tables.append(at_least_two(at_least_two(block_tables([ids for _, ids, _, _ in held]), 0), 1))
+            totals.append(at_least_two(torch.tensor([length for _, _, _, length in held]), 0))
             written.extend((segments[s].cache.layers[i], None if i == layers[0] else stores[i][s], n)
                            for i in layers for s, n in enumerate(chunks))
         pools = [stores[i][0].layer_blocks(key, value) for i in range(self.layers)]
@@ -174,8 +174,3 @@ class CompiledPrefill(CompiledForward):
         ids = torch.ones(sum(chunks), dtype=torch.long, device=device)
         return ids, positions, step, torch.tensor([chunks[0] - 1, sum(chunks) - 1], device=device)
 
-
-def _two_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with a zero row appended where it has one (never read: ``bounds`` counts the chunks), a size
-    the compiled graph would compile again for."""
-    return x if x.shape[0] > 1 else torch.cat([x, torch.zeros_like(x)])
