@@ -19,8 +19,9 @@
 
 #include "common.h"
 
-#define ROWS 48 /* query rows per tile: positions times the group's heads, a multiple of SR where it can be */
-#define KT 256 /* keys per tile */
+#define ROWS 192 /* query rows per tile: positions times the group's heads, a multiple of SR where it can be; each
+                  * key tile is read from L2 once per query tile, so long contexts want many rows */
+#define KT 128 /* keys per tile */
 #define SR 12  /* score rows per register block */
 #define VR 6   /* value-sum rows per register block */
 
@@ -149,7 +150,8 @@ int chunk_attention(int64_t Hq, int64_t Hkv, int64_t C, int64_t T, int64_t D, co
         }
         for (int64_t i0 = 0; i0 < C; i0 += QP) {
             const int64_t n = C - i0 < QP ? C - i0 : QP, live = n * R, end = causal ? T - C + i0 + n : T;
-            for (int64_t row = 0; row < padded; row++) {  /* row = i * R + r: position i0 + i, head g * R + r */
+            const int64_t used = (live + SR - 1) / SR * SR;  /* rows computed: a short last tile takes fewer */
+            for (int64_t row = 0; row < used; row++) {  /* row = i * R + r: position i0 + i, head g * R + r */
                 const float *q = query + (g * R + row % R) * qh + (i0 + row / R) * qc;
                 for (int64_t d = 0; d < D; d++) {
                     qs[row * D + d] = row < live ? q[d] * scale : 0.f;
@@ -161,13 +163,13 @@ int chunk_attention(int64_t Hq, int64_t Hkv, int64_t C, int64_t T, int64_t D, co
             for (int64_t k0 = 0; k0 < end; k0 += KT) {
                 const int64_t nk = end - k0 < KT ? end - k0 : KT, blocks = (nk + 31) / 32;
                 for (int64_t j = 0; j < nk; j++) vrows[j] = token_row(value + g * vh, table, P, vt, k0 + j);
-                for (int64_t row = 0; row < padded; row += SR)
+                for (int64_t row = 0; row < used; row += SR)
                     for (int64_t b = 0; b < blocks; b++) score_block(D, qs + row * D, keys + k0 + b * 32, ld, s + row * KT + b * 32);
-                for (int64_t row = 0; row < padded; row++) {  /* causal: position i0 + i sees [0, T - C + i0 + i] */
+                for (int64_t row = 0; row < used; row++) {  /* causal: position i0 + i sees [0, T - C + i0 + i] */
                     const int64_t seen = row >= live ? 0 : causal ? T - C + i0 + row / R + 1 - k0 : nk;
                     corr[row] = softmax_step(s + row * KT, blocks * 32, seen, m + row, l + row);
                 }
-                for (int64_t row = 0; row < padded; row += VR)
+                for (int64_t row = 0; row < used; row += VR)
                     for (int64_t c = 0; c < D; c += 64) value_block(s + row * KT, corr + row, vrows, c, nk, o + row * D + c, D);
             }
             for (int64_t row = 0; row < live; row++) {
