@@ -9,7 +9,8 @@ ignored so every request generates its full ``max_tokens``):
 - ``b``: 8 prompts of 2,048 tokens, 64 new tokens;
 - ``c``: 8 prompts of 6,144 tokens, 64 new tokens (``--new-tokens 256`` for the long-decode run);
 - ``d``: 24 prompts of 128 to 4,096 tokens arriving at Poisson times (0.5/s), 8 in flight, 64 new
-  tokens: through a server (``http:CONFIG`` for ``kvfactory serve``, ``vllm``) or ``sequential``
+  tokens: through a server (``http:CONFIG`` for ``kvfactory serve``, ``http-compiled:CONFIG`` for it with
+  ``--compile-step``, ``vllm``) or ``sequential``
   (each request starts at its arrival or when the one before it ends; TTFT from its arrival);
 - ``e``: 32 prompts of 6,144 tokens, 128 new tokens, every system given the same 2 GiB of KV memory
   (the engine's ``pool_bytes``, vLLM's ``VLLM_CPU_KVCACHE_SPACE``): memory-bound, so plain pages and
@@ -273,7 +274,8 @@ def run_generate_batch_limited(name: str, scale: float, new_tokens: int | None, 
 
 
 def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """``http:PRESET`` (``kvfactory serve``) or ``vllm`` (its CPU build), all requests at t=0 or at
+    """``http:PRESET`` (``kvfactory serve``; ``http-compiled:PRESET`` with ``--compile-step``) or ``vllm``
+    (its CPU build), all requests at t=0 or at
     the workload's Poisson rate, streamed; the server's own log goes to a temporary file."""
     from serve_http import run_clients, start_kvfactory, start_vllm
 
@@ -285,7 +287,8 @@ def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, An
         server = start_vllm(converted_model_dir(), log, concurrency, kv_gib=spec.get("kv_gib", 4))
     else:
         pool = sum(len(p) for p in prompts) + len(prompts) * (new + 64)
-        server = start_kvfactory(system.split(":", 1)[1], pool, concurrency, log)
+        kind, preset = system.split(":", 1)
+        server = start_kvfactory(preset, pool, concurrency, log, compile_step=kind == "http-compiled")
     try:
         run = run_clients(server.url, prompts, new, concurrency, spec.get("rate"))
     finally:
@@ -296,7 +299,7 @@ def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, An
 def run_system(system: str, name: str, prompts: list[list[int]], new: int, args: argparse.Namespace,
                model: Any, tokenizer: Any, roofline: Roofline | None) -> dict[str, Any] | None:
     """One run of ``system`` on workload ``name``; None where the workload does not apply to it."""
-    timed = system.startswith("http:") or system in ("vllm", "sequential")
+    timed = system.startswith(("http:", "http-compiled:")) or system in ("vllm", "sequential")
     if "rate" in WORKLOADS[name] and not timed and system != "generate_batch":
         return None  # arrivals over time: through a server, or one by one as they arrive
         # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
@@ -316,7 +319,7 @@ def run_system(system: str, name: str, prompts: list[list[int]], new: int, args:
         return run_generate_batch_limited(name, args.scale, args.new_tokens, args.generate_batch_limit)
     if system == "generate_batch":
         return run_generate_batch(prompts, new)
-    if system.startswith("http:") or system == "vllm":
+    if system.startswith(("http:", "http-compiled:")) or system == "vllm":
         return run_http(system, prompts, new, WORKLOADS[name])
     raise SystemExit(f"unknown system {system!r}")
 

@@ -48,11 +48,14 @@ class Server:
                 self.process.kill()
 
 
-def start_kvfactory(preset: str, pool_tokens: int, max_num_seqs: int, log: Path) -> Server:
+def start_kvfactory(preset: str, pool_tokens: int, max_num_seqs: int, log: Path,
+                    compile_step: bool = False) -> Server:
+    """``kvfactory serve`` on one thread; ``compile_step``: its compiled steps, compiled before it
+    answers ``/health``."""
     port = free_port()
     command = [sys.executable, "-m", "kvfactory.cli", "serve", "--cache", preset, "--pool-tokens",
                str(pool_tokens), "--max-num-seqs", str(max_num_seqs), "--port", str(port), "--threads", "1",
-               "--log-level", "warning"]
+               "--log-level", "warning", "--compile-step" if compile_step else "--eager-step"]
     return Server(command, port, log, {"PYTHONPATH": str(REPO)})
 
 
