@@ -55,6 +55,12 @@ static inline void load_params(const void *p, int kind, const float *lut, int64_
 
 static inline int64_t param_size(int kind) { return kind == F32 ? 4 : kind == LUT8 ? 1 : 2; }
 
+/* 2^f for |f| <= 1/2: a degree-5 polynomial, minimax for relative error (2.4e-7), in Horner's form with
+ * the vector width's broadcast SET1 and multiply-add FMADD (exp16 and exp8 share it). */
+#define EXP2_POLY(SET1, FMADD, f)                                                                          \
+    FMADD(FMADD(FMADD(FMADD(FMADD(SET1(1.327647129e-3f), f, SET1(9.675540961e-3f)), f, SET1(5.550713092e-2f)), \
+                      f, SET1(2.402212024e-1f)), f, SET1(6.931469440e-1f)), f, SET1(1.000000119f))
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -74,20 +80,13 @@ static inline __m512 sums16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xdd));
 }
 
-/* exp(x) for x <= 0 as 2^(x log2 e): x log2 e = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial
- * (minimax for relative error, 2.4e-7 on [-1/2, 1/2]), then 2^n by scalef. Below about -87 (n = -126)
- * it stays near 1e-38, a weight no sum notices. Five multiply-adds where Cephes' expf takes eight: it
- * is the softmax's cost in every attention kernel. */
+/* exp(x) for x <= 0 as 2^(x log2 e): x log2 e = n + f, |f| <= 1/2, 2^f by EXP2_POLY, then 2^n by
+ * scalef. Below about -87 (n = -126) it stays near 1e-38, a weight no sum notices. Five multiply-adds
+ * where Cephes' expf takes eight: it is the softmax's cost in every attention kernel. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.327647129e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675540961e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212024e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(EXP2_POLY(_mm512_set1_ps, _mm512_fmadd_ps, f), n);
 }
 #endif
 
@@ -124,12 +123,7 @@ static inline __m256i live8(int64_t n) {
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-126.f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.327647129e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.675540961e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550713092e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402212024e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931469440e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.000000119f));
+    const __m256 p = EXP2_POLY(_mm256_set1_ps, _mm256_fmadd_ps, f);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
