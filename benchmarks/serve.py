@@ -68,6 +68,7 @@ from kvfactory.models import load_model
 from kvfactory.roofline import ModelCost, gemm_rate, model_cost, read_rate
 
 sys.path.insert(0, str(Path(__file__).parent))  # serve_http.py beside this file
+HTTP_KINDS = ("http:", "http-compiled:")  # kvfactory serve: eager, --compile-step
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2_test.txt"
 WORKLOADS = {"a": dict(system=1024, own=64, requests=16, new=64),
              "b": dict(system=0, own=2048, requests=8, new=64),
@@ -299,7 +300,7 @@ def run_http(system: str, prompts: list[list[int]], new: int, spec: dict[str, An
 def run_system(system: str, name: str, prompts: list[list[int]], new: int, args: argparse.Namespace,
                model: Any, tokenizer: Any, roofline: Roofline | None) -> dict[str, Any] | None:
     """One run of ``system`` on workload ``name``; None where the workload does not apply to it."""
-    timed = system.startswith(("http:", "http-compiled:")) or system in ("vllm", "sequential")
+    timed = system.startswith(HTTP_KINDS) or system in ("vllm", "sequential")
     if "rate" in WORKLOADS[name] and not timed and system != "generate_batch":
         return None  # arrivals over time: through a server, or one by one as they arrive
         # (generate_batch has no arrivals: it gets every prompt at t=0, which favours it)
@@ -319,7 +320,7 @@ def run_system(system: str, name: str, prompts: list[list[int]], new: int, args:
         return run_generate_batch_limited(name, args.scale, args.new_tokens, args.generate_batch_limit)
     if system == "generate_batch":
         return run_generate_batch(prompts, new)
-    if system.startswith(("http:", "http-compiled:")) or system == "vllm":
+    if system.startswith(HTTP_KINDS) or system == "vllm":
         return run_http(system, prompts, new, WORKLOADS[name])
     raise SystemExit(f"unknown system {system!r}")
 

@@ -59,14 +59,13 @@ def _engine(model: Any, tokenizer: Any, config: dict, sequences: int, pack_weigh
                   compile_step=compile_step)
 
 
-def profile_prefill(engine: Engine, model: Any, prompts: list[list[int]], gemm: float) -> dict[str, float]:
+def profile_prefill(engine: Engine, prompts: list[list[int]], flops: int, linear_flops: int,
+                    gemm: float) -> dict[str, float]:
     """``prompts`` prefilled by ``engine`` in 512-token steps, profiled: per-step times and FLOP rates
-    (``gemm``: the machine's GEMM rate, GFLOP/s)."""
+    (``flops``: the prefill's, ``linear_flops`` of them in linear layers; ``gemm``: the machine's GEMM
+    rate, GFLOP/s)."""
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    cost = roofline.model_cost(model)
-    flops = sum(cost.prefill_flops(0, len(prompt)) for prompt in prompts)
-    linear_flops = cost.linear_flops * sum(len(prompt) for prompt in prompts)
     steps = 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -96,10 +95,13 @@ def prefill_runs(model: Any, tokenizer: Any, config: dict, prompts: list[list[in
     for engine in engines.values():
         engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
     gemm = roofline.gemm_rate(model)
+    cost = roofline.model_cost(model)
+    flops = sum(cost.prefill_flops(0, len(prompt)) for prompt in prompts)
+    linear_flops = cost.linear_flops * sum(len(prompt) for prompt in prompts)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     for _ in range(runs):
         for name, engine in engines.items():
-            results[name].append(profile_prefill(engine, model, prompts, gemm))
+            results[name].append(profile_prefill(engine, prompts, flops, linear_flops, gemm))
     return {"gemm_gflop_s_512_rows": round(gemm, 1), "runs": runs,
             **{name: {key: round(statistics.median(r[key] for r in rows), 3 if key == "vs_gemm" else 1)
                       for key in rows[0]} for name, rows in results.items()}}
