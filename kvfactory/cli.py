@@ -432,6 +432,9 @@ def oval_train(
     mix: Annotated[bool, typer.Option(
         help="hand each layer where Quest or recent pages read with a lower held-out output error to "
              "them (used by \"mix\": true)")] = True,
+    dim: Annotated[int | None, typer.Option(min=1, help="a gate's numbers per page embedding (float16: 2 "
+                                                        "bytes each per page and KV head) [default: 32]",
+                                            show_default=False)] = None,
     threads: ThreadsOption = 2,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report here")] = None,
 ) -> None:
@@ -444,6 +447,9 @@ def oval_train(
 
     from kvfactory.selectors.oval import train as oval_training
 
+    if dim is not None and kind != "gate":
+        raise typer.BadParameter(f"sizes a gate's page embedding; a {kind} router has none",
+                                 param_hint="--dim")
     texts = [read_text(path) for path in [*text, *val_text]]
     torch.set_num_threads(threads)
     console = Console()
@@ -451,7 +457,7 @@ def oval_train(
         loaded, tokenizer = models.load_model(model)
     report = oval_training.run(loaded, tokenizer, texts[:len(text)], texts[len(text):], str(out), model,
                                dense_layers, chunk, positions, chunks, val_chunks, epochs, budget, console,
-                               kind, objective, mix)
+                               kind, objective, mix, dim)
     layers = report["layers"]
     console.print(f"wrote {out}: {kind} router for layers {layers[0]}..{layers[-1]} of {model}")
     if mix:

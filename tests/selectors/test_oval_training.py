@@ -158,6 +158,22 @@ def test_the_query_scorer_learns_the_teachers_page_mass_and_ranks_as_decode_does
     assert ((decoded - projected).abs() <= step / 2 + 1e-6)[inside].all()
 
 
+def test_a_gates_page_embedding_takes_the_numbers_asked_for(tmp_path) -> None:
+    model = tiny_model("llama", max_position_embeddings=1024)
+    gate = oval_train.new_router(model, 0, "tiny", "gate", dim=48)
+    assert gate.shape.dim == 48 and gate.page.shape[-1] == gate.query.shape[-1] == 48
+    gate.save(tmp_path / "gate.safetensors")
+    loaded = load_module(tmp_path / "gate.safetensors")
+    assert loaded.shape == gate.shape
+    features = torch.randn(1, gate.shape.kv_heads, 5, 3 * gate.shape.head_dim)
+    assert loaded.embed_pages(features, gate.shape.layers[0]).shape == (1, gate.shape.kv_heads, 5, 48)
+    with pytest.raises(ValueError, match="dim=8 sizes a gate's page embedding; a query router has none"):
+        oval_train.new_router(model, 0, "tiny", "query", dim=8)
+    result = CliRunner().invoke(app, ["oval", "train", "--text", "a.txt", "--val-text", "b.txt",
+                                      "--dim", "8"])
+    assert result.exit_code == 2 and "a query router has none" in result.output
+
+
 @pytest.mark.slow
 def test_the_train_command_writes_a_router_and_its_curves(tmp_path) -> None:
     from helpers import DATA_DIR

@@ -292,9 +292,13 @@ def _sample_keys(chunks: Sequence[Chunk], count: int = 4) -> torch.Tensor:
     return torch.cat([chunk.keys for chunk in chunks[::step][:count]], 2)
 
 
-def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch") -> Scorer:
-    """An untrained scorer of ``kind`` (``"query"`` or ``"prefetch"``) for ``model``'s full-attention
-    layers after the first ``dense_layers`` (sliding-window layers are never read sparsely)."""
+def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch", dim: int | None = None
+               ) -> Scorer:
+    """An untrained scorer of ``kind`` (``"query"``, ``"gate"`` or ``"prefetch"``) for ``model``'s
+    full-attention layers after the first ``dense_layers`` (sliding-window layers are never read
+    sparsely); ``dim``: a gate's numbers per page embedding (default ``GateShape.dim``)."""
+    if dim is not None and kind != "gate":
+        raise ValueError(f"dim={dim} sizes a gate's page embedding; a {kind} router has none")
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -304,7 +308,8 @@ def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch")
     if kind == "query":
         return LowRankScorer(LowRankShape(heads, config.num_key_value_heads, head_dim, layers, model=name))
     if kind == "gate":
-        return BlockGate(GateShape(heads, config.num_key_value_heads, head_dim, layers, model=name))
+        return BlockGate(GateShape(heads, config.num_key_value_heads, head_dim, layers,
+                                   dim=dim or GateShape.dim, model=name))
     return Router(RouterShape(config.hidden_size, config.num_key_value_heads, head_dim, layers, model=name))
 
 
@@ -328,14 +333,14 @@ def learning_curve_points(epochs: int) -> set[int]:
 def run(model: Any, tokenizer: Any, train_texts: Sequence[str], val_texts: Sequence[str], out: str,
         name: str, dense_layers: int = 2, chunk: int = 2048, positions: int = 32, train_chunks: int = 48,
         val_chunks: int = 12, epochs: int | None = None, budget: float = 0.125,
-        console: Any = None, kind: str = "query", objective: str = "mass", mix: bool = True
-        ) -> dict[str, Any]:
+        console: Any = None, kind: str = "query", objective: str = "mass", mix: bool = True,
+        dim: int | None = None) -> dict[str, Any]:
     """Collect, train, evaluate per epoch on held-out text, choose the per-layer mix there (``mix``),
     save to ``out``; returns the report."""
     check_objective(objective)  # before any work
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    router = new_router(model, dense_layers, name, kind)
+    router = new_router(model, dense_layers, name, kind, dim)
     keys, epochs = kind in ("query", "gate"), epochs or EPOCHS[kind]
     layers = router.shape.layers
     train_ids = cap(tokens_of(tokenizer, train_texts), train_chunks, chunk)
