@@ -447,9 +447,10 @@ def oval_train(
 
     from kvfactory.selectors.oval import train as oval_training
 
-    if dim is not None and kind != "gate":
-        raise typer.BadParameter(f"sizes a gate's page embedding; a {kind} router has none",
-                                 param_hint="--dim")
+    try:  # before the model loads
+        oval_training.check_dim(dim, kind)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--dim") from exc
     texts = [read_text(path) for path in [*text, *val_text]]
     torch.set_num_threads(threads)
     console = Console()

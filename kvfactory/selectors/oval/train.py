@@ -82,6 +82,12 @@ def check_objective(objective: str) -> None:
         raise ValueError(f"objective {objective!r}: one of {OBJECTIVES}")
 
 
+def check_dim(dim: int | None, kind: str) -> None:
+    """``dim`` sizes a gate's page embedding: no other router kind takes it."""
+    if dim is not None and kind != "gate":
+        raise ValueError(f"dim={dim} sizes a gate's page embedding; a {kind} router has none")
+
+
 def target_of(chunk: Chunk, objective: str) -> torch.Tensor:
     """``[S, L, Hkv, P]``: the teacher's per-page target for ``objective`` (``OBJECTIVES``)."""
     check_objective(objective)
@@ -297,8 +303,7 @@ def new_router(model: Any, dense_layers: int, name: str, kind: str = "prefetch",
     """An untrained scorer of ``kind`` (``"query"``, ``"gate"`` or ``"prefetch"``) for ``model``'s
     full-attention layers after the first ``dense_layers`` (sliding-window layers are never read
     sparsely); ``dim``: a gate's numbers per page embedding (default ``GateShape.dim``)."""
-    if dim is not None and kind != "gate":
-        raise ValueError(f"dim={dim} sizes a gate's page embedding; a {kind} router has none")
+    check_dim(dim, kind)
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
