@@ -94,8 +94,9 @@ def load_module(path: str | Path, expected: type[Module] | None = None) -> Any:
         if "router_shape" in meta:  # a prefetch router written before files named their kind
             meta = {"kind": Router.kind, "shape": meta["router_shape"]}
         cls = kinds[meta["kind"]]
-        module = cls.from_metadata(json.loads(meta["shape"]))
-        module.load_state_dict(load_file(str(path)))
+        with torch.inference_mode(False):  # weights a later step may version-check or retrain
+            module = cls.from_metadata(json.loads(meta["shape"]))
+            module.load_state_dict(load_file(str(path)))
         module.layer_selectors = check_layer_selectors(json.loads(meta.get("layer_selectors", "{}")),
                                                        module.shape.layers)
     except (OSError, KeyError, ValueError, RuntimeError, TypeError, SafetensorError) as exc:
