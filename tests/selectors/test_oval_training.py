@@ -167,17 +167,24 @@ def test_a_gates_page_embedding_takes_the_numbers_asked_for(tmp_path) -> None:
     assert loaded.shape == gate.shape
     features = torch.randn(1, gate.shape.kv_heads, 5, 3 * gate.shape.head_dim)
     assert loaded.embed_pages(features, gate.shape.layers[0]).shape == (1, gate.shape.kv_heads, 5, 48)
-    with torch.inference_mode():  # as an evaluation loads a config's router file: scoring still works
-        inside = load_module(tmp_path / "gate.safetensors")
-        queries = torch.randn(1, gate.shape.kv_heads, gate.group, gate.shape.head_dim)
-        embedded = torch.randn(1, gate.shape.kv_heads, 7, 48).half()
-        scores = inside.score_pages(queries, embedded, gate.shape.layers[0])
-        assert scores.shape == (1, gate.shape.kv_heads, 7)
     with pytest.raises(ValueError, match="dim=8 sizes a gate's page embedding; a query router has none"):
         oval_train.new_router(model, 0, "tiny", "query", dim=8)
     result = CliRunner().invoke(app, ["oval", "train", "--text", "a.txt", "--val-text", "b.txt",
                                       "--dim", "8"])
     assert result.exit_code == 2 and "a query router has none" in result.output
+
+
+
+def test_a_router_file_loaded_in_inference_mode_still_scores(tmp_path) -> None:
+    """As an evaluation loads a config's router file: inside ``inference_mode``."""
+    gate = oval_train.new_router(tiny_model("llama", max_position_embeddings=1024), 0, "tiny", "gate", dim=48)
+    gate.save(tmp_path / "gate.safetensors")
+    with torch.inference_mode():
+        inside = load_module(tmp_path / "gate.safetensors")
+        queries = torch.randn(1, gate.shape.kv_heads, gate.group, gate.shape.head_dim)
+        embedded = torch.randn(1, gate.shape.kv_heads, 7, 48).half()
+        scores = inside.score_pages(queries, embedded, gate.shape.layers[0])
+        assert scores.shape == (1, gate.shape.kv_heads, 7)
 
 
 @pytest.mark.slow
