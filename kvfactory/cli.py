@@ -327,8 +327,8 @@ def serve(
              "paused while a prompt prefills), or every step decodes every running sequence")] = False,
     compile_step: Annotated[bool, typer.Option(
         "--compile-step/--eager-step",
-        help="compile decode steps of plain or KIVI pages, and prefill steps of plain pages, with "
-             "torch.compile before serving (a minute or two)")]
+        help="compile decode and prefill steps of plain or KIVI pages with torch.compile before "
+             "serving (a minute or two)")]
     = False,
     tiers: Annotated[str | None, typer.Option(
         help="keep prompt chunks in these tiers, nearest first, comma-separated: host, disk:PATH, "

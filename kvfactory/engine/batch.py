@@ -38,12 +38,10 @@ from kvfactory.cache import KVCache, KVLayer, kvfactory_attention
 from kvfactory.quantization.ragged import (
     PackedPlan,
     flush_full_windows,
-    flush_windows,
     in_place,
     packed_plan,
     quantized_decode,
 )
-from kvfactory.storage.base import LayerStore
 from kvfactory.storage.blocks import BlockIds
 from kvfactory.storage.paged import PagedStore, append_one_each, write_slots
 from kvfactory.storage.ragged import block_tables, paged_decode, shared_prefix
@@ -155,16 +153,12 @@ class _StepRead(attention.BatchRead):
 
     def _flush_chunks(self) -> None:
         """The full-precision windows in front of quantized pages that this step's prefill chunks push
-        past their residual encode their oldest groups first, in one batch per flush size
-        (``flush_windows``), as each store's write would; the chunks then join the windows."""
-        pending: dict[int, list[LayerStore]] = {}
-        for segment in self.batch.chunks:
-            store = segment.cache.layers[self.layer_idx].store
-            tokens = store.batch_flush(segment.tokens)
-            if tokens:
-                pending.setdefault(tokens, []).append(store)
-        for tokens, stores in pending.items():
-            flush_windows(stores, tokens)
+        past their residual encode their oldest groups first (``flush_full_windows``), as each store's
+        write would; the chunks then join the windows."""
+        chunks = self.batch.chunks
+        if chunks:
+            flush_full_windows([segment.cache.layers[self.layer_idx].store for segment in chunks],
+                               [segment.tokens for segment in chunks])
 
     def _paged(self, paged: list[tuple[int, KVLayer]], query: torch.Tensor, scaling: float,
                out: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ GEMM for) and every context.
 It covers plain pages and KIVI pages that the C kernels read (the engine refuses ``compile_step``
 for other configs). Steps it does not cover run eagerly (``kvfactory.engine.batch``): prefill chunks
 (``kvfactory.engine.compiled_prefill`` compiles steps of prefill chunks, mixed steps included, over
-plain pages), a single sequence, layers of a group standing at different places, KIVI pages before
+plain and KIVI pages), a single sequence, layers of a group standing at different places, KIVI pages before
 any sequence holds a packed token or while their scales wait for their first tokens.
 ``CompiledForward`` holds what both compiled steps share: the compilation over a dummy step and the
 eager fallback after a compiler failure. Logits differ from the eager step's by summation order

@@ -6,16 +6,22 @@ the gated activation, residuals), which the eager forward runs one op at a time.
 Each attention layer writes its tokens' K/V into plain pages and attends causally over each
 sequence's blocks in one torch custom op (``kvfactory.engine.step_ops.paged_prefill_step``: chunks
 through the chunk kernel of ``kvfactory/kernels/chunk.c``, decode tokens through the paged decode
-kernel), over tensors built once per step and layer group before the forward (``PrefillStep``). Room
-for every token is made before the forward, as the decode step's plan makes it, and the stores count
-the tokens written after it. The weights are not frozen into the graph: its linear layers multiply
-by the row-major weights (MKL's GEMM) where ``weights.gemm_is_faster`` said so, else by the engine's
+kernel), over tensors built once per step and layer group before the forward (``PrefillStep``). Over
+KIVI pages (``quantized_prefill_step``) the tokens go to the full-precision windows, read so, and the
+packed tokens are read whole. Such a step is covered where each window takes its sequence's tokens
+after encoding its oldest groups before the forward, as the eager step encodes them before its write
+(``flush_full_windows``), so that both read the same tokens the same way; a chunk that would encode
+its own tokens (a prompt's first chunks longer than the window) runs eagerly. Room for every token
+is made before the forward, as the decode step's plan makes it, and the stores count the tokens
+written after it. The weights are not frozen into the graph: its linear layers multiply by the
+row-major weights (MKL's GEMM) where ``weights.gemm_is_faster`` said so, else by the engine's
 panels, and inductor keeps no copy.
 
-It covers steps of ``weights.GEMM_ROWS`` tokens or more over plain pages of full-attention layers, on
-CPUs where the chunk kernel runs (float32, head sizes a multiple of 64, AVX-512); the engine's decode
-steps, fewer tokens, go to ``kvfactory.engine.compiled``. Every size the graph reads is at least two
-(block tables two wide and two rows, logits of two rows), so one graph serves every such step.
+It covers steps of ``weights.GEMM_ROWS`` tokens or more over plain or KIVI pages of full-attention
+layers, on CPUs where the chunk kernel runs (float32, head sizes a multiple of 64, AVX-512); the
+engine's decode steps, fewer tokens, go to ``kvfactory.engine.compiled``. Every size the graph reads
+is at least two (block tables two wide and two rows, logits of two rows), so one graph serves every
+such step.
 Logits differ from the eager step's by summation order.
 """
 
@@ -29,8 +35,19 @@ import torch
 from kvfactory import attention
 from kvfactory.cache import KVCache, KVLayer, attention_layout
 from kvfactory.engine.batch import Segment
-from kvfactory.engine.compiled import CompiledForward, at_least_two, groups_aligned, layer_groups
+from kvfactory.engine.compiled import (
+    Codes,
+    CompiledForward,
+    at_least_two,
+    groups_aligned,
+    layer_codes,
+    layer_groups,
+)
+from kvfactory.engine.step_ops import PACKED
 from kvfactory.engine.weights import GEMM_ROWS
+from kvfactory.quantization.ragged import flush_full_windows, packed_plan
+from kvfactory.quantization.store import QuantizedStore
+from kvfactory.storage.base import LayerStore
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import block_tables, shared_fits
 
@@ -38,25 +55,37 @@ from kvfactory.storage.ragged import block_tables, shared_fits
 @dataclass
 class PrefillStep:
     """What every layer of one compiled prefill step reads: layer ``i``'s pools ``keys[i]`` /
-    ``values[i]``; the chunks' bounds in the packed tokens (``bounds [S + 1]``); for its group
-    ``group[i]``, the tokens' ``slots [T]``, each sequence's block table and the tokens it then holds
-    (``tables``, ``totals``: ``paged_prefill``'s)."""
+    ``values[i]`` (plain pages, or KIVI pages' full-precision windows) and the tensors of its packed
+    pages ``packed[i]`` (``step_ops.PACKED``; None for plain pages) read as ``codes[i]`` says; the
+    chunks' bounds in the packed tokens (``bounds [S + 1]``); for its group ``group[i]``, the tokens'
+    ``slots [T]``, each sequence's block table and the tokens it then holds (``tables``, ``totals``:
+    ``paged_prefill``'s) and, for KIVI pages, the packed pages' ``packed_tables``, ``packed_tokens`` and
+    ``packed_shared`` blocks (``kvfactory.quantization.ragged.PackedPlan``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    packed: list[list[torch.Tensor] | None]
+    codes: tuple[Codes | None, ...]
     group: tuple[int, ...]
     bounds: torch.Tensor
     slots: list[torch.Tensor]
     tables: list[torch.Tensor]
     totals: list[torch.Tensor]
+    packed_tables: list[torch.Tensor | None]
+    packed_tokens: list[torch.Tensor | None]
+    packed_shared: list[torch.Tensor | None]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
         i = module.layer_idx
         g = self.group[i]
-        return torch.ops.kvfactory.paged_prefill_step(query, key, value, self.keys[i], self.values[i],
-                                                      self.slots[g], self.bounds, self.tables[g],
-                                                      self.totals[g], scaling)
+        pages = (self.keys[i], self.values[i], self.slots[g], self.bounds, self.tables[g], self.totals[g])
+        codes = self.codes[i]
+        if codes is None:
+            return torch.ops.kvfactory.paged_prefill_step(query, key, value, *pages, scaling)
+        return torch.ops.kvfactory.quantized_prefill_step(
+            query, key, value, *pages, self.packed[i], self.packed_tables[g], self.packed_tokens[g],
+            self.packed_shared[g], scaling, codes.bits, codes.group)
 
 
 # each layer of each sequence with the tokens it took: its pages, None where the plan counted them
@@ -70,11 +99,13 @@ class CompiledPrefill(CompiledForward):
 
     name = "prefill step"
 
-    def __init__(self, model: Any, like: tuple[torch.Tensor, torch.Tensor], groups: list[tuple[int, ...]]
-                 ) -> None:
-        """``like``: K/V shaped like one layer's writes ``[1, kv_heads, any, head_dim]``; ``groups``: the
-        layers that share a block table per sequence."""
+    def __init__(self, model: Any, like: tuple[torch.Tensor, torch.Tensor], codes: list[Codes | None],
+                 groups: list[tuple[int, ...]]) -> None:
+        """``like``: K/V shaped like one layer's writes ``[1, kv_heads, any, head_dim]``; ``codes``: each
+        layer's (``compiled.layer_codes``); ``groups``: the layers that share a block table per
+        sequence."""
         super().__init__(model, freezing=False)
+        self.codes = tuple(codes)
         self.like = tuple(x.new_empty(*x.shape[:2], 1, x.shape[3]) for x in like)
         self.mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=like[0].device)  # skips mask building
         self.layers = len(attention_layout(model.config))
@@ -84,12 +115,14 @@ class CompiledPrefill(CompiledForward):
 
     @staticmethod
     def covers(cache: KVCache, like: tuple[torch.Tensor, torch.Tensor], query_heads: int) -> bool:
-        """Whether caches like ``cache`` (a new one) hold plain pages of full-attention layers only, which
-        the chunk kernel reads for ``query_heads`` query heads over K/V like ``like``."""
+        """Whether caches like ``cache`` (a new one) hold plain or KIVI pages (``compiled.layer_codes``) of
+        full-attention layers only, which the chunk kernel reads for ``query_heads`` query heads over K/V
+        like ``like``."""
         key = like[0]
         query = key.new_empty(1, query_heads, key.shape[3])
         return query_heads % key.shape[1] == 0 and shared_fits(query) and key.dtype == torch.float32 \
-            and all(layer.store.plain_pages and layer.sliding_window is None for layer in cache.layers)
+            and all(layer.sliding_window is None for layer in cache.layers) \
+            and layer_codes(cache, like, query_heads) is not None
 
     def plan(self, segments: list[Segment]) -> tuple[PrefillStep, Written] | None:
         """A ``PrefillStep`` for ``segments`` with room made for every token, and each group's layers with
@@ -98,38 +131,69 @@ class CompiledPrefill(CompiledForward):
         nothing, where the pool cannot hold the step."""
         if sum(segment.tokens for segment in segments) < GEMM_ROWS:
             return None
+        chunks = [segment.tokens for segment in segments]
         stores = [[segment.cache.layers[i].store for segment in segments] for i in range(self.layers)]
-        if any(not store.plain_pages for row in stores for store in row):
-            return None
-        if not groups_aligned(self.members, stores):
+        for row, codes in zip(stores, self.codes, strict=True):
+            if not all(self._covers(store, codes, n) for store, n in zip(row, chunks, strict=True)):
+                return None
+        for row, codes in zip(stores, self.codes, strict=True):
+            if codes is not None:
+                flush_full_windows(row, chunks)
+        pages = [row if codes is None else [store.inner for store in row]
+                 for row, codes in zip(stores, self.codes, strict=True)]
+        if not groups_aligned(self.members, pages):
             return None
         for layers in self.members:
-            for store in stores[layers[0]]:
+            for store in pages[layers[0]]:
                 held = store.pages_in_place()
                 if held is not None and held[2]:  # stored tokens must start at their first block's start
                     return None
+        packed = []
+        for layers in self.members:
+            plan = None
+            if self.codes[layers[0]] is not None:
+                plan = packed_plan(stores[layers[0]])
+                if plan is None or any(packed_plan(stores[i], plan) is not plan for i in layers[1:]):
+                    return None
+            packed.append(plan)
         key, value = self.like
-        chunks = [segment.tokens for segment in segments]
         pool = segments[0].cache.shared
         if pool is not None:  # CacheFullError before any room is made: a step is written whole or not at all
             pool.check([request for layers in self.members
-                        for store, n in zip(stores[layers[0]], chunks, strict=True)
+                        for store, n in zip(pages[layers[0]], chunks, strict=True)
                         for request in store.block_requests(n, 1, key, value)])
         slots, tables, totals, written = [], [], [], []
         for layers in self.members:
-            leaders = stores[layers[0]]
+            leaders = pages[layers[0]]
             slots.append(torch.cat([store.next_slots(key, value, n) for store, n in zip(leaders, chunks,
                                                                                         strict=True)]))
             held = [store.pages_in_place() for store in leaders]
             tables.append(at_least_two(at_least_two(block_tables([ids for _, ids, _, _ in held]), 0), 1))
             totals.append(at_least_two(torch.tensor([length for _, _, _, length in held]), 0))
-            written.extend((segments[s].cache.layers[i], None if i == layers[0] else stores[i][s], n)
+            written.extend((segments[s].cache.layers[i], None if i == layers[0] else pages[i][s], n)
                            for i in layers for s, n in enumerate(chunks))
-        pools = [stores[i][0].layer_blocks(key, value) for i in range(self.layers)]
+        pools = [pages[i][0].layer_blocks(key, value) for i in range(self.layers)]
         bounds = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
-        step = PrefillStep([p.k for p in pools], [p.v for p in pools], self.group, bounds, slots, tables,
-                           totals)
+        runs = [None if codes is None else stores[i][packed[self.group[i]].first].runs.table.blocks.tensors
+                for i, codes in enumerate(self.codes)]
+        step = PrefillStep(
+            [p.k for p in pools], [p.v for p in pools],
+            [None if tensors is None else [tensors[name] for name in PACKED] for tensors in runs],
+            self.codes, self.group, bounds, slots, tables, totals,
+            [None if p is None else at_least_two(at_least_two(p.tables, 0), 1) for p in packed],
+            [None if p is None else at_least_two(p.tokens, 0) for p in packed],
+            [None if p is None else torch.tensor(p.shared) for p in packed])
         return step, written
+
+    @staticmethod
+    def _covers(store: LayerStore, codes: Codes | None, tokens: int) -> bool:
+        """Whether a layer's store is read as the graph reads it: plain pages, or KIVI pages the kernels
+        read in place whose window takes ``tokens`` more, after a batched flush of its oldest groups
+        where it is full (a chunk that would encode its own tokens is not)."""
+        if codes is None:
+            return store.plain_pages
+        return isinstance(store, QuantizedStore) and store.kernel_pages and (
+            store.fits_window(tokens) or store.batch_flush(tokens) > 0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, planned: tuple[PrefillStep, Written],
                 rows: torch.Tensor) -> torch.Tensor:
@@ -154,22 +218,31 @@ class CompiledPrefill(CompiledForward):
         return out.logits[0]
 
     def _dummy_step(self) -> tuple[torch.Tensor, torch.Tensor, PrefillStep, torch.Tensor]:
-        """Chunks of 70 and 90 tokens after 5 and 10 stored ones, in blocks of 4 of scratch pools: every
-        size distinct and above 1, ``GEMM_ROWS`` tokens or more (so that the graph compiled for it serves
-        every real step)."""
+        """Chunks of 70 and 90 tokens after 5 and 10 stored ones, in blocks of 4 of scratch pools (KIVI
+        pages: 3 and 4 more blocks of packed tokens): every size distinct and above 1, ``GEMM_ROWS``
+        tokens or more (so that the graph compiled for it serves every real step)."""
         key, value = self.like
         device = key.device
         with torch.inference_mode(False):  # as a pool's tensors are made (``BlockPool.layer``)
             pools = [torch.zeros(key.shape[1], 60, 4, x.shape[3], dtype=x.dtype, device=device)
                      for _ in range(self.layers) for x in (key, value)]
+            packed = [None if kind is None else
+                      [torch.zeros(shape[0], 9, *shape[1:], dtype=dtype, device=device)
+                       for _, shape, dtype in kind.layout] for kind in self.codes]
         chunks, stored = (70, 90), (5, 10)
         tables = torch.arange(50, device=device).view(2, 25)
         slots = torch.cat([tables[s].repeat_interleave(4)[stored[s]:stored[s] + chunks[s]] * 4
                            + torch.arange(stored[s], stored[s] + chunks[s]) % 4 for s in range(2)])
         totals = torch.tensor([stored[0] + chunks[0], stored[1] + chunks[1]], device=device)
         bounds = torch.tensor([0, chunks[0], sum(chunks)], device=device)
-        step = PrefillStep(pools[0::2], pools[1::2], self.group, bounds,
-                           *([x.clone() for _ in self.members] for x in (slots, tables, totals)))
+        kinds = [self.codes[layers[0]] for layers in self.members]  # a group's layers share one codec
+        packed_plans = [[None] * 3 if kind is None else [
+            torch.tensor(x, device=device) for x in ([[0, 1, 2, 3], [4, 5, 6, 7]],
+                                                      [3 * kind.block_tokens, 4 * kind.block_tokens], 0)]
+                        for kind in kinds]
+        step = PrefillStep(pools[0::2], pools[1::2], packed, self.codes, self.group, bounds,
+                           *([x.clone() for _ in self.members] for x in (slots, tables, totals)),
+                           *([p[j] for p in packed_plans] for j in range(3)))
         positions = torch.cat([torch.arange(stored[s], stored[s] + chunks[s]) for s in range(2)]).to(device)
         ids = torch.ones(sum(chunks), dtype=torch.long, device=device)
         return ids, positions, step, torch.tensor([chunks[0] - 1, sum(chunks) - 1], device=device)

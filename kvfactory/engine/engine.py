@@ -165,7 +165,8 @@ class Engine:
     bytes more memory); the model keeps it after the engine.
     ``compile_step``: run decode steps of two or more sequences over plain pages or KIVI pages through
     ``torch.compile`` (``compiled``), and prefill steps of 128 tokens or more (``weights.GEMM_ROWS``)
-    over plain pages of full-attention layers (``compiled_prefill``, None where it does not apply);
+    over plain or KIVI pages of full-attention layers (``compiled_prefill``, None where it does not
+    apply);
     both compiled when the engine is made, about a minute each for SmolLM2; the decode step's weights
     are frozen into its graph, so train or load new weights into a new engine; off with
     ``in_place_decode=False``.
@@ -229,7 +230,7 @@ class Engine:
         self.logit_rows = 0
         compiling = codes is not None and in_place_decode
         self.compiled = CompiledDecode(model, like, codes, self._probe.groups) if compiling else None
-        self.compiled_prefill = CompiledPrefill(model, like, self._probe.groups) \
+        self.compiled_prefill = CompiledPrefill(model, like, codes, self._probe.groups) \
             if compiling and CompiledPrefill.covers(self._probe, like, text.num_attention_heads) else None
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}

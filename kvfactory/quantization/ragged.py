@@ -55,13 +55,15 @@ def flush_windows(stores: list[QuantizedStore], tokens: int) -> None:
         store.took_front(keys[i:i + 1], values[i:i + 1], *row, codecs)
 
 
-def flush_full_windows(stores: list[QuantizedStore], tokens: int) -> None:
-    """The windows of ``stores`` (one-row stores of one layer) that ``tokens`` more would push past their
-    residual encode their oldest groups first, in one batch per flush size (``flush_windows``), where
-    ``batch_flush`` takes them (else the store's ``append`` encodes as it writes)."""
+def flush_full_windows(stores: list[QuantizedStore], tokens: int | list[int]) -> None:
+    """The windows of ``stores`` (one-row stores of one layer) that ``tokens`` more (each store's, where a
+    list) would push past their residual encode their oldest groups first, in one batch per flush size
+    (``flush_windows``), where ``batch_flush`` takes them (else the store's ``append`` encodes as it
+    writes)."""
+    counts = [tokens] * len(stores) if isinstance(tokens, int) else tokens
     pending: dict[int, list[QuantizedStore]] = {}
-    for store in stores:
-        flush = store.batch_flush(tokens)
+    for store, count in zip(stores, counts, strict=True):
+        flush = store.batch_flush(count)
         if flush:
             pending.setdefault(flush, []).append(store)
     for flush, flushed in pending.items():
@@ -157,6 +159,44 @@ def packed_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, 
     block_tokens = pool["k.codes"].shape[2] * pool["k.codes"].shape[3]
     return [head, _paged_packed(query, pool, bits, group, tables[:, shared:], tokens - shared * block_tokens,
                                 scale)]
+
+
+def packed_prefill_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,
+                         bounds: torch.Tensor, tables: torch.Tensor, tokens: torch.Tensor, shared: int,
+                         scale: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Prefill chunks and decode tokens (chunks of one) of several sequences packed as ``query [T, Hq,
+    D]`` (float32; chunk ``j`` its rows ``[bounds[j], bounds[j + 1])``), each over its sequence's
+    ``tokens[j]`` packed tokens in blocks ``tables[j]``, all of them before the chunk (no mask), as
+    ``packed_parts`` returns them. The ``shared`` leading blocks are decoded once and read once for
+    every row; a chunk's other blocks are decoded once for its rows and read by the chunk kernel
+    (``kvfactory/kernels/chunk.c``), a decode token's read in place (``kivi_paged_decode``). A caller
+    checks ``shared_fits`` first."""
+    t, hq, d = query.shape
+    hkv, _, key_groups, group_tokens, _ = pool["k.codes"].shape
+    block_tokens = key_groups * group_tokens
+    query = query.contiguous()
+    parts = []
+    if shared:
+        parts.append(_shared_packed(query, pool, bits, group, tables[0, :shared], scale, None))
+        tables, tokens = tables[:, shared:], tokens - shared * block_tokens
+    out, lse = torch.zeros(t, hq, d), torch.full((t, hq), float("-inf"))
+    ends, counts = bounds.tolist(), tokens.tolist()  # tables and tokens may have padding rows after the last
+    single = [j for j in range(len(ends) - 1) if ends[j + 1] - ends[j] == 1 and counts[j] > 0]
+    if single:
+        at, rows = torch.tensor([ends[j] for j in single]), torch.tensor(single)
+        out[at], lse[at] = _paged_packed(query[at], pool, bits, group, tables[rows], tokens[rows], scale)
+    lib = kernels.load("chunk")
+    for j in range(len(ends) - 1):
+        rows, n = ends[j + 1] - ends[j], counts[j]
+        if rows == 1 or n == 0:
+            continue
+        keys, values = torch.empty(hkv, n, d), torch.empty(hkv, n, d)
+        native.paged_dequantize(pool, tables[j, :-(-n // block_tokens)], bits, group, keys, values)
+        if not lib.chunk_attention(hq, hkv, rows, n, d, query[ends[j]].data_ptr(), d, hq * d, keys.data_ptr(),
+                                   n * d, d, values.data_ptr(), n * d, d, None, n, 0, scale,
+                                   out[ends[j]].data_ptr(), lse[ends[j]].data_ptr()):
+            raise RuntimeError(f"the chunk kernel could not attend {rows} queries over {n} packed tokens")
+    return [*parts, (out, lse)]
 
 
 def _paged_packed(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,

@@ -9,6 +9,7 @@ import torch
 from helpers import greedy_tokens
 
 from kvfactory.engine import AdmissionError, Engine, EngineFullError, SamplingParams
+from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
 from kvfactory.presets import load_preset
@@ -81,25 +82,35 @@ def test_every_config_equals_its_cache_alone(smollm2, preset: str) -> None:
 @pytest.mark.parametrize("preset", ["paged16", "int4"])
 def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str) -> None:
     """The compiled decode step (``compile_step``) over plain and KIVI pages (the long prompt's packed
-    groups read by the KIVI kernel, the short ones' windows alone) and the compiled prefill step over
-    plain pages give what the same cache computes alone under ``generate``; every decode step, and the
-    plain pages' prefill step, ran compiled, in the graphs compiled with the engine."""
+    groups read by the KIVI kernel, the short ones' windows alone) and the compiled prefill step give
+    what the same cache computes alone under ``generate``; every decode step ran compiled, in the graph
+    compiled with the engine. Prefill steps: the first batch's (three new prompts) and then four
+    questions behind the cached long prompt, computing only their own tokens. Plain pages run both
+    compiled; KIVI pages the second only (its windows take the questions after encoding their oldest
+    groups, as the eager step would; the first batch's long prompt encodes its own tokens and runs
+    eagerly)."""
     model, tokenizer = smollm2
     long_prompt = tokenizer("Call me Ishmael. " * 40)["input_ids"]
     prompts = [*ids_of(tokenizer, PROMPTS[:2]), long_prompt]
+    questions = [long_prompt + tokenizer(f" Question {i}: in one sentence, {PROMPTS[i]} what? And then, "
+                                         "what comes after that, and why does it matter here?")["input_ids"]
+                 for i in range(4)]
     config = load_preset(preset)
     engine = Engine(model, tokenizer, config, pool_tokens=4096, compile_step=True)
     outputs = engine.generate(prompts, GREEDY)
+    later = engine.generate(questions, GREEDY)
+    assert sum(len(q) for q in questions) - sum(output.cached_tokens for output in later) >= GEMM_ROWS
+    assert min(output.cached_tokens for output in later) >= len(long_prompt) - 64
     factory = KVCacheFactory(model.config, config)
-    for prompt, output in zip(prompts, outputs, strict=True):
+    for prompt, output in zip(prompts + questions, outputs + later, strict=True):
         assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
     compiled = engine.compiled
-    assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, GREEDY.max_tokens - 1)
-    prefill = engine.compiled_prefill  # plain pages on a CPU the chunk kernel runs on: the prompts' one step
-    if preset == "int4" or not shared_fits(torch.empty(1, 1, 64)):
+    assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, 2 * (GREEDY.max_tokens - 1))
+    prefill = engine.compiled_prefill  # on a CPU the chunk kernel runs on
+    if not shared_fits(torch.empty(1, 1, 64)):
         assert prefill is None
     else:
-        assert (prefill.failure, prefill.recompiles, prefill.steps) == (None, 0, 1)
+        assert (prefill.failure, prefill.recompiles, prefill.steps) == (None, 0, 1 if preset == "int4" else 2)
     assert engine.stats()["sequences"] == 0
 
 
