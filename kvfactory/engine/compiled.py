@@ -17,8 +17,8 @@ GEMM for) and every context.
 It covers plain pages and KIVI pages that the C kernels read (the engine refuses ``compile_step``
 for other configs). Steps it does not cover run eagerly (``kvfactory.engine.batch``): prefill chunks
 (``kvfactory.engine.compiled_prefill`` compiles steps of prefill chunks, mixed steps included, over
-plain and KIVI pages), a single sequence, layers of a group standing at different places, KIVI pages before
-any sequence holds a packed token or while their scales wait for their first tokens.
+plain and KIVI pages), a single sequence, layers of a group standing at different places, KIVI pages
+before any sequence holds a packed token or while their scales wait for their first tokens.
 ``CompiledForward`` holds what both compiled steps share: the compilation over a dummy step and the
 eager fallback after a compiler failure. Logits differ from the eager step's by summation order
 (fused kernels, prepacked weights).
@@ -147,6 +147,16 @@ def layer_codes(cache: KVCache, like: tuple[torch.Tensor, torch.Tensor], query_h
     return codes
 
 
+def read_as_planned(store: LayerStore, codes: Codes | None, tokens: int) -> bool:
+    """Whether a layer's store is read as a compiled step reads it: plain pages, or KIVI pages the
+    kernels read in place whose window takes ``tokens`` more, after a batched flush of its oldest
+    groups where it is full (a chunk that would encode its own tokens is not)."""
+    if codes is None:
+        return store.plain_pages
+    return isinstance(store, QuantizedStore) and store.kernel_pages and (
+        store.fits_window(tokens) or store.batch_flush(tokens) > 0)
+
+
 def layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]:
     """Each layer's index in ``groups`` (the layers that share one block table per sequence; every layer
     in one)."""
@@ -246,7 +256,7 @@ class CompiledDecode(CompiledForward):
             if [layer.sliding_window for layer in cache.layers] != self.windows:
                 return None
             for layer, kind in zip(cache.layers, codes, strict=True):
-                if not self._covers(layer.store, kind):
+                if not read_as_planned(layer.store, kind, 1):
                     return None
         stores = [[cache.layers[i].store for cache in caches] for i in range(len(codes))]
         for i, kind in enumerate(codes):
@@ -280,15 +290,6 @@ class CompiledDecode(CompiledForward):
             [None if p is None else torch.tensor(p.shared) for p in packed])
         return step, [[[(caches[s].layers[i], pages[i][s]) for s in range(len(caches))] for i in layers]
                       for layers in self.members]
-
-    @staticmethod
-    def _covers(store: LayerStore, codes: Codes | None) -> bool:
-        """Whether a layer's store is read as the graph reads it: plain pages, or KIVI pages the kernels
-        read in place whose window takes the token, after a batched flush where it is full."""
-        if codes is None:
-            return store.plain_pages
-        return isinstance(store, QuantizedStore) and store.kernel_pages and (
-            store.fits_window(1) or store.batch_flush(1) > 0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 planned: tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]]) -> torch.Tensor:

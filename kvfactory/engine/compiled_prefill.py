@@ -42,12 +42,11 @@ from kvfactory.engine.compiled import (
     groups_aligned,
     layer_codes,
     layer_groups,
+    read_as_planned,
 )
 from kvfactory.engine.step_ops import PACKED
 from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.quantization.ragged import flush_full_windows, packed_plan
-from kvfactory.quantization.store import QuantizedStore
-from kvfactory.storage.base import LayerStore
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import block_tables, shared_fits
 
@@ -126,15 +125,16 @@ class CompiledPrefill(CompiledForward):
 
     def plan(self, segments: list[Segment]) -> tuple[PrefillStep, Written] | None:
         """A ``PrefillStep`` for ``segments`` with room made for every token, and each group's layers with
-        the pages that hold each sequence's tokens (to count them written after the forward); None,
-        having touched nothing, for a step this path does not cover; ``CacheFullError``, having touched
-        nothing, where the pool cannot hold the step."""
+        the pages that hold each sequence's tokens (to count them written after the forward); None for a
+        step this path does not cover, and ``CacheFullError`` where the pool cannot hold the step, having
+        touched nothing but KIVI windows that encoded their oldest groups (as the eager step would
+        before its write)."""
         if sum(segment.tokens for segment in segments) < GEMM_ROWS:
             return None
         chunks = [segment.tokens for segment in segments]
         stores = [[segment.cache.layers[i].store for segment in segments] for i in range(self.layers)]
         for row, codes in zip(stores, self.codes, strict=True):
-            if not all(self._covers(store, codes, n) for store, n in zip(row, chunks, strict=True)):
+            if not all(read_as_planned(store, codes, n) for store, n in zip(row, chunks, strict=True)):
                 return None
         for row, codes in zip(stores, self.codes, strict=True):
             if codes is not None:
@@ -184,16 +184,6 @@ class CompiledPrefill(CompiledForward):
             [None if p is None else at_least_two(p.tokens, 0) for p in packed],
             [None if p is None else torch.tensor(p.shared) for p in packed])
         return step, written
-
-    @staticmethod
-    def _covers(store: LayerStore, codes: Codes | None, tokens: int) -> bool:
-        """Whether a layer's store is read as the graph reads it: plain pages, or KIVI pages the kernels
-        read in place whose window takes ``tokens`` more, after a batched flush of its oldest groups
-        where it is full (a chunk that would encode its own tokens is not)."""
-        if codes is None:
-            return store.plain_pages
-        return isinstance(store, QuantizedStore) and store.kernel_pages and (
-            store.fits_window(tokens) or store.batch_flush(tokens) > 0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, planned: tuple[PrefillStep, Written],
                 rows: torch.Tensor) -> torch.Tensor:
