@@ -89,11 +89,11 @@ def test_prefill_chunks_flush_full_int4_windows_in_one_batch(name: str, monkeypa
     """Prefill chunks that push several sequences' KIVI windows past their residual in one step (a
     prompt's last chunk and the requests that found its first part cached with its window's pages, as
     behind a system prompt; such hits are off with sliding layers) encode the oldest groups in one
-    batch per layer (``flush_windows``) and give the tokens each store's own write gives (the batch
-    turned off)."""
-    from kvfactory.engine import batch
+    batch per layer (``flush_windows``, through ``flush_full_windows``) and give the tokens each store's
+    own write gives (the batch turned off)."""
+    from kvfactory.quantization import ragged
 
-    real, batched = batch.flush_windows, []
+    real, batched = ragged.flush_windows, []
     model = tiny_model(name)
     config = {"type": "paged", "page_size": 4,
               "quantization": {"codec": "int4", "group_size": 8, "residual": 16}}
@@ -102,8 +102,8 @@ def test_prefill_chunks_flush_full_int4_windows_in_one_batch(name: str, monkeypa
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outputs = {}
     for mode in ("batched", "each"):
-        monkeypatch.setattr(batch, "flush_windows", (lambda stores, tokens: batched.append(len(stores))
-                                                     or real(stores, tokens)) if mode == "batched"
+        monkeypatch.setattr(ragged, "flush_windows", (lambda stores, tokens: batched.append(len(stores))
+                                                      or real(stores, tokens)) if mode == "batched"
                             else (lambda stores, tokens: None))
         # decode steps go through each cache, so every batched flush here is a prefill chunk's
         engine = Engine(model, None, config, pool_tokens=1024, in_place_decode=False,
