@@ -7,12 +7,14 @@ Each attention layer stores its new K/V and reads its sequences' pages in one to
 over KIVI pages (their packed blocks and full-precision windows), over tensors built once per step
 and layer group before the forward (``DecodeStep``): each layer's pool tensors, and per group the new
 tokens' slots, the block tables, the first token's offsets, the lengths read and, for KIVI pages, the
-packed block tables and tokens. No cache update runs inside the graph: windows that the new token
-would push past their residual encode their oldest group before the forward, as the eager step's
-layers would before writing it (``flush_windows``), and the stores count the written token after the
-forward, as the eager step does. Shapes are dynamic and block tables at least two wide, so one graph
-serves every batch of two to ``GEMM_ROWS - 1`` sequences (fewer rows than the linear layers take the
-GEMM for) and every context.
+packed block tables and tokens, and a shared prompt's packed blocks decoded: once while the stores
+hold the same blocks (a full packed block is never written again while held), a float32 copy of the
+prompt's packed tokens per layer kept between steps. No cache update runs inside the graph: windows
+that the new token would push past their residual encode their oldest group before the forward, as
+the eager step's layers would before writing it (``flush_windows``), and the stores count the written
+token after the forward, as the eager step does. Shapes are dynamic and block tables at least two
+wide, so one graph serves every batch of two to ``GEMM_ROWS - 1`` sequences (fewer rows than the
+linear layers take the GEMM for) and every context.
 
 It covers plain pages and KIVI pages that the C kernels read (the engine refuses ``compile_step``
 for other configs). Steps it does not cover run eagerly (``kvfactory.engine.batch``): prefill chunks
@@ -41,10 +43,11 @@ from kvfactory.codecs import native
 from kvfactory.engine.batch import Segment, decode_plan
 from kvfactory.engine.step_ops import PACKED
 from kvfactory.engine.weights import GEMM_ROWS
-from kvfactory.quantization.ragged import PackedPlan, flush_full_windows, packed_plan
+from kvfactory.quantization.ragged import PackedPlan, decode_blocks, flush_full_windows, packed_plan
 from kvfactory.quantization.store import BlockLayout, QuantizedStore, block_layout, packed_block_tokens
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.paged import PagedStore
+from kvfactory.storage.ragged import shared_fits
 
 logger = logging.getLogger("kvfactory")
 
@@ -189,7 +192,8 @@ class DecodeStep:
     pages ``packed[i]`` (``step_ops.PACKED``; None for plain pages) read as ``codes[i]`` says; for its
     group ``group[i]``, the plan's ``slots``, ``tables``, ``starts``, ``lengths`` and ``shared`` blocks
     (``kvfactory.engine.batch.DecodePlan``) and, for KIVI pages, the packed pages' ``packed_tables``,
-    ``packed_tokens`` and ``packed_shared`` blocks (``kvfactory.quantization.ragged.PackedPlan``)."""
+    ``packed_tokens`` and ``packed_shared`` blocks (``kvfactory.quantization.ragged.PackedPlan``), and
+    layer ``i``'s shared blocks ``decoded[i]`` (``decode_blocks``; a small unread tensor where none)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -204,6 +208,7 @@ class DecodeStep:
     packed_tables: list[torch.Tensor | None]
     packed_tokens: list[torch.Tensor | None]
     packed_shared: list[torch.Tensor | None]
+    decoded: list[torch.Tensor | None]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -216,7 +221,7 @@ class DecodeStep:
             return torch.ops.kvfactory.paged_decode_step(query, key, value, *pages, scaling)
         return torch.ops.kvfactory.quantized_decode_step(
             query, key, value, *pages, self.packed[i], self.packed_tables[g], self.packed_tokens[g],
-            self.packed_shared[g], scaling, codes.bits, codes.group)
+            self.packed_shared[g], self.decoded[i], scaling, codes.bits, codes.group)
 
 
 class CompiledDecode(CompiledForward):
@@ -240,6 +245,10 @@ class CompiledDecode(CompiledForward):
         self.members = [list(members) for members in groups]
         self.group = layer_groups(groups, len(self.windows))
         self._packed: dict[int, PackedPlan] = {}  # each group's last packed plan (``packed_plan``)
+        self._decoded: dict[int, tuple[PackedPlan, dict[int, torch.Tensor]]] = {}  # its layers' shared blocks
+        with torch.inference_mode(False):  # graph inputs of one kind (decoded blocks are made so too)
+            self._unread = [None if kind is None else  # what a layer without shared blocks passes for them
+                            key.new_zeros(2, key.shape[1], 2, key.shape[3]) for kind in self.codes]
         self._warm_up()
 
     def plan(self, segments: list[Segment]) -> tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]
@@ -279,6 +288,7 @@ class CompiledDecode(CompiledForward):
             packed.append(plan)
         plans = [decode_plan(pages[layers[0]], self.windows[layers[0]], *self.like)
                  for layers in self.members]
+        decoded = self._decoded_blocks(stores, packed)
         step = DecodeStep(
             [row[0].blocks.k for row in pages], [row[0].blocks.v for row in pages],
             [None if kind is None else [stores[i][packed[self.group[i]].first].runs.table.blocks.tensors[name]
@@ -287,9 +297,31 @@ class CompiledDecode(CompiledForward):
             [p.starts for p in plans], [p.lengths for p in plans], [torch.tensor(p.shared) for p in plans],
             [None if p is None else at_least_two(p.tables, 1) for p in packed],
             [None if p is None else p.tokens for p in packed],
-            [None if p is None else torch.tensor(p.shared) for p in packed])
+            [None if p is None else torch.tensor(p.shared if g in self._decoded else 0)
+             for g, p in enumerate(packed)],
+            decoded)
         return step, [[[(caches[s].layers[i], pages[i][s]) for s in range(len(caches))] for i in layers]
                       for layers in self.members]
+
+    def _decoded_blocks(self, stores: list[list[LayerStore]], packed: list[PackedPlan | None]
+                        ) -> list[torch.Tensor | None]:
+        """Each layer's shared packed blocks (``PackedPlan.shared``) decoded, kept from the last step while
+        its group's plan stands (the same blocks held), else decoded now; an unread tensor where the
+        group has none or the chunk kernel does not read them (its plan's shared count 0 in the step)."""
+        for g, plan in enumerate(packed):
+            kept = self._decoded.get(g)
+            if plan is None or not plan.shared or not shared_fits(self.like[0]):
+                self._decoded.pop(g, None)
+            elif kept is None or kept[0] is not plan:
+                store = stores[self.members[g][0]][plan.first]
+                bits, group = store.key_codec.bits, store.value_codec.group_size
+                ids = plan.tables[0, :plan.shared]
+                with torch.inference_mode(False):  # as the dummy step's inputs, so that no kind recompiles
+                    self._decoded[g] = plan, {
+                        i: decode_blocks(stores[i][plan.first].runs.table.blocks.tensors, bits, group, ids)
+                        for i in self.members[g]}
+        heads = [kept[1] for kept in self._decoded.values()]
+        return [next((h[i] for h in heads if i in h), unread) for i, unread in enumerate(self._unread)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 planned: tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]]) -> torch.Tensor:
@@ -328,7 +360,7 @@ class CompiledDecode(CompiledForward):
                         for kind in kinds]
         step = DecodeStep(pools[0::2], pools[1::2], packed, self.codes, self.group,
                           *([x.clone() for _ in self.members] for x in plan),
-                          *([p[j] for p in packed_plans] for j in range(3)))
+                          *([p[j] for p in packed_plans] for j in range(3)), list(self._unread))
         return torch.tensor([1, 2], device=device), torch.tensor([9, 10], device=device), step
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, step: DecodeStep) -> torch.Tensor:

@@ -45,20 +45,20 @@ def quantized_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           v_pool: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                           starts: torch.Tensor, lengths: torch.Tensor, shared: torch.Tensor,
                           packed: list[torch.Tensor], packed_tables: torch.Tensor,
-                          packed_tokens: torch.Tensor, packed_shared: torch.Tensor, scale: float, bits: int,
-                          group: int) -> torch.Tensor:
+                          packed_tokens: torch.Tensor, packed_shared: torch.Tensor, decoded: torch.Tensor,
+                          scale: float, bits: int, group: int) -> torch.Tensor:
     """One decode token per sequence over KIVI pages: write ``key`` / ``value`` into the full-precision
     windows and read them as ``paged_decode_step`` does, read the packed tokens of the layer's pool
     ``packed`` (its ``PACKED`` tensors) by ``packed_parts`` (``packed_tables``, ``packed_tokens`` and
-    ``packed_shared`` blocks; ``bits`` per code, values grouped by ``group`` channels), and merge the
-    two: ``[1, S, Hq, Dv]``."""
+    ``packed_shared`` blocks, those decoded in ``decoded [2, Hkv, tokens, D]``, unread where there are
+    none; ``bits`` per code, values grouped by ``group`` channels), and merge the two: ``[1, S, Hq, Dv]``."""
     write_tokens(k_pool, slots, key[0])
     write_tokens(v_pool, slots, value[0])
     query = query[0].transpose(0, 1)
     window = paged_decode(query, k_pool, v_pool, tables, starts, lengths, scale, check=False,
                           return_lse=True, shared=int(shared))
     codes = packed_parts(query, dict(zip(PACKED, packed, strict=True)), bits, group, packed_tables,
-                         packed_tokens, int(packed_shared), scale)
+                         packed_tokens, int(packed_shared), scale, decoded)
     return merge_parts(window, *codes)[0].to(query.dtype)[None]
 
 
@@ -66,8 +66,8 @@ def quantized_decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
       slots: torch.Tensor, tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
       shared: torch.Tensor, packed: list[torch.Tensor], packed_tables: torch.Tensor,
-      packed_tokens: torch.Tensor, packed_shared: torch.Tensor, scale: float, bits: int, group: int
-      ) -> torch.Tensor:
+      packed_tokens: torch.Tensor, packed_shared: torch.Tensor, decoded: torch.Tensor, scale: float,
+      bits: int, group: int) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], v_pool.shape[-1])
 
 

@@ -9,14 +9,13 @@ without gathering or decoding either: the packed blocks in one call of ``kivi_pa
 codes; Liu et al. 2024), the windows in one call of the plain paged kernel
 (``kvfactory.storage.ragged.paged_decode``), and the two parts merged by their log-sum-exps, as
 FlashAttention merges the blocks of a row (Dao et al. 2022). Where every sequence starts with the
-same whole packed blocks (a shared prompt), those are decoded once per step (``kivi_paged_dequantize``)
-and read once for every query row of the batch (``shared_attention``; Hydragen, Juravsky et al. 2024),
-as plain pages read theirs.
+same whole packed blocks (a shared prompt), those are decoded (``decode_blocks``: once per step, or
+once while the compiled step's plan stands) and read once for every query row of the batch
+(``shared_attention``; Hydragen, Juravsky et al. 2024), as plain pages read theirs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,28 +136,47 @@ def _packed_decode(query: torch.Tensor, stores: list[QuantizedStore], plan: Pack
     """``packed_parts`` of ``stores`` (as ``quantized_decode`` takes them) read by ``plan``, a shared
     prompt's blocks decoded into the store's reused workspace."""
     store = stores[plan.first]
-    return packed_parts(query, store.runs.table.blocks.tensors, store.key_codec.bits,
-                        store.value_codec.group_size, plan.tables, plan.tokens, plan.shared, scale,
-                        store.workspace.buffer)
+    pool, bits, group = store.runs.table.blocks.tensors, store.key_codec.bits, store.value_codec.group_size
+    shared = plan.shared if shared_fits(query) else 0
+    head = None
+    if shared:
+        hkv, _, key_groups, group_tokens, _ = pool["k.codes"].shape
+        shape = (2, hkv, shared * key_groups * group_tokens, query.shape[2])
+        head = decode_blocks(pool, bits, group, plan.tables[0, :shared],
+                             store.workspace.buffer("shared_packed", shape, query))
+    return packed_parts(query, pool, bits, group, plan.tables, plan.tokens, shared, scale, head)
+
+
+def decode_blocks(pool: dict[str, torch.Tensor], bits: int, group: int, ids: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole packed blocks ``ids`` of one layer's pool of KIVI pages (see ``native.pool_pointers``;
+    ``bits`` per code, values grouped by ``group`` channels) decoded once (``kivi_paged_dequantize``) into
+    float32 ``[2, Hkv, tokens, D]``, keys then values: ``out`` where given (a reused buffer of that
+    shape), else a new tensor. What ``packed_parts`` reads a shared prompt's blocks from, a few hundred
+    KiB per KV head for a 1,024-token prompt."""
+    hkv, _, key_groups, group_tokens, code_bytes = pool["k.codes"].shape
+    head_dim = code_bytes * 8 // bits
+    if out is None:
+        out = torch.empty(2, hkv, ids.numel() * key_groups * group_tokens, head_dim)
+    native.paged_dequantize(pool, ids, bits, group, out[0], out[1])
+    return out
 
 
 def packed_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,
                  tables: torch.Tensor, tokens: torch.Tensor, shared: int, scale: float,
-                 buffer: Callable[[str, tuple[int, ...], torch.Tensor], torch.Tensor] | None = None
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 head: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each sequence's query ``[S, Hq, D]`` over its ``tokens [S]`` packed tokens in blocks ``tables``
     of one layer's pool of KIVI pages (see ``native.pool_pointers``; ``bits`` per code, values grouped
     by ``group`` channels), as outputs ``[S, Hq, D]`` with their log-sum-exps ``[S, Hq]`` (float32;
     ``-inf`` where a sequence has no packed tokens there) for ``merge_parts``. The ``shared`` leading
-    blocks that every sequence reads whole (a shared prompt's) are decoded once, into
-    ``buffer(slot, shape, like)`` where given (a reused workspace), and read once for all query rows
-    (``shared_attention``), where the kernels take them; each sequence's other blocks in place."""
-    head = _shared_packed(query, pool, bits, group, tables[0, :shared], scale, buffer) if shared else None
-    if head is None:
+    blocks, which every sequence reads whole (a shared prompt's), are read once for all query rows
+    (``shared_attention``) from ``head``, those blocks decoded (``decode_blocks``; a caller checks
+    ``shared_fits`` first); each sequence's other blocks in place."""
+    if not shared:
         return [_paged_packed(query, pool, bits, group, tables, tokens, scale)]
-    block_tokens = pool["k.codes"].shape[2] * pool["k.codes"].shape[3]
-    return [head, _paged_packed(query, pool, bits, group, tables[:, shared:], tokens - shared * block_tokens,
-                                scale)]
+    rest = tokens - shared * pool["k.codes"].shape[2] * pool["k.codes"].shape[3]
+    own = _paged_packed(query, pool, bits, group, tables[:, shared:], rest, scale)
+    return [_shared_read(query, head, scale), own]
 
 
 def packed_prefill_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,
@@ -177,7 +195,7 @@ def packed_prefill_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bit
     query = query.contiguous()
     parts = []
     if shared:
-        parts.append(_shared_packed(query, pool, bits, group, tables[0, :shared], scale, None))
+        parts.append(_shared_read(query, decode_blocks(pool, bits, group, tables[0, :shared]), scale))
         tables, tokens = tables[:, shared:], tokens - shared * block_tokens
     out, lse = torch.zeros(t, hq, d), torch.full((t, hq), float("-inf"))
     ends, counts = bounds.tolist(), tokens.tolist()  # tables and tokens may have padding rows after the last
@@ -217,19 +235,10 @@ def _paged_packed(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int,
     return out, lse
 
 
-def _shared_packed(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,
-                   ids: torch.Tensor, scale: float,
-                   buffer: Callable[[str, tuple[int, ...], torch.Tensor], torch.Tensor] | None
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Every query row over the packed blocks ``ids``: decoded once (``kivi_paged_dequantize``, a few
-    hundred KiB per KV head for a 1,024-token prompt) and read by ``shared_attention``; None where that
-    does not take them."""
-    hkv, _, key_groups, group_tokens, _ = pool["k.codes"].shape
-    d, tokens = query.shape[2], ids.numel() * key_groups * group_tokens
-    if not shared_fits(query):
-        return None
-    shape = (hkv, 1, tokens, d)
-    keys, values = (query.new_empty(shape) if buffer is None else buffer(f"shared_{side}", shape, query)
-                    for side in "kv")
-    native.paged_dequantize(pool, ids, bits, group, keys[:, 0], values[:, 0])
-    return shared_attention(query, keys, values, torch.zeros(1, dtype=torch.long), scale)
+def _shared_read(query: torch.Tensor, head: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row over the decoded blocks ``head`` (``decode_blocks``) at once."""
+    first = torch.zeros(1, dtype=torch.long)
+    read = shared_attention(query, head[0, :, None], head[1, :, None], first, scale)
+    if read is None:
+        raise RuntimeError("the chunk kernel does not take the query of shared blocks (check shared_fits)")
+    return read

@@ -9,6 +9,7 @@ import torch
 from helpers import greedy_tokens
 
 from kvfactory.engine import AdmissionError, Engine, EngineFullError, SamplingParams
+from kvfactory.engine import compiled as compiled_step
 from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
@@ -80,7 +81,7 @@ def test_every_config_equals_its_cache_alone(smollm2, preset: str) -> None:
 
 
 @pytest.mark.parametrize("preset", ["paged16", "int4"])
-def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str) -> None:
+def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch) -> None:
     """The compiled decode step (``compile_step``) over plain and KIVI pages (the long prompt's packed
     groups read by the KIVI kernel, the short ones' windows alone) and the compiled prefill step give
     what the same cache computes alone under ``generate``; every decode step ran compiled, in the graph
@@ -88,9 +89,12 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str) -> None:
     questions behind the cached long prompt, computing only their own tokens. Plain pages run both
     compiled; KIVI pages the second only (its windows take the questions after encoding their oldest
     groups, as the eager step would; the first batch's long prompt encodes its own tokens and runs
-    eagerly)."""
+    eagerly). The questions' decode steps read the long prompt's shared packed blocks decoded once
+    while the stores hold the same blocks, not once a step."""
     model, tokenizer = smollm2
-    long_prompt = tokenizer("Call me Ishmael. " * 40)["input_ids"]
+    decoded, decode = [], compiled_step.decode_blocks
+    monkeypatch.setattr(compiled_step, "decode_blocks", lambda *args: decoded.append(1) or decode(*args))
+    long_prompt = tokenizer("Call me Ishmael. " * 80)["input_ids"]
     prompts = [*ids_of(tokenizer, PROMPTS[:2]), long_prompt]
     questions = [long_prompt + tokenizer(f" Question {i}: in one sentence, {PROMPTS[i]} what? And then, "
                                          "what comes after that, and why does it matter here?")["input_ids"]
@@ -106,6 +110,9 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str) -> None:
         assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
     compiled = engine.compiled
     assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, 2 * (GREEDY.max_tokens - 1))
+    layers = model.config.num_hidden_layers
+    if preset == "int4" and shared_fits(torch.empty(1, 1, 64)):
+        assert 0 < len(decoded) < layers * (GREEDY.max_tokens - 1) and len(decoded) % layers == 0
     prefill = engine.compiled_prefill  # on a CPU the chunk kernel runs on
     if not shared_fits(torch.empty(1, 1, 64)):
         assert prefill is None
@@ -145,9 +152,9 @@ def test_sequences_behind_one_quantized_prompt_read_it_once_and_answer_as_alone(
     config = load_preset("int4")
     engine = Engine(model, tokenizer, config, pool_tokens=8192, max_num_batched_tokens=512)
     engine.generate(prompts[:1], GREEDY)
-    reads, shared = [], ragged_quantized._shared_packed
-    spy = lambda *args: reads.append(args[4].numel()) or shared(*args)  # noqa: E731 (the blocks read at once)
-    monkeypatch.setattr(ragged_quantized, "_shared_packed", spy)
+    reads, shared = [], ragged_quantized.decode_blocks
+    spy = lambda *args: reads.append(args[3].numel()) or shared(*args)  # noqa: E731 (the blocks read at once)
+    monkeypatch.setattr(ragged_quantized, "decode_blocks", spy)
     outputs = engine.generate(prompts[1:], GREEDY)
     assert reads and min(reads) * engine.manager.layout.block_tokens >= 128
     factory = KVCacheFactory(model.config, config)

@@ -20,6 +20,7 @@ from kvfactory.engine.batch import decode_plan
 from kvfactory.engine.step_ops import PACKED
 from kvfactory.manager import KVCacheManager
 from kvfactory.quantization.ragged import (
+    decode_blocks,
     flush_full_windows,
     flush_windows,
     in_place,
@@ -254,10 +255,12 @@ def _step_op_args(stores: list, query_heads: int, seed: int) -> tuple:
     gen = torch.Generator().manual_seed(seed)
     query, key, value = (torch.randn(1, heads, len(stores), head_dim, generator=gen)
                          for heads in (query_heads, kv_heads, kv_heads))
+    bits, group = stores[0].key_codec.bits, stores[0].value_codec.group_size
+    decoded = (decode_blocks(pool, bits, group, packed.tables[0, :packed.shared]) if packed.shared
+               else torch.zeros(2, kv_heads, 2, head_dim))
     return (query, key, value, blocks.k, blocks.v, window.slots, window.tables, window.starts, window.lengths,
             torch.tensor(window.shared), [pool[name] for name in PACKED], packed.tables, packed.tokens,
-            torch.tensor(packed.shared), head_dim ** -0.5, stores[0].key_codec.bits,
-            stores[0].value_codec.group_size)
+            torch.tensor(packed.shared), decoded, head_dim ** -0.5, bits, group)
 
 
 @pytest.mark.parametrize(("lengths", "fork"), [(LENGTHS, False), ([700], True)], ids=["own", "shared-prompt"])
@@ -272,7 +275,7 @@ def test_the_compiled_steps_op_writes_each_token_then_attends_over_its_decoded_k
         stores += [manager.fork("s0", f"f{i}").layers[0].store for i in range(3)]
     args = _step_op_args(stores, 9, seed=4)
     query, key, value = args[:3]
-    read = [*args[:3], *args[5:10], *args[10], *args[11:14]]  # every tensor but the windows' pools
+    read = [*args[:3], *args[5:10], *args[10], *args[11:15]]  # every tensor but the windows' pools
     kept = [x.clone() for x in read]
     out = torch.ops.kvfactory.quantized_decode_step(*args)
     for before, after in zip(kept, read, strict=True):  # FP8 scales compared as bytes
@@ -281,7 +284,7 @@ def test_the_compiled_steps_op_writes_each_token_then_attends_over_its_decoded_k
         held_k, held_v = store.inner.gather()
         assert torch.equal(held_k[0, :, -1], key[0, :, i]) and torch.equal(held_v[0, :, -1], value[0, :, i])
     assert fork == bool(args[13])  # the shared prompt's packed blocks, read once for all
-    torch.testing.assert_close(out[0], reference(query[0].transpose(0, 1), stores, args[14]), atol=2e-5,
+    torch.testing.assert_close(out[0], reference(query[0].transpose(0, 1), stores, args[15]), atol=2e-5,
                                rtol=1e-4)
 
 
