@@ -323,6 +323,15 @@ class CompiledDecode(CompiledForward):
         heads = [kept[1] for kept in self._decoded.values()]
         return [next((h[i] for h in heads if i in h), unread) for i, unread in enumerate(self._unread)]
 
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of the shared packed blocks kept decoded between steps."""
+        return sum(t.nbytes for _, layers in self._decoded.values() for t in layers.values())
+
+    def release(self) -> None:
+        """Drop the blocks kept decoded (no sequence is decoding)."""
+        self._decoded.clear()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 planned: tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]]) -> torch.Tensor:
         """Logits ``[S, vocab]`` of the planned step's tokens ``input_ids [S]`` at ``positions [S]``; every

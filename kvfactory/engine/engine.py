@@ -339,6 +339,8 @@ class Engine:
                 outputs.append(self._append(request, token, now))
             except Exception as exc:  # detokenizing or stop matching for this request alone
                 outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+        if self.compiled is not None and not self.scheduler.running:
+            self.compiled.release()
         self.metrics.update_gauges()
         return outputs
 
@@ -368,10 +370,12 @@ class Engine:
                         return
 
     def stats(self) -> dict[str, Any]:
-        """Queues, pool and prefix cache, preemptions (numbers only)."""
+        """Queues, pool and prefix cache, preemptions, bytes the compiled decode step keeps decoded
+        (numbers only)."""
         scheduler = self.scheduler
         return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                 "swapped": len(scheduler.swapped), "preemptions": scheduler.preemptions,
+                "decoded_bytes": 0 if self.compiled is None else self.compiled.decoded_bytes,
                 **self.manager.stats()}
 
     def forget(self, request_id: str) -> None:

@@ -113,6 +113,7 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     layers = model.config.num_hidden_layers
     if preset == "int4" and shared_fits(torch.empty(1, 1, 64)):
         assert 0 < len(decoded) < layers * (GREEDY.max_tokens - 1) and len(decoded) % layers == 0
+    assert engine.stats()["decoded_bytes"] == 0  # dropped once no sequence decodes
     prefill = engine.compiled_prefill  # on a CPU the chunk kernel runs on
     if not shared_fits(torch.empty(1, 1, 64)):
         assert prefill is None
