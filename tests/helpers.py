@@ -205,6 +205,27 @@ def greedy_tokens(model: Any, prompt: list[int], new_tokens: int, cache: Any = N
     return out
 
 
+@torch.no_grad()
+def first_divergence(model: Any, prompt: list[int], tokens: list[int], cache: Any = None
+                     ) -> tuple[int, float] | None:
+    """Where ``tokens`` first part from ``greedy_tokens``' reference after ``prompt`` with ``cache``: the
+    position, and how far below the reference's best logit there ``tokens``' token scores; None where they
+    never part. What a near tie allows (vLLM's ``check_logprobs_close`` compares so): equal tokens, then
+    one step whose token the reference scores within a tolerance of its best, after which the sequences
+    no longer share a prefix to compare."""
+    from transformers import DynamicCache
+
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    ids = torch.tensor([prompt])
+    for i, token in enumerate(tokens):
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
+        best = int(logits.argmax())
+        if best != token:
+            return i, float(logits[best] - logits[token])
+        ids = torch.tensor([[best]])
+    return None
+
+
 def wikitext_excerpt() -> str:
     """The first ~40,000 characters of WikiText-2 test (~4 characters per token: comfortably more
     than 4,096 tokens); the shipped excerpt is the same text's beginning, so the tests never skip

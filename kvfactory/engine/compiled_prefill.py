@@ -10,10 +10,12 @@ kernel), over tensors built once per step and layer group before the forward (``
 KIVI pages (``quantized_prefill_step``) the tokens go to the full-precision windows, read so, and the
 packed tokens are read whole. Such a step is covered where each window takes its sequence's tokens
 after encoding its oldest groups before the forward, as the eager step encodes them before its write
-(``flush_full_windows``), so that both read the same tokens the same way; a chunk that would encode
-its own tokens (a prompt's first chunks longer than the window) runs eagerly. Room for every token
-is made before the forward, as the decode step's plan makes it, and the stores count the tokens
-written after it. The weights are not frozen into the graph: its linear layers multiply by the
+(``flush_full_windows``), so that both read the same tokens the same way. A chunk that encodes some
+of its own tokens (a prompt's first chunks longer than the window, ``QuantizedStore.own_flush``) goes
+to the window whole, reads those tokens encoded and decoded as the eager write leaves them
+(``own_flush_chunk``), and its window encodes them after the forward, into the same codes. Room for
+every token is made before the forward, as the decode step's plan makes it, and the stores count the
+tokens written after it. The weights are not frozen into the graph: its linear layers multiply by the
 row-major weights (MKL's GEMM) where ``weights.gemm_is_faster`` said so, else by the engine's
 panels, and inductor keeps no copy.
 
@@ -42,11 +44,12 @@ from kvfactory.engine.compiled import (
     groups_aligned,
     layer_codes,
     layer_groups,
-    read_as_planned,
 )
 from kvfactory.engine.step_ops import PACKED
 from kvfactory.engine.weights import GEMM_ROWS
-from kvfactory.quantization.ragged import flush_full_windows, packed_plan
+from kvfactory.quantization.ragged import PackedPlan, flush_full_windows, packed_plan
+from kvfactory.quantization.store import QuantizedStore
+from kvfactory.storage.base import LayerStore
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import block_tables, shared_fits
 
@@ -59,7 +62,8 @@ class PrefillStep:
     chunks' bounds in the packed tokens (``bounds [S + 1]``); for its group ``group[i]``, the tokens'
     ``slots [T]``, each sequence's block table and the tokens it then holds (``tables``, ``totals``:
     ``paged_prefill``'s) and, for KIVI pages, the packed pages' ``packed_tables``, ``packed_tokens`` and
-    ``packed_shared`` blocks (``kvfactory.quantization.ragged.PackedPlan``)."""
+    ``packed_shared`` blocks (``kvfactory.quantization.ragged.PackedPlan``) and the tokens each sequence's
+    window encodes after the step, where its chunk encodes some of its own (``own_flush``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -73,6 +77,7 @@ class PrefillStep:
     packed_tables: list[torch.Tensor | None]
     packed_tokens: list[torch.Tensor | None]
     packed_shared: list[torch.Tensor | None]
+    own_flush: list[torch.Tensor | None]
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -84,11 +89,40 @@ class PrefillStep:
             return torch.ops.kvfactory.paged_prefill_step(query, key, value, *pages, scaling)
         return torch.ops.kvfactory.quantized_prefill_step(
             query, key, value, *pages, self.packed[i], self.packed_tables[g], self.packed_tokens[g],
-            self.packed_shared[g], scaling, codes.bits, codes.group)
+            self.packed_shared[g], self.own_flush[g], scaling, codes.bits, codes.group)
 
 
 # each layer of each sequence with the tokens it took: its pages, None where the plan counted them
 Written = list[tuple[KVLayer, PagedStore | None, int]]
+# a planned step, what it wrote, and each layer's KIVI stores to encode their own tokens after it
+Planned = tuple["PrefillStep", Written, list[list[QuantizedStore]]]
+
+
+def _own_flush(store: LayerStore, codes: Codes | None, like: tuple[torch.Tensor, torch.Tensor], tokens: int
+               ) -> int | None:
+    """What a compiled prefill step encodes after its forward of a layer's store that takes ``tokens`` more
+    (``QuantizedStore.own_flush``: plain pages 0), where it reads the store as the step does (plain
+    pages, KIVI pages the kernels read in place, also before their first write: K/V like ``like``);
+    else None."""
+    if codes is None:
+        return 0 if store.plain_pages else None
+    if not isinstance(store, QuantizedStore) or not store.kernel_pages_for(store.like or like):
+        return None
+    return store.own_flush(tokens)
+
+
+def _packed_plan(stores: list[list[QuantizedStore]], own: list[int]) -> PackedPlan | None:
+    """The ``PackedPlan`` that the layers of a group read (``stores[layer][sequence]``), where they all read
+    the same; an empty one where none holds a packed token yet and some sequence's chunk encodes its own
+    (``own``, the tokens each encodes); None otherwise."""
+    plan = packed_plan(stores[0])
+    if plan is None:
+        if not any(own) or any(packed_plan(row) is not None for row in stores[1:]):
+            return None
+        empty = torch.zeros(len(own), dtype=torch.long)
+        return PackedPlan([None] * len(own), next(s for s, flush in enumerate(own) if flush), empty[:, None],
+                          empty, 0)
+    return plan if all(packed_plan(row, plan) is plan for row in stores[1:]) else None
 
 
 class CompiledPrefill(CompiledForward):
@@ -110,6 +144,11 @@ class CompiledPrefill(CompiledForward):
         self.layers = len(attention_layout(model.config))
         self.members = [list(members) for members in groups]
         self.group = layer_groups(groups, self.layers)
+        with torch.inference_mode(False):  # graph inputs of one kind, as a pool's tensors
+            # what a layer whose sequences hold no packed token yet passes for its pool (never read)
+            self._unread = [None if kind is None else [
+                torch.zeros(shape[0], 2, *shape[1:], dtype=dtype, device=like[0].device)
+                for _, shape, dtype in kind.layout] for kind in self.codes]
         self._warm_up()
 
     @staticmethod
@@ -123,18 +162,21 @@ class CompiledPrefill(CompiledForward):
             and all(layer.sliding_window is None for layer in cache.layers) \
             and layer_codes(cache, like, query_heads) is not None
 
-    def plan(self, segments: list[Segment]) -> tuple[PrefillStep, Written] | None:
-        """A ``PrefillStep`` for ``segments`` with room made for every token, and each group's layers with
-        the pages that hold each sequence's tokens (to count them written after the forward); None for a
-        step this path does not cover, and ``CacheFullError`` where the pool cannot hold the step, having
-        touched nothing but KIVI windows that encoded their oldest groups (as the eager step would
-        before its write)."""
+    def plan(self, segments: list[Segment]) -> Planned | None:
+        """A ``PrefillStep`` for ``segments`` with room made for every token, each group's layers with the
+        pages that hold each sequence's tokens (to count them written after the forward), and each
+        layer's KIVI stores whose chunk encodes some of its own tokens (to encode them after the forward,
+        ``QuantizedStore.own_flush``); None for a step this path does not cover, and ``CacheFullError``
+        where the pool cannot hold the step, having touched nothing but KIVI windows that encoded their
+        oldest groups (as the eager step would before its write)."""
         if sum(segment.tokens for segment in segments) < GEMM_ROWS:
             return None
         chunks = [segment.tokens for segment in segments]
         stores = [[segment.cache.layers[i].store for segment in segments] for i in range(self.layers)]
+        own = []
         for row, codes in zip(stores, self.codes, strict=True):
-            if not all(read_as_planned(store, codes, n) for store, n in zip(row, chunks, strict=True)):
+            own.append([_own_flush(store, codes, self.like, n) for store, n in zip(row, chunks, strict=True)])
+            if None in own[-1]:
                 return None
         for row, codes in zip(stores, self.codes, strict=True):
             if codes is not None:
@@ -152,8 +194,8 @@ class CompiledPrefill(CompiledForward):
         for layers in self.members:
             plan = None
             if self.codes[layers[0]] is not None:
-                plan = packed_plan(stores[layers[0]])
-                if plan is None or any(packed_plan(stores[i], plan) is not plan for i in layers[1:]):
+                plan = _packed_plan([stores[i] for i in layers], own[layers[0]])
+                if plan is None:
                     return None
             packed.append(plan)
         key, value = self.like
@@ -161,7 +203,14 @@ class CompiledPrefill(CompiledForward):
         if pool is not None:  # CacheFullError before any room is made: a step is written whole or not at all
             pool.check([request for layers in self.members
                         for store, n in zip(pages[layers[0]], chunks, strict=True)
-                        for request in store.block_requests(n, 1, key, value)])
+                        for request in store.block_requests(n, 1, key, value)]
+                       + [request for layers in self.members
+                          for store, flush in zip(stores[layers[0]], own[layers[0]], strict=True) if flush
+                          for request in store.packed.block_requests(flush, 1, self.like)])
+        for row, codes in zip(stores, self.codes, strict=True):
+            for store in row if codes is not None else ():
+                if store.like is None:  # its first write: the window takes it straight
+                    store.check_like(key, value)
         slots, tables, totals, written = [], [], [], []
         for layers in self.members:
             leaders = pages[layers[0]]
@@ -174,23 +223,27 @@ class CompiledPrefill(CompiledForward):
                            for i in layers for s, n in enumerate(chunks))
         pools = [pages[i][0].layer_blocks(key, value) for i in range(self.layers)]
         bounds = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
-        runs = [None if codes is None else stores[i][packed[self.group[i]].first].runs.table.blocks.tensors
+        runs = [None if codes is None else self._unread[i] if not any((plan := packed[self.group[i]]).held)
+                else [stores[i][plan.first].runs.table.blocks.tensors[name] for name in PACKED]
                 for i, codes in enumerate(self.codes)]
         step = PrefillStep(
-            [p.k for p in pools], [p.v for p in pools],
-            [None if tensors is None else [tensors[name] for name in PACKED] for tensors in runs],
+            [p.k for p in pools], [p.v for p in pools], runs,
             self.codes, self.group, bounds, slots, tables, totals,
             [None if p is None else at_least_two(at_least_two(p.tables, 0), 1) for p in packed],
             [None if p is None else at_least_two(p.tokens, 0) for p in packed],
-            [None if p is None else torch.tensor(p.shared) for p in packed])
-        return step, written
+            [None if p is None else torch.tensor(p.shared) for p in packed],
+            [None if p is None else at_least_two(torch.tensor(own[layers[0]]), 0)
+             for p, layers in zip(packed, self.members, strict=True)])
+        flushing = [[store for store, flush in zip(row, flushes, strict=True) if flush]
+                    for row, flushes in zip(stores, own, strict=True)]
+        return step, written, [row for row in flushing if row]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, planned: tuple[PrefillStep, Written],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, planned: Planned,
                 rows: torch.Tensor) -> torch.Tensor:
         """Logits ``[len(rows), vocab]`` at the packed ``rows`` after the planned step over ``input_ids [T]``
         at ``positions [T]``; every layer's pages then count their tokens written, as the eager step
-        does."""
-        step, written = planned
+        does, and windows whose chunk encoded some of its own tokens encode them."""
+        step, written, flushing = planned
         last = torch.full((max(2 - len(rows), 0),), input_ids.shape[0] - 1, dtype=rows.dtype)
         logits = self._run(input_ids, positions, step, torch.cat([rows.cpu(), last]).to(rows.device))
         self.steps += self.failure is None
@@ -199,6 +252,8 @@ class CompiledPrefill(CompiledForward):
             if pages is not None:  # the group's first layer counted them when the plan made room
                 pages.count_written(tokens)
             layer.written(key.expand(-1, -1, tokens, -1))
+        for stores in flushing:
+            flush_full_windows(stores, 0)
         return logits[:len(rows)]
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, step: PrefillStep,
@@ -226,13 +281,13 @@ class CompiledPrefill(CompiledForward):
         totals = torch.tensor([stored[0] + chunks[0], stored[1] + chunks[1]], device=device)
         bounds = torch.tensor([0, chunks[0], sum(chunks)], device=device)
         kinds = [self.codes[layers[0]] for layers in self.members]  # a group's layers share one codec
-        packed_plans = [[None] * 3 if kind is None else [
-            torch.tensor(x, device=device) for x in ([[0, 1, 2, 3], [4, 5, 6, 7]],
-                                                      [3 * kind.block_tokens, 4 * kind.block_tokens], 0)]
-                        for kind in kinds]
+        packed_plans = [[None] * 4 if kind is None else [
+            torch.tensor(x, device=device)
+            for x in ([[0, 1, 2, 3], [4, 5, 6, 7]], [3 * kind.block_tokens, 4 * kind.block_tokens], 0, [0, 0])
+        ] for kind in kinds]
         step = PrefillStep(pools[0::2], pools[1::2], packed, self.codes, self.group, bounds,
                            *([x.clone() for _ in self.members] for x in (slots, tables, totals)),
-                           *([p[j] for p in packed_plans] for j in range(3)))
+                           *([p[j] for p in packed_plans] for j in range(4)))
         positions = torch.cat([torch.arange(stored[s], stored[s] + chunks[s]) for s in range(2)]).to(device)
         ids = torch.ones(sum(chunks), dtype=torch.long, device=device)
         return ids, positions, step, torch.tensor([chunks[0] - 1, sum(chunks) - 1], device=device)

@@ -4,14 +4,15 @@ and reads its sequences' pages, opaque to the compiler, over tensors the step pl
 forward. ``paged_decode_step`` reads plain pages (vLLM's PagedAttention, Kwon et al. 2023);
 ``quantized_decode_step`` KIVI pages (Liu et al. 2024) and their full-precision windows, merged by
 their log-sum-exps; ``paged_prefill_step`` reads plain pages for prefill steps, causally, and
-``quantized_prefill_step`` KIVI pages' windows so and their packed tokens whole."""
+``quantized_prefill_step`` KIVI pages' windows so and their packed tokens whole (a chunk that encodes
+some of its own tokens: those encoded and decoded too)."""
 
 from __future__ import annotations
 
 import torch
 
 from kvfactory.attention import merge_parts
-from kvfactory.quantization.ragged import packed_parts, packed_prefill_parts
+from kvfactory.quantization.ragged import own_flush_chunk, packed_parts, packed_prefill_parts
 from kvfactory.storage.paged import write_tokens
 from kvfactory.storage.ragged import paged_decode, paged_prefill
 
@@ -97,24 +98,37 @@ def quantized_prefill_step(query: torch.Tensor, key: torch.Tensor, value: torch.
                            v_pool: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor,
                            tables: torch.Tensor, totals: torch.Tensor, packed: list[torch.Tensor],
                            packed_tables: torch.Tensor, packed_tokens: torch.Tensor,
-                           packed_shared: torch.Tensor, scale: float, bits: int, group: int) -> torch.Tensor:
+                           packed_shared: torch.Tensor, own_flush: torch.Tensor, scale: float, bits: int,
+                           group: int) -> torch.Tensor:
     """Prefill chunks (and decode tokens) over KIVI pages whose full-precision windows take the step's
     tokens: write ``key`` / ``value`` into the windows and attend over them as ``paged_prefill_step``
     does, attend over every packed token of the layer's pool ``packed`` (its ``PACKED`` tensors) by
     ``packed_prefill_parts`` (``packed_tables``, ``packed_tokens`` and ``packed_shared`` blocks; ``bits``
-    per code, values grouped by ``group`` channels), and merge the two: ``[1, T, Hq, Dv]``."""
+    per code, values grouped by ``group`` channels), and merge the two: ``[1, T, Hq, Dv]``. Chunk ``j``
+    with ``own_flush[j]`` tokens to encode after the step (some of its own: ``own_flush_chunk``) reads
+    those encoded and decoded instead."""
     write_tokens(k_pool, slots, key[0])
     write_tokens(v_pool, slots, value[0])
     query = query[0] if query.stride(-1) == 1 else query[0].contiguous()
     window = paged_prefill(query, k_pool, v_pool, bounds, tables, totals, scale, return_lse=True)
-    codes = packed_prefill_parts(query.transpose(0, 1), dict(zip(PACKED, packed, strict=True)), bits, group,
-                                 bounds, packed_tables, packed_tokens, int(packed_shared), scale)
-    return merge_parts(window, *codes)[0].to(query.dtype)[None]
+    pool = dict(zip(PACKED, packed, strict=True))
+    rows = query.transpose(0, 1)
+    codes = packed_prefill_parts(rows, pool, bits, group, bounds, packed_tables, packed_tokens,
+                                 int(packed_shared), scale)
+    out = merge_parts(window, *codes)[0]
+    ends, flushes = bounds.tolist(), own_flush.tolist()
+    for j, flush in enumerate(flushes[:len(ends) - 1]):
+        if flush:
+            out[ends[j]:ends[j + 1]] = own_flush_chunk(
+                rows[ends[j]:ends[j + 1]], k_pool, v_pool, tables[j], int(totals[j]), pool, bits, group,
+                packed_tables[j], int(packed_tokens[j]), flush, scale)
+    return out.to(query.dtype)[None]
 
 
 @quantized_prefill_step.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
       slots: torch.Tensor, bounds: torch.Tensor, tables: torch.Tensor, totals: torch.Tensor,
       packed: list[torch.Tensor], packed_tables: torch.Tensor, packed_tokens: torch.Tensor,
-      packed_shared: torch.Tensor, scale: float, bits: int, group: int) -> torch.Tensor:
+      packed_shared: torch.Tensor, own_flush: torch.Tensor, scale: float, bits: int, group: int
+      ) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], v_pool.shape[-1])

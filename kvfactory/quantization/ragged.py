@@ -23,6 +23,7 @@ import torch
 from kvfactory import kernels
 from kvfactory.attention import merge_parts
 from kvfactory.codecs import Encoded, native
+from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
 from kvfactory.quantization.store import QuantizedStore, append_runs
 from kvfactory.storage.paged import front_tokens
 from kvfactory.storage.ragged import block_tables, paged_decode, shared_attention, shared_fits, shared_prefix
@@ -215,6 +216,47 @@ def packed_prefill_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bit
                                    out[ends[j]].data_ptr(), lse[ends[j]].data_ptr()):
             raise RuntimeError(f"the chunk kernel could not attend {rows} queries over {n} packed tokens")
     return [*parts, (out, lse)]
+
+
+def own_flush_chunk(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                    total: int, pool: dict[str, torch.Tensor], bits: int, group: int,
+                    packed_ids: torch.Tensor, packed: int, flush: int, scale: float) -> torch.Tensor:
+    """A prefill chunk ``query [C, Hq, D]`` (float32) whose write encodes some of its own tokens
+    (``QuantizedStore.own_flush``), attending causally over its sequence as ``append`` leaves it: the
+    ``packed`` tokens already in blocks ``packed_ids`` of one layer's pool of KIVI pages decoded, then the
+    window's first ``flush`` tokens encoded and decoded as the flush after the step encodes them, then
+    the window's other tokens as they are (the ``total`` tokens held from the start of blocks ``table``
+    of the window's float32 pools, the chunk's own last): ``[C, Hq, D]``."""
+    c, hq, d = query.shape
+    hkv, _, page, _ = k_pool.shape
+    window = [x[:, table[:-(-total // page)]].flatten(1, 2)[:, :total] for x in (k_pool, v_pool)]
+    keys, values = _round_trip(window[0][:, :flush], window[1][:, :flush], pool, bits, group)
+    parts = [[keys, window[0][:, flush:]], [values, window[1][:, flush:]]]
+    if packed:
+        block_tokens = pool["k.codes"].shape[2] * pool["k.codes"].shape[3]
+        head = decode_blocks(pool, bits, group, packed_ids[:-(-packed // block_tokens)])[:, :, :packed]
+        parts = [[head[0], *parts[0]], [head[1], *parts[1]]]
+    keys, values = (torch.cat(part, 1).contiguous() for part in parts)
+    t = keys.shape[1]
+    query, out = query.contiguous(), torch.empty(c, hq, d)
+    lib = kernels.load("chunk")
+    if not lib.chunk_attention(hq, hkv, c, t, d, query.data_ptr(), d, hq * d, keys.data_ptr(), t * d, d,
+                               values.data_ptr(), t * d, d, None, t, 1, scale, out.data_ptr(), None):
+        raise RuntimeError(f"the chunk kernel could not attend {c} queries over {t} tokens")
+    return out
+
+
+def _round_trip(keys: torch.Tensor, values: torch.Tensor, pool: dict[str, torch.Tensor], bits: int,
+                group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys`` / ``values [Hkv, n, D]`` (whole key groups) encoded by the KIVI codecs that fill ``pool``
+    (its key groups' tokens, its scales' and zero points' dtypes) and decoded."""
+    key_codec = KiviKeyCodec(bits=bits, group_size=pool["k.codes"].shape[3],
+                             scale_dtype=pool["k.scale"].dtype, zero_dtype=pool["k.zero"].dtype)
+    value_codec = KiviValueCodec(bits=bits, group_size=group, scale_dtype=pool["v.scale"].dtype,
+                                 zero_dtype=pool["v.zero"].dtype, head_dim=values.shape[-1])
+    with torch.no_grad():
+        return (key_codec.decode(key_codec.encode(keys[None]))[0],
+                value_codec.decode(value_codec.encode(values[None]))[0])
 
 
 def _paged_packed(query: torch.Tensor, pool: dict[str, torch.Tensor], bits: int, group: int,

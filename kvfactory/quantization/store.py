@@ -266,15 +266,17 @@ class QuantizedStore(LayerStore):
         """Whether the C kernels (``kvfactory/kernels/kivi.c``) read the packed tokens in place: one row
         over paged storage, KIVI keys and values of one bit width, the packed tokens from the start of
         their first block, sizes the kernels take, on the CPU with the kernels built."""
-        like, packed = self._like, self._packed
-        if like is None:
-            return False
+        return self._like is not None and self.kernel_pages_for(self._like)
+
+    def kernel_pages_for(self, like: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """``kernel_pages`` for tokens shaped like ``like`` (empty K and V ``[1, H, 0, D]``; a store
+        before its first write)."""
+        packed = self._packed
         if self._kernel_shapes[0] is not like:  # asked per layer and sequence each step: kept per shape
             self._kernel_shapes = like, self._kernel_shapes_fit(like)
         if packed is None:
             return self._kernel_shapes[1]
-        return self._kernel_shapes[1] and isinstance(packed, PagedRuns) and packed.table.start == 0 \
-            and packed.block_tokens <= native.MAX_BLOCK
+        return self._kernel_shapes[1] and isinstance(packed, PagedRuns) and packed.table.start == 0
 
     @property
     def kernel_codecs(self) -> bool:
@@ -285,13 +287,32 @@ class QuantizedStore(LayerStore):
                 and (keys.kernel_layout, values.kernel_layout) == ("kivi-keys", "kivi-values"))
 
     def _kernel_shapes_fit(self, like: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        return (self.kernel_codecs and like[0].shape[0] == 1 and like[0].device.type == "cpu"
+        if not self.kernel_codecs:
+            return False
+        block_tokens = packed_block_tokens(self.inner.page_size, self.key_codec, self.value_codec)
+        return (like[0].shape[0] == 1 and like[0].device.type == "cpu" and block_tokens <= native.MAX_BLOCK
                 and like[1].shape[3] == like[0].shape[3] <= native.MAX_DIM)
 
     def fits_window(self, tokens: int) -> bool:
         """Whether ``tokens`` more stay in the full-precision window without a flush, so a batched
         write may store them in ``inner`` directly (``kvfactory.storage.paged.append_one_each``)."""
         return self._like is not None and self._flush_count(self.inner.size() + tokens) == 0
+
+    def own_flush(self, tokens: int) -> int | None:
+        """How a compiled prefill step writes ``tokens`` more straight into the window and leaves what
+        ``append`` leaves: 0 where it encodes none of them (the window has room, or has after
+        ``batch_flush``); where ``append`` would encode some of them too (more than the window holds),
+        the tokens a batched flush then encodes after the step (``batch_flush(0)``), which reads them
+        encoded and decoded as ``append``'s read does; None where neither holds (several rows, dense
+        storage, scales still to be fixed)."""
+        held = self.inner.size()
+        flush = self._flush_count(held + tokens)
+        if flush == 0:
+            return 0
+        one_row = self._like is None or self._like[0].shape[0] == 1
+        if not one_row or not isinstance(self.inner, PagedStore) or not self._scales_fixed():
+            return None
+        return flush if flush > held else 0  # else ``batch_flush(tokens)`` encodes held tokens first
 
     @property
     def quantized_tokens(self) -> int:
@@ -339,7 +360,9 @@ class QuantizedStore(LayerStore):
         """Tokens to encode when ``total`` sit in the window: whole units beyond ``residual``."""
         return max(0, (total - self.residual) // self.unit * self.unit)
 
-    def _check_like(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def check_like(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Record the stored shapes and dtype at the first write (also one straight into the window, a
+        compiled step's), else check ``key`` / ``value`` against them (``ShapeError``)."""
         if self._like is None:
             with torch.inference_mode(False):  # shape/dtype witnesses that hold no tokens
                 self._like = key.new_empty((*key.shape[:2], 0, key.shape[3])), \
@@ -354,7 +377,7 @@ class QuantizedStore(LayerStore):
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         check_kv(key, value)
-        self._check_like(key, value)
+        self.check_like(key, value)
         held = self.inner.size()
         total = held + key.shape[2]
         flush = self._flush_count(total) if self._scales_ready(total) else 0
@@ -510,7 +533,7 @@ class QuantizedStore(LayerStore):
 
     def import_state(self, tensors: dict[str, torch.Tensor]) -> None:
         window_k, window_v = tensors["window.keys"], tensors["window.values"]
-        self._check_like(window_k, window_v)
+        self.check_like(window_k, window_v)
         tokens = int(tensors["packed.tokens"])
         if tokens:
             streams = {name[7:]: t for name, t in tensors.items()

@@ -164,12 +164,15 @@ def test_compiled_and_eager_steps_give_the_same_tokens(name: str, config: dict) 
 
 
 @needs_chunk_kernel
-@pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill-first", "mixed-steps"])
-def test_compiled_prefill_steps_give_the_eager_tokens(prefill_first: bool) -> None:
+@pytest.mark.parametrize(("prefill_first", "config"), [(True, PLAIN), (False, PLAIN), (True, INT4)],
+                         ids=["prefill-first", "mixed-steps", "int4"])
+def test_compiled_prefill_steps_give_the_eager_tokens(prefill_first: bool, config: dict) -> None:
     """Prefill steps of ``GEMM_ROWS`` tokens or more (chunks of two sequences packed, a long prompt's
     chunks after its first, a prompt behind a cached prompt's blocks; in mixed steps, with the decode
     tokens of the sequences already prefilled) run in the compiled prefill graph, compiled once, and
-    give the tokens of the eager engine and of the cache alone."""
+    give the tokens of the eager engine and of the cache alone. Over KIVI pages every chunk but the
+    decode tokens' encodes some of its own tokens (windows of 8), the first step before any packed
+    page exists (a pool that grows as it is used)."""
     model = tiny_model("llama", head_dim=64)  # heads the chunk kernel takes
     base = random_prompt(150, seed=7)[0].tolist()
     first = [base + random_prompt(30, seed=8)[0].tolist(), random_prompt(70, seed=9)[0].tolist(),
@@ -177,7 +180,8 @@ def test_compiled_prefill_steps_give_the_eager_tokens(prefill_first: bool) -> No
     second = [base + random_prompt(140, seed=11)[0].tolist()]
     outputs = {}
     for compile_step in (False, True):
-        engine = Engine(model, None, PLAIN, pool_tokens=2048, max_num_batched_tokens=200,
+        engine = Engine(model, None, config, pool_tokens=2048 if config is PLAIN else None,
+                        max_num_batched_tokens=200,
                         prefill_first=prefill_first, compile_step=compile_step)
         params = SamplingParams(max_tokens=NEW, ignore_eos=True)
         outputs[compile_step] = [*engine.generate(first, params), *engine.generate(second, params)]
@@ -185,9 +189,9 @@ def test_compiled_prefill_steps_give_the_eager_tokens(prefill_first: bool) -> No
     assert (compiled.failure, compiled.recompiles) == (None, 0)
     # 180 + 20, 50 + 150, 150 tokens (mixed: 1 + 50 + 149, 2 + 151); then 142 after 148 cached (whole blocks)
     assert compiled.steps == 4
-    assert outputs[True][-1].cached_tokens == 148
+    assert outputs[True][-1].cached_tokens == (148 if config is PLAIN else 144)
     tokens = [[output.token_ids for output in outputs[compile_step]] for compile_step in (False, True)]
-    factory = KVCacheFactory(model.config, PLAIN)
+    factory = KVCacheFactory(model.config, config)
     alone = [greedy_tokens(model, prompt, NEW, factory.create_cache()) for prompt in first + second]
     assert tokens[1] == tokens[0] == alone
     assert engine.stats()["sequences"] == 0

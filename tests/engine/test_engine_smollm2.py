@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import greedy_tokens
+from helpers import first_divergence, greedy_tokens
 
 from kvfactory.engine import AdmissionError, Engine, EngineFullError, SamplingParams
 from kvfactory.engine import compiled as compiled_step
@@ -29,6 +29,9 @@ def ids_of(tokenizer, prompts: list[str]) -> list[list[int]]:
 
 
 STORY_TOKENS = 24
+# logits of SmolLM2 over int4 pages move by up to 0.6 between two layouts of the same weights (the
+# engine's panels or not) whose products differ by summation order alone: a tie closer than this is noise
+KIVI_TIE = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +89,14 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     groups read by the KIVI kernel, the short ones' windows alone) and the compiled prefill step give
     what the same cache computes alone under ``generate``; every decode step ran compiled, in the graph
     compiled with the engine. Prefill steps: the first batch's (three new prompts) and then four
-    questions behind the cached long prompt, computing only their own tokens. Plain pages run both
-    compiled; KIVI pages the second only (its windows take the questions after encoding their oldest
-    groups, as the eager step would; the first batch's long prompt encodes its own tokens and runs
-    eagerly). The questions' decode steps read the long prompt's shared packed blocks decoded once
-    while the stores hold the same blocks, not once a step."""
+    questions behind the cached long prompt, computing only their own tokens. Both run compiled, over
+    KIVI pages too: the windows take the questions after encoding their oldest groups, as the eager step
+    would, and the first batch's long prompt, which encodes some of its own tokens, reads them encoded
+    and decoded as its cache then holds them. The questions' decode steps read the long prompt's shared
+    packed blocks decoded once while the stores hold the same blocks, not once a step. Over KIVI pages
+    the K/V a compiled step computes differ from the eager ones by summation order and may round to
+    other codes: each sequence equals the cache alone up to a near tie, one step whose token the
+    reference scores within ``KIVI_TIE`` of its best (``first_divergence``)."""
     model, tokenizer = smollm2
     decoded, decode = [], compiled_step.decode_blocks
     monkeypatch.setattr(compiled_step, "decode_blocks", lambda *args: decoded.append(1) or decode(*args))
@@ -107,7 +113,8 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     assert min(output.cached_tokens for output in later) >= len(long_prompt) - 64
     factory = KVCacheFactory(model.config, config)
     for prompt, output in zip(prompts + questions, outputs + later, strict=True):
-        assert output.token_ids == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
+        parted = first_divergence(model, prompt, output.token_ids, factory.create_cache())
+        assert parted is None or (preset == "int4" and parted[1] < KIVI_TIE), parted
     compiled = engine.compiled
     assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, 2 * (GREEDY.max_tokens - 1))
     layers = model.config.num_hidden_layers
@@ -118,7 +125,7 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     if not shared_fits(torch.empty(1, 1, 64)):
         assert prefill is None
     else:
-        assert (prefill.failure, prefill.recompiles, prefill.steps) == (None, 0, 1 if preset == "int4" else 2)
+        assert (prefill.failure, prefill.recompiles, prefill.steps) == (None, 0, 2)
     assert engine.stats()["sequences"] == 0
 
 

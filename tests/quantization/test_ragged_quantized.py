@@ -300,11 +300,16 @@ def test_the_compiled_steps_op_passes_torch_custom_op_checks() -> None:
 def _prefill_op_args(stores: list, chunks: list[int], query_heads: int, seed: int) -> tuple:
     """``kvfactory::quantized_prefill_step``'s arguments for ``chunks[i]`` new tokens of each store (one
     layer's), planned as the compiled prefill step plans them: full windows flushed, room made in the
-    windows."""
-    flush_full_windows(stores, chunks)
-    pages = [store.inner for store in stores]
-    _, kv_heads, _, head_dim = stores[0].like[0].shape
+    windows, also for chunks that encode some of their own tokens (``own_flush``) and stores before their
+    first write."""
+    _, kv_heads, _, head_dim = next(store.like for store in stores if store.like is not None)[0].shape
     like = torch.empty(1, kv_heads, 1, head_dim)
+    own = [store.own_flush(n) for store, n in zip(stores, chunks, strict=True)]
+    flush_full_windows(stores, chunks)
+    for store in stores:
+        if store.like is None:
+            store.check_like(like, like)
+    pages = [store.inner for store in stores]
     slots = torch.cat([page.next_slots(like, like, n) for page, n in zip(pages, chunks, strict=True)])
     held = [page.pages_in_place() for page in pages]
     assert all(offset == 0 for _, _, offset, _ in held)
@@ -317,19 +322,22 @@ def _prefill_op_args(stores: list, chunks: list[int], query_heads: int, seed: in
     return (query, key, value, blocks.k, blocks.v, slots, torch.tensor([0, *torch.tensor(chunks).cumsum(0)]),
             block_tables([ids for _, ids, _, _ in held]), torch.tensor([length for *_, length in held]),
             [pool[name] for name in PACKED], packed.tables, packed.tokens, torch.tensor(packed.shared),
-            head_dim ** -0.5, stores[0].key_codec.bits, stores[0].value_codec.group_size)
+            torch.tensor(own), head_dim ** -0.5, stores[0].key_codec.bits, stores[0].value_codec.group_size)
 
 
 @pytest.mark.skipif(not chunk_has_body(), reason="the chunk kernel has no body on this CPU")
 @pytest.mark.parametrize(("lengths", "chunks", "fork"),
-                         [([5, 300, 700, 161], [40, 1, 60, 30], False), ([700], [50, 1, 20, 33], True)],
-                         ids=["own", "shared-prompt"])
+                         [([5, 300, 700, 161], [40, 1, 60, 30], False), ([700], [50, 1, 20, 33], True),
+                          ([0, 100, 700, 161], [300, 200, 1, 30], False)],
+                         ids=["own", "shared-prompt", "own-flush"])
 def test_the_compiled_prefill_op_writes_each_chunk_then_attends_over_its_decoded_kv(lengths, chunks,
                                                                                     fork) -> None:
     """``kvfactory::quantized_prefill_step`` stores each sequence's chunk (a decode token among them) in
     its window, where the stores then hold it, and returns each chunk's causal attention over its
     sequence's decoded K/V: sequences of their own pages (one with no packed token yet, some whose
-    windows encoded their oldest groups first), and forks behind a shared prompt's packed blocks."""
+    windows encoded their oldest groups first), forks behind a shared prompt's packed blocks, and chunks
+    that encode some of their own tokens (one the store's first write), encoded by a batched flush after
+    the op as ``append`` encodes them: the op read those tokens as the store then holds them."""
     config = {"type": "paged", "page_size": 16, "quantization": "int4", "pool_tokens": 8192}
     manager, stores = stores_of(config, 9, 3, 64, lengths)
     if fork:
@@ -338,17 +346,22 @@ def test_the_compiled_prefill_op_writes_each_chunk_then_attends_over_its_decoded
     args = _prefill_op_args(stores, chunks, 9, seed=4)
     query, key, value, bounds = *args[:3], args[6].tolist()
     out = torch.ops.kvfactory.quantized_prefill_step(*args)
+    own = args[13].tolist()
     assert fork == bool(args[12])  # the shared prompt's packed blocks, read once for all
+    assert (sum(own) > 0) == (0 in lengths)
+    flush_full_windows([store for store, flush in zip(stores, own, strict=True) if flush], 0)
     flushed = any(store.quantized_tokens > n for store, n in zip(stores, packed, strict=True))
     assert fork or (0 in packed and flushed)
     for s, store in enumerate(stores):
         keys, values = (x.double() for x in store.gather())
         rows = slice(bounds[s], bounds[s + 1])
-        assert torch.equal(keys[0, :, -chunks[s]:].float(), key[0, :, rows])
-        assert torch.equal(values[0, :, -chunks[s]:].float(), value[0, :, rows])
+        held = store.inner.size() if own[s] else chunks[s]  # the chunk's tokens still in full precision
+        assert own[s] == 0 or (store.quantized_tokens == packed[s] + own[s] and held < chunks[s])
+        assert torch.equal(keys[0, :, -held:].float(), key[0, :, rows][:, -held:])
+        assert torch.equal(values[0, :, -held:].float(), value[0, :, rows][:, -held:])
         mask = torch.ones(chunks[s], keys.shape[2], dtype=torch.bool).tril(keys.shape[2] - chunks[s])
         expected = F.scaled_dot_product_attention(query[:, :, rows].double(), keys, values, attn_mask=mask,
-                                                  scale=args[13], enable_gqa=True)
+                                                  scale=args[14], enable_gqa=True)
         torch.testing.assert_close(out[0, rows], expected[0].transpose(0, 1).float(), atol=2e-5, rtol=1e-4)
 
 
