@@ -105,24 +105,24 @@ def quantized_prefill_step(query: torch.Tensor, key: torch.Tensor, value: torch.
     does, attend over every packed token of the layer's pool ``packed`` (its ``PACKED`` tensors) by
     ``packed_prefill_parts`` (``packed_tables``, ``packed_tokens`` and ``packed_shared`` blocks; ``bits``
     per code, values grouped by ``group`` channels), and merge the two: ``[1, T, Hq, Dv]``. Chunk ``j``
-    with ``own_flush[j]`` tokens to encode after the step (some of its own: ``own_flush_chunk``) reads
-    those encoded and decoded instead."""
+    with ``own_flush[j]`` tokens to encode after the step (some of its own) reads those of its window
+    encoded and decoded (``own_flush_chunk``)."""
     write_tokens(k_pool, slots, key[0])
     write_tokens(v_pool, slots, value[0])
     query = query[0] if query.stride(-1) == 1 else query[0].contiguous()
-    window = paged_prefill(query, k_pool, v_pool, bounds, tables, totals, scale, return_lse=True)
+    ends, flushes = bounds.tolist(), own_flush.tolist()
+    own = {j: flush for j, flush in enumerate(flushes[:len(ends) - 1]) if flush}
+    out, lse = paged_prefill(query, k_pool, v_pool, bounds, tables, totals, scale, return_lse=True,
+                             skip=frozenset(own))
     pool = dict(zip(PACKED, packed, strict=True))
     rows = query.transpose(0, 1)
+    for j, flush in own.items():
+        chunk = slice(ends[j], ends[j + 1])
+        out[chunk], lse[chunk] = own_flush_chunk(rows[chunk], k_pool, v_pool, tables[j], int(totals[j]), pool,
+                                                 bits, group, flush, scale)
     codes = packed_prefill_parts(rows, pool, bits, group, bounds, packed_tables, packed_tokens,
                                  int(packed_shared), scale)
-    out = merge_parts(window, *codes)[0]
-    ends, flushes = bounds.tolist(), own_flush.tolist()
-    for j, flush in enumerate(flushes[:len(ends) - 1]):
-        if flush:
-            out[ends[j]:ends[j + 1]] = own_flush_chunk(
-                rows[ends[j]:ends[j + 1]], k_pool, v_pool, tables[j], int(totals[j]), pool, bits, group,
-                packed_tables[j], int(packed_tokens[j]), flush, scale)
-    return out.to(query.dtype)[None]
+    return merge_parts((out, lse), *codes)[0].to(query.dtype)[None]
 
 
 @quantized_prefill_step.register_fake

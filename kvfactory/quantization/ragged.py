@@ -219,31 +219,26 @@ def packed_prefill_parts(query: torch.Tensor, pool: dict[str, torch.Tensor], bit
 
 
 def own_flush_chunk(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                    total: int, pool: dict[str, torch.Tensor], bits: int, group: int,
-                    packed_ids: torch.Tensor, packed: int, flush: int, scale: float) -> torch.Tensor:
+                    total: int, pool: dict[str, torch.Tensor], bits: int, group: int, flush: int, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prefill chunk ``query [C, Hq, D]`` (float32) whose write encodes some of its own tokens
-    (``QuantizedStore.own_flush``), attending causally over its sequence as ``append`` leaves it: the
-    ``packed`` tokens already in blocks ``packed_ids`` of one layer's pool of KIVI pages decoded, then the
-    window's first ``flush`` tokens encoded and decoded as the flush after the step encodes them, then
-    the window's other tokens as they are (the ``total`` tokens held from the start of blocks ``table``
-    of the window's float32 pools, the chunk's own last): ``[C, Hq, D]``."""
+    (``QuantizedStore.own_flush``), attending causally over its window as ``append`` leaves it: the
+    ``total`` tokens held from the start of blocks ``table`` of the window's float32 pools (the chunk's
+    own last), their first ``flush`` encoded and decoded as the flush after the step encodes them by
+    the KIVI codecs that fill ``pool`` (``bits`` per code, values grouped by ``group`` channels). Output
+    ``[C, Hq, D]`` and log-sum-exp ``[C, Hq]``, to merge with the packed tokens' part."""
     c, hq, d = query.shape
     hkv, _, page, _ = k_pool.shape
     window = [x[:, table[:-(-total // page)]].flatten(1, 2)[:, :total] for x in (k_pool, v_pool)]
-    keys, values = _round_trip(window[0][:, :flush], window[1][:, :flush], pool, bits, group)
-    parts = [[keys, window[0][:, flush:]], [values, window[1][:, flush:]]]
-    if packed:
-        block_tokens = pool["k.codes"].shape[2] * pool["k.codes"].shape[3]
-        head = decode_blocks(pool, bits, group, packed_ids[:-(-packed // block_tokens)])[:, :, :packed]
-        parts = [[head[0], *parts[0]], [head[1], *parts[1]]]
-    keys, values = (torch.cat(part, 1).contiguous() for part in parts)
-    t = keys.shape[1]
-    query, out = query.contiguous(), torch.empty(c, hq, d)
+    encoded = _round_trip(window[0][:, :flush], window[1][:, :flush], pool, bits, group)
+    keys, values = (torch.cat([x, held[:, flush:]], 1) for x, held in zip(encoded, window, strict=True))
+    query, out, lse = query.contiguous(), torch.empty(c, hq, d), torch.empty(c, hq)
     lib = kernels.load("chunk")
-    if not lib.chunk_attention(hq, hkv, c, t, d, query.data_ptr(), d, hq * d, keys.data_ptr(), t * d, d,
-                               values.data_ptr(), t * d, d, None, t, 1, scale, out.data_ptr(), None):
-        raise RuntimeError(f"the chunk kernel could not attend {c} queries over {t} tokens")
-    return out
+    if not lib.chunk_attention(hq, hkv, c, total, d, query.data_ptr(), d, hq * d, keys.data_ptr(), total * d,
+                               d, values.data_ptr(), total * d, d, None, total, 1, scale, out.data_ptr(),
+                               lse.data_ptr()):
+        raise RuntimeError(f"the chunk kernel could not attend {c} queries over {total} tokens")
+    return out, lse
 
 
 def _round_trip(keys: torch.Tensor, values: torch.Tensor, pool: dict[str, torch.Tensor], bits: int,

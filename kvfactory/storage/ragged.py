@@ -126,8 +126,8 @@ def shared_attention(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
 
 
 def paged_prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bounds: torch.Tensor,
-                  tables: torch.Tensor, totals: torch.Tensor, scale: float, return_lse: bool = False
-                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  tables: torch.Tensor, totals: torch.Tensor, scale: float, return_lse: bool = False,
+                  skip: frozenset[int] = frozenset()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Prefill chunks and decode tokens of several sequences, packed, each attending causally over its
     blocks in place: chunk ``j < len(bounds) - 1`` is positions ``[bounds[j], bounds[j + 1])`` of
     ``query [Hq, T, D]`` (float32, any strides but the channels'), the last ``bounds[j + 1] - bounds[j]``
@@ -135,7 +135,8 @@ def paged_prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     pool ``[Hkv, num_blocks, page_size, D]`` (its own K/V written there first). Returns ``[T, Hq, D]``.
     Chunks of one token (decode tokens of a mixed step) go to ``paged_decode`` together, the others to
     the chunk kernel (``kvfactory/kernels/chunk.c``) one call each; a caller checks ``shared_fits``
-    first. ``return_lse``: also each row's log-sum-exp ``[T, Hq]`` (for ``merge_parts``). ``RuntimeError``
+    first. ``return_lse``: also each row's log-sum-exp ``[T, Hq]`` (for ``merge_parts``). ``skip``: chunks
+    of more than one token left to another read (their rows zero, log-sum-exps ``-inf``). ``RuntimeError``
     where the chunk kernel cannot run (no memory for its tiles)."""
     hq, t, d = query.shape
     hkv, page = k_pool.shape[0], k_pool.shape[2]
@@ -154,9 +155,13 @@ def paged_prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
             out[at], lse[at] = read
         else:
             out[at] = read
+    for j in skip:
+        out[ends[j]:ends[j + 1]] = 0
+        if lse is not None:
+            lse[ends[j]:ends[j + 1]] = float("-inf")
     for j in range(len(ends) - 1):
         q, total = query[:, ends[j]:ends[j + 1]], totals[j]
-        if q.shape[1] > 1 and not lib.chunk_attention(
+        if q.shape[1] > 1 and j not in skip and not lib.chunk_attention(
                 hq, hkv, q.shape[1], total, d, q.data_ptr(), q.stride(0), q.stride(1), k_pool.data_ptr(),
                 k_pool.stride(0), d, v_pool.data_ptr(), v_pool.stride(0), d, tables[j].data_ptr(), page, 1,
                 scale, out[ends[j]].data_ptr(), None if lse is None else lse[ends[j]].data_ptr()):
