@@ -91,11 +91,15 @@ class KiviKeyCodec(_Kivi):
 
     def encode(self, x: torch.Tensor) -> Encoded:
         self._check_input(x)
+        tensors = native.encode_keys(x.float(), self.bits, self.group_size, self.scale_dtype, self.zero_dtype)
+        return Encoded(tensors if tensors is not None else self.encode_in_torch(x), x.shape[2])
+
+    def encode_in_torch(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What ``encode`` stores, in torch (where the C encoder does not run; its reference)."""
         b, h, t, d = x.shape
         groups = x.float().view(b, h, t // self.group_size, self.group_size, d)
         scale, zero = self._params(groups.amin(3, keepdim=True), groups.amax(3, keepdim=True))
-        codes = pack(self._codes(groups, scale, zero), self.bits)
-        return Encoded({"codes": codes, "scale": scale, "zero": zero}, t)
+        return {"codes": pack(self._codes(groups, scale, zero), self.bits), "scale": scale, "zero": zero}
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         codes, scale, zero = enc.tensors["codes"], enc.tensors["scale"], enc.tensors["zero"]
@@ -139,6 +143,13 @@ class KiviValueCodec(_Kivi):
             self.head_dim = d
         if d != self.head_dim:
             raise ShapeError(f"{self.name} values: head_dim {d} differs from the codec's {self.head_dim}")
+        tensors = native.encode_values(x.float(), self.bits, self.group_size, self.scale_dtype,
+                                       self.zero_dtype)
+        return Encoded(tensors if tensors is not None else self.encode_in_torch(x), t)
+
+    def encode_in_torch(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What ``encode`` stores, in torch (where the C encoder does not run; its reference)."""
+        b, h, t, d = x.shape
         g = self.group_size
         n = -(-d // g)
         xf = x.float()
@@ -147,7 +158,7 @@ class KiviValueCodec(_Kivi):
         groups = xf.view(b, h, t, n, g)
         scale, zero = self._params(groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True))
         codes = self._codes(groups, scale, zero).view(b, h, t, n * g)[..., :d]
-        return Encoded({"codes": pack(codes, self.bits), "scale": scale[..., 0], "zero": zero[..., 0]}, t)
+        return {"codes": pack(codes, self.bits), "scale": scale[..., 0], "zero": zero[..., 0]}
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         codes, scale, zero = enc.tensors["codes"], enc.tensors["scale"], enc.tensors["zero"]

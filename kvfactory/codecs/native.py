@@ -1,4 +1,4 @@
-"""KIVI decode kernels in C (``kvfactory/kernels/kivi.c``) for the CPU.
+"""KIVI kernels in C (``kvfactory/kernels/kivi.c``) for the CPU: decode products, and the encoder.
 
 At batch 1 a decode step's attention over a 6k-token int4 layer is a few hundred thousand
 multiply-adds: the cost is in unpacking codes and in per-call overhead, not in memory traffic.
@@ -7,6 +7,10 @@ the bytes, plus dynamo's guard and wrapper time per call; the C kernels unpack c
 (AVX-512 where the CPU has it) and read the whole layer in one call, with scales in their stored
 FP8/fp16. Built on first use (``kvfactory.kernels``); without a compiler ``available()`` is False
 and callers use the ``fused`` kernels. CPU tensors only.
+
+The encoder (``encode_keys``, ``encode_values``) writes the codes, scales and zero points that the
+codecs' torch path writes, bit for bit, in one pass where torch takes some forty small operations
+(a serving step encodes every sequence's oldest window group in each of its layers).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from functools import cache
 import torch
 
 from kvfactory import kernels
+from kvfactory.codecs.base import smallest
+from kvfactory.codecs.packing import packed_size
 from kvfactory.errors import ShapeError
 
 MAX_DIM, MAX_ROWS, MAX_BLOCK = 512, 64, 256  # as in kivi.c
@@ -132,3 +138,53 @@ def paged_dequantize(pool: dict[str, torch.Tensor], ids: torch.Tensor, bits: int
     _library().kivi_paged_dequantize(
         hkv, head_dim, bits, group, *pool_pointers(pool), num_blocks, key_groups, group_tokens, code_bytes,
         ids.data_ptr(), tokens, keys.data_ptr(), keys.stride(0), values.data_ptr(), values.stride(0))
+
+
+@cache
+def _stored(dtype: torch.dtype) -> tuple[object, ...]:
+    """A parameter dtype as the encoder takes it: kind, FP8 table, largest finite code, its value and
+    the smallest positive value."""
+    limit = torch.finfo(dtype).max
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+    top = torch.tensor(limit, dtype=dtype).view(ints[dtype.itemsize])
+    return kernels.KINDS[dtype], lut_pointer(dtype), int(top), limit, smallest(dtype)
+
+
+def _encodes(x: torch.Tensor, *dtypes: torch.dtype) -> bool:
+    return x.device.type == "cpu" and x.shape[-1] <= MAX_DIM and all(d in kernels.KINDS for d in dtypes) \
+        and available()
+
+
+def encode_keys(x: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype, zero_dtype: torch.dtype
+                ) -> dict[str, torch.Tensor] | None:
+    """KIVI keys ``x [B, H, T, D]`` (float32, ``T`` a multiple of ``group``) encoded per channel over each
+    group of ``group`` tokens: ``codes``, ``scale`` and ``zero`` as ``KiviKeyCodec`` stores them; None
+    where the C encoder does not take them (not the CPU, more than ``MAX_DIM`` channels, a dtype it
+    does not know, the library not built)."""
+    if not _encodes(x, scale_dtype, zero_dtype):
+        return None
+    b, h, t, d = x.shape
+    x, size = x.contiguous(), packed_size(d, bits)
+    codes = torch.empty(b, h, t // group, group, size, dtype=torch.uint8)
+    scale, zero = (torch.empty(b, h, t // group, 1, d, dtype=dtype) for dtype in (scale_dtype, zero_dtype))
+    _library().kivi_encode_keys(b * h, t // group, group, d, bits, x.data_ptr(), codes.data_ptr(), size,
+                                scale.data_ptr(), *_stored(scale_dtype), zero.data_ptr(),
+                                *_stored(zero_dtype))
+    return {"codes": codes, "scale": scale, "zero": zero}
+
+
+def encode_values(x: torch.Tensor, bits: int, group: int, scale_dtype: torch.dtype, zero_dtype: torch.dtype
+                  ) -> dict[str, torch.Tensor] | None:
+    """KIVI values ``x [B, H, T, D]`` (float32) encoded per token over each group of ``group`` channels:
+    ``codes``, ``scale`` and ``zero`` as ``KiviValueCodec`` stores them; None where the C encoder does
+    not take them (as ``encode_keys``)."""
+    if not _encodes(x, scale_dtype, zero_dtype):
+        return None
+    b, h, t, d = x.shape
+    x, size, groups = x.contiguous(), packed_size(d, bits), -(-d // group)
+    codes = torch.empty(b, h, t, size, dtype=torch.uint8)
+    scale, zero = (torch.empty(b, h, t, groups, dtype=dtype) for dtype in (scale_dtype, zero_dtype))
+    _library().kivi_encode_values(b * h * t, d, group, bits, x.data_ptr(), codes.data_ptr(), size,
+                                  scale.data_ptr(), *_stored(scale_dtype), zero.data_ptr(),
+                                  *_stored(zero_dtype))
+    return {"codes": codes, "scale": scale, "zero": zero}

@@ -65,6 +65,14 @@ SIGNATURES = {
         "const float *kzlut, const uint8_t *vcodes, const void *vscale, int vskind, const float *vslut, "
         "const void *vzero, int vzkind, const float *vzlut, int64_t NB, int64_t KN, int64_t G, int64_t P, "
         "const int64_t *ids, int64_t tokens, float *keys, int64_t kh, float *values, int64_t vh)",
+        "void kivi_encode_keys(int64_t BH, int64_t N, int64_t G, int64_t D, int bits, const float *x, "
+        "uint8_t *codes, int64_t P, void *scale, int skind, const float *slut, int64_t stop, float slimit, "
+        "float ssmallest, void *zero, int zkind, const float *zlut, int64_t ztop, float zlimit, "
+        "float zsmallest)",
+        "void kivi_encode_values(int64_t BT, int64_t D, int64_t group, int bits, const float *x, "
+        "uint8_t *codes, int64_t P, void *scale, int skind, const float *slut, int64_t stop, float slimit, "
+        "float ssmallest, void *zero, int zkind, const float *zlut, int64_t ztop, float zlimit, "
+        "float zsmallest)",
     ),
     "pages": (
         "int page_scores(int64_t B, int64_t H, int64_t R, int64_t F, int64_t P, const float *rows, "

@@ -648,3 +648,168 @@ void kivi_paged_dequantize(int64_t Hkv, int64_t D, int bits, int64_t group, cons
         }
     }
 }
+
+/* KIVI's encoder (kvfactory/codecs/kivi.py, bit for bit): the value of positive code c of a parameter
+ * dtype (its bits without the sign), and x rounded to that dtype's grid up (the least value >= x) or
+ * down, as stored bits; x within the dtype's finite range, a zero result signed as x. The grid is
+ * monotone in the codes, so a binary search over [0, top] (the largest finite code) finds it. The
+ * stored-dtype kinds: F16, BF16 and LUT8 (FP8 through its table); float32 is stored as it is. */
+static inline float grid_value(int kind, const float *lut, uint32_t c) {
+    if (kind == F16) return half_to_float((uint16_t)c);
+    if (kind == BF16) {
+        const uint32_t bits = c << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return lut[c];
+}
+
+static inline uint32_t grid_round(float x, int kind, const float *lut, uint32_t top, int up) {
+#if defined(__F16C__)
+    if (kind == F16) {  /* to nearest even, then one step to the side asked for where it missed it */
+        const uint16_t h = (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+        const float stored = _cvtsh_ss(h);
+        if (up ? stored < x : stored > x) return (uint16_t)(((int16_t)h < 0) == up ? h - 1 : h + 1);
+        return h;
+    }
+#endif
+    uint32_t xbits;
+    memcpy(&xbits, &x, 4);
+    const int negative = xbits >> 31;
+    const float m = fabsf(x);
+    const int ceil_m = up != negative;  /* up for a positive x, down for a negative one: |x| rounded up */
+    uint32_t lo = 0, hi = top;  /* the least code whose value >= m (ceil_m), else the greatest <= m */
+    if (ceil_m) {
+        while (lo < hi) {
+            const uint32_t mid = (lo + hi) / 2;
+            if (grid_value(kind, lut, mid) >= m) hi = mid; else lo = mid + 1;
+        }
+    } else {
+        while (lo < hi) {
+            const uint32_t mid = (lo + hi + 1) / 2;
+            if (grid_value(kind, lut, mid) <= m) lo = mid; else hi = mid - 1;
+        }
+    }
+    return negative ? lo | (kind == LUT8 ? 0x80u : 0x8000u) : lo;
+}
+
+/* A parameter x stored as `kind` (float32: as it is, else clamped to +-limit and rounded up or down),
+ * written at p; returns the stored value. */
+static inline float store_param(float x, int kind, const float *lut, uint32_t top, float limit, int up, void *p) {
+    if (kind == F32) {
+        memcpy(p, &x, 4);
+        return x;
+    }
+    x = x < -limit ? -limit : x > limit ? limit : x;
+    const uint32_t bits = grid_round(x, kind, lut, top, up);
+    if (kind == LUT8) *(uint8_t *)p = (uint8_t)bits; else *(uint16_t *)p = (uint16_t)bits;
+    const float v = grid_value(kind, lut, bits & (kind == LUT8 ? 0x7fu : 0x7fffu));
+    return bits & (kind == LUT8 ? 0x80u : 0x8000u) ? -v : v;
+}
+
+/* A parameter dtype as the encoder takes it: kind, FP8 table, largest finite code, its value, and the
+ * smallest positive value (the floor of a scale). */
+typedef struct {
+    int kind;
+    const float *lut;
+    uint32_t top;
+    float limit, smallest;
+} param_dtype;
+
+/* One group's parameters from its minimum lo and maximum hi: the zero point rounded down, the scale
+ * (hi - zero) / (2^bits - 1) at least the smallest positive value, rounded up; stored at zp / sp. */
+static inline void group_params(float lo, float hi, int bits, param_dtype zt, void *zp, param_dtype st, void *sp,
+                                float *zero, float *scale) {
+    *zero = store_param(lo, zt.kind, zt.lut, zt.top, zt.limit, 0, zp);
+    float step = (hi - *zero) / (float)((1 << bits) - 1);
+    step = step < st.smallest ? st.smallest : step;
+    *scale = store_param(step, st.kind, st.lut, st.top, st.limit, 1, sp);
+}
+
+/* Codes of D channels (zero past D up to the planes' 8 / bits * P) packed in planes into P bytes
+ * (kvfactory/codecs/packing.py). */
+static inline void pack_codes(uint8_t *q, int64_t D, int64_t P, int bits, uint8_t *out) {
+    const int64_t planes = 8 / bits;
+    memset(q + D, 0, (size_t)(planes * P - D));
+    memcpy(out, q, (size_t)P);
+    for (int64_t k = 1; k < planes; k++)
+#pragma omp simd
+        for (int64_t j = 0; j < P; j++) out[j] |= (uint8_t)(q[k * P + j] << (k * bits));
+}
+
+/* round((x - zero) / scale) clamped to [0, top], rounding half to even (rintf in the default mode), as
+ * the torch path's round_ and clamp_. */
+static inline void codes_of(const float *x, const float *zero, const float *scale, int64_t n, float top,
+                            uint8_t *q) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) {
+        float c = rintf((x[d] - zero[d]) / scale[d]);
+        c = c < 0.0f ? 0.0f : c > top ? top : c;
+        q[d] = (uint8_t)c;
+    }
+}
+
+/* KIVI keys x [BH, N * G, D] (float32, contiguous): per channel over each group of G tokens, codes to
+ * codes [BH, N, G, P], scales and zero points [BH, N, D] of their dtypes. */
+void kivi_encode_keys(int64_t BH, int64_t N, int64_t G, int64_t D, int bits, const float *x, uint8_t *codes,
+                      int64_t P, void *scale, int skind, const float *slut, int64_t stop, float slimit,
+                      float ssmallest, void *zero, int zkind, const float *zlut, int64_t ztop, float zlimit,
+                      float zsmallest) {
+    const param_dtype st = {skind, slut, (uint32_t)stop, slimit, ssmallest},
+                      zt = {zkind, zlut, (uint32_t)ztop, zlimit, zsmallest};
+    const int64_t ss = param_size(skind), zs = param_size(zkind);
+    const float top = (float)((1 << bits) - 1);
+    float lo[MAX_DIM], hi[MAX_DIM], sc[MAX_DIM], ze[MAX_DIM];
+    uint8_t q[2 * MAX_DIM];
+    for (int64_t i = 0; i < BH * N; i++) {
+        const float *group = x + i * G * D;
+        for (int64_t d = 0; d < D; d++) lo[d] = hi[d] = group[d];
+        for (int64_t g = 1; g < G; g++)
+            for (int64_t d = 0; d < D; d++) {
+                const float v = group[g * D + d];
+                lo[d] = v < lo[d] ? v : lo[d];
+                hi[d] = v > hi[d] ? v : hi[d];
+            }
+        for (int64_t d = 0; d < D; d++)
+            group_params(lo[d], hi[d], bits, zt, (char *)zero + (i * D + d) * zs, st, (char *)scale + (i * D + d) * ss,
+                         ze + d, sc + d);
+        for (int64_t g = 0; g < G; g++) {
+            codes_of(group + g * D, ze, sc, D, top, q);
+            pack_codes(q, D, P, bits, codes + (i * G + g) * P);
+        }
+    }
+}
+
+/* KIVI values x [BT, D] (float32, contiguous; BT tokens of every head): per token over each group of
+ * `group` channels (the last one smaller where group does not divide D), codes to codes [BT, P],
+ * scales and zero points [BT, ceil(D / group)] of their dtypes. */
+void kivi_encode_values(int64_t BT, int64_t D, int64_t group, int bits, const float *x, uint8_t *codes, int64_t P,
+                        void *scale, int skind, const float *slut, int64_t stop, float slimit, float ssmallest,
+                        void *zero, int zkind, const float *zlut, int64_t ztop, float zlimit, float zsmallest) {
+    const param_dtype st = {skind, slut, (uint32_t)stop, slimit, ssmallest},
+                      zt = {zkind, zlut, (uint32_t)ztop, zlimit, zsmallest};
+    const int64_t ss = param_size(skind), zs = param_size(zkind), groups = (D + group - 1) / group;
+    const float top = (float)((1 << bits) - 1);
+    uint8_t q[2 * MAX_DIM];
+    float sc[MAX_DIM], ze[MAX_DIM];
+    for (int64_t t = 0; t < BT; t++) {
+        const float *row = x + t * D;
+        for (int64_t c = 0; c < groups; c++) {
+            const int64_t end = (c + 1) * group < D ? (c + 1) * group : D;
+            float lo = row[c * group], hi = lo, z, s;
+            for (int64_t d = c * group + 1; d < end; d++) {
+                lo = row[d] < lo ? row[d] : lo;
+                hi = row[d] > hi ? row[d] : hi;
+            }
+            group_params(lo, hi, bits, zt, (char *)zero + (t * groups + c) * zs, st,
+                         (char *)scale + (t * groups + c) * ss, &z, &s);
+            for (int64_t d = c * group; d < end; d++) {
+                ze[d] = z;
+                sc[d] = s;
+            }
+        }
+        codes_of(row, ze, sc, D, top, q);
+        pack_codes(q, D, P, bits, codes + t * P);
+    }
+}

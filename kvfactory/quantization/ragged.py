@@ -24,7 +24,7 @@ from kvfactory import kernels
 from kvfactory.attention import merge_parts
 from kvfactory.codecs import Encoded, native
 from kvfactory.codecs.kivi import KiviKeyCodec, KiviValueCodec
-from kvfactory.quantization.store import QuantizedStore, append_runs
+from kvfactory.quantization.store import QuantizedStore, append_runs, error_sums
 from kvfactory.storage.paged import front_tokens
 from kvfactory.storage.ragged import block_tables, paged_decode, shared_attention, shared_fits, shared_prefix
 
@@ -50,9 +50,14 @@ def flush_windows(stores: list[QuantizedStore], tokens: int) -> None:
     with torch.no_grad():
         ek, ev = codecs[0].encode(keys), codecs[1].encode(values)
     append_runs([store.packed for store in stores], ek, ev, first.like)
+    due = [i for i, store in enumerate(stores) if store.samples_next_flush]
+    errors = {}
+    if due:  # the sampled flushes' errors, decoded together
+        rows = torch.tensor(due)
+        picked = [Encoded({name: t[rows] for name, t in enc.tensors.items()}, tokens) for enc in (ek, ev)]
+        errors = dict(zip(due, error_sums(keys[rows], values[rows], *picked, codecs), strict=True))
     for i, store in enumerate(stores):
-        row = [Encoded({name: t[i:i + 1] for name, t in enc.tensors.items()}, tokens) for enc in (ek, ev)]
-        store.took_front(keys[i:i + 1], values[i:i + 1], *row, codecs)
+        store.took_front(tokens, errors.get(i))
 
 
 def flush_full_windows(stores: list[QuantizedStore], tokens: int | list[int]) -> None:

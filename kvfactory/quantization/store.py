@@ -47,6 +47,19 @@ def _split(streams: dict[str, torch.Tensor], tokens: int) -> tuple[Encoded, Enco
     return tuple(Encoded({n[2:]: t for n, t in streams.items() if n[0] == side}, tokens) for side in "kv")
 
 
+def error_sums(key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded, codecs: tuple[Codec, Codec]
+               ) -> torch.Tensor:
+    """Per row of ``key`` / ``value [B, H, n, D]``, encoded by ``codecs`` as ``ek`` / ``ev``: the squared
+    error of the decoded keys, the keys' squared norm, then the values' two, float64 ``[B, 4]`` (what
+    a sampled flush adds to ``quantization_error``'s sums)."""
+    sums = []
+    with torch.no_grad():
+        for x, codec, enc in ((key, codecs[0], ek), (value, codecs[1], ev)):
+            x = x.double()
+            sums += [(codec.decode(enc).double() - x).square().sum((1, 2, 3)), x.square().sum((1, 2, 3))]
+    return torch.stack(sums, 1)
+
+
 BlockLayout = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # each tensor's name, shape and dtype
 
 
@@ -340,20 +353,22 @@ class QuantizedStore(LayerStore):
         flush = self._flush_count(held + new_tokens)
         return flush if flush <= held else 0
 
-    def took_front(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded,
-                   codecs: tuple[Codec, Codec]) -> None:
-        """The window's oldest tokens ``key`` / ``value`` ``[1, H, n, D]`` were encoded by ``codecs`` (of
-        this store's config) as ``ek`` / ``ev`` and written into this store's quantized pages by a
-        batched flush: counted as ``append``'s own flush would be, then given back by the window."""
-        self._count_flush(key, value, ek, ev, codecs)
-        self.inner.drop_front(key.shape[2])
+    @property
+    def samples_next_flush(self) -> bool:
+        """Whether the next flush samples its quantization error (every ``sample_every``-th does)."""
+        return self._flushes % self.sample_every == 0
 
-    def _count_flush(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded,
-                     codecs: tuple[Codec, Codec]) -> None:
-        """Count one flush, sampling its quantization error every ``sample_every``-th time."""
-        if self._flushes % self.sample_every == 0:
-            with torch.no_grad():
-                self._sample_error(key, value, ek, ev, codecs)
+    def took_front(self, tokens: int, error: torch.Tensor | None) -> None:
+        """The window's oldest ``tokens`` were encoded and written into this store's quantized pages by a
+        batched flush (``error``: their ``error_sums`` row, where ``samples_next_flush``): counted as
+        ``append``'s own flush would be, then given back by the window."""
+        self._count_flush(error)
+        self.inner.drop_front(tokens)
+
+    def _count_flush(self, error: torch.Tensor | None) -> None:
+        """Count one flush, adding its ``error_sums`` where it was sampled."""
+        if error is not None:
+            self._error += error.cpu()
         self._flushes += 1
 
     def _flush_count(self, total: int) -> int:
@@ -391,7 +406,9 @@ class QuantizedStore(LayerStore):
         self.value_codec.fix_first_use(value)
         with torch.no_grad():  # codes are not differentiable (a forward outside no_grad works all the same)
             ek, ev = self.key_codec.encode(key[:, :, :flush]), self.value_codec.encode(value[:, :, :flush])
-        self._count_flush(key[:, :, :flush], value[:, :, :flush], ek, ev, (self.key_codec, self.value_codec))
+        codecs = self.key_codec, self.value_codec
+        self._count_flush(error_sums(key[:, :, :flush], value[:, :, :flush], ek, ev, codecs).sum(0)
+                          if self.samples_next_flush else None)
         self.packed.append(ek, ev, self._like)
         if flush <= held:  # only held tokens were encoded: the window gives back their pages, keeps the rest
             self.inner.drop_front(flush)
@@ -400,14 +417,6 @@ class QuantizedStore(LayerStore):
         self.inner.clear()
         if key.shape[2] > flush:
             self.inner.append(key[:, :, flush:].contiguous(), value[:, :, flush:].contiguous())
-
-    def _sample_error(self, key: torch.Tensor, value: torch.Tensor, ek: Encoded, ev: Encoded,
-                      codecs: tuple[Codec, Codec]) -> None:
-        sums = []
-        for x, codec, enc in ((key, codecs[0], ek), (value, codecs[1], ev)):
-            x = x.double()
-            sums += [(codec.decode(enc).double() - x).square().sum(), x.square().sum()]
-        self._error += torch.stack(sums).cpu()
 
     def quantization_error(self) -> dict[str, float]:
         """Relative MSE of the keys and values encoded so far (sampled flushes), NaN before any."""

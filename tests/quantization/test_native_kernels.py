@@ -1,5 +1,6 @@
 """The C kernels equal their torch definitions: KIVI decode (``kvfactory.codecs.native``) against
-decoding the codes and multiplying, page scores and top pages (``kvfactory.selectors.pages``); their
+decoding the codes and multiplying, the KIVI encoder against the codecs' torch path bit for bit, page
+scores and top pages (``kvfactory.selectors.pages``); their
 declared signatures are those of the C source, and a call that does not fit them raises."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvfactory import kernels
 from kvfactory.codecs import native
@@ -60,6 +63,33 @@ def test_value_sums_equal_decoded_values(bits, dim, group, params, rows) -> None
     t = enc.tensors
     got = native.value_sums(probs, t["codes"], t["scale"], t["zero"], bits, group, dim)
     torch.testing.assert_close(got, probs @ values, atol=1e-4, rtol=1e-5)
+
+
+ENCODED_PARAMS = {**PARAMS, "kivi": (torch.float8_e4m3fn, torch.float16),
+                  "mixed": (torch.float16, torch.bfloat16)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([4, 2]), dim=st.sampled_from([64, 24, 7]), group=st.sampled_from([32, 5, 1]),
+       params=st.sampled_from(list(ENCODED_PARAMS)),
+       magnitude=st.sampled_from([1e-30, 1e-5, 1.0, 300.0, 1e6]),
+       constant=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_c_encoder_stores_what_torch_stores(bits, dim, group, params, magnitude, constant, seed) -> None:
+    """Codes, scales and zero points equal byte for byte: parameters rounded up or down to their dtype
+    at every magnitude (FP8 and fp16 subnormals, saturation), constant groups, groups of one token."""
+    scale_dtype, zero_dtype = ENCODED_PARAMS[params]
+    gen = torch.Generator().manual_seed(seed)
+    offsets = 4 * torch.randn(1, 3, 1, dim, generator=gen)
+    x = (torch.randn(2, 3, 2 * group, dim, generator=gen) + offsets) * magnitude
+    if constant:
+        x[:, 1] = x[:, 1, :1]  # one head's tokens all alike: max == min in every key group
+    for codec in (KiviKeyCodec(bits=bits, group_size=group, scale_dtype=scale_dtype, zero_dtype=zero_dtype),
+                  KiviValueCodec(bits=bits, group_size=group, scale_dtype=scale_dtype, zero_dtype=zero_dtype,
+                                 head_dim=dim)):
+        native_side, torch_side = codec.encode(x).tensors, codec.encode_in_torch(x)
+        for name, stored in torch_side.items():
+            assert native_side[name].dtype == stored.dtype and native_side[name].shape == stored.shape
+            assert torch.equal(native_side[name].view(torch.uint8), stored.view(torch.uint8)), name
 
 
 def test_strided_views_are_read_in_place() -> None:
