@@ -7,12 +7,13 @@ Each attention layer stores its new K/V and reads its sequences' pages in one to
 over KIVI pages (their packed blocks and full-precision windows), over tensors built once per step
 and layer group before the forward (``DecodeStep``): each layer's pool tensors, and per group the new
 tokens' slots, the block tables, the first token's offsets, the lengths read and, for KIVI pages, the
-packed block tables and tokens, and a shared prompt's packed blocks decoded: once while the stores
-hold the same blocks (a full packed block is never written again while held), a float32 copy of the
-prompt's packed tokens per layer kept between steps. No cache update runs inside the graph: windows
-that the new token would push past their residual encode their oldest group before the forward, as
-the eager step's layers would before writing it (``flush_windows``), and the stores count the written
-token after the forward, as the eager step does. Shapes are dynamic and block tables at least two
+packed block tables and tokens, and a shared prompt's packed blocks decoded: once while the steps
+read the same leading blocks, which stay pinned meanwhile (a full packed block is never written again
+while held), a float32 copy of the prompt's packed tokens per layer kept between steps. No cache
+update runs inside the graph: windows that the new token would push past their residual encode their
+oldest group before the forward, as the eager step's layers would before writing it
+(``flush_windows``), and the stores count the written token after the forward, as the eager step
+does. Shapes are dynamic and block tables at least two
 wide, so one graph serves every batch of two to ``GEMM_ROWS - 1`` sequences (fewer rows than the
 linear layers take the GEMM for) and every context.
 
@@ -46,6 +47,7 @@ from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.quantization.ragged import PackedPlan, decode_blocks, flush_full_windows, packed_plan
 from kvfactory.quantization.store import BlockLayout, QuantizedStore, block_layout, packed_block_tokens
 from kvfactory.storage.base import LayerStore
+from kvfactory.storage.blocks import BlockPool
 from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import shared_fits
 
@@ -224,6 +226,22 @@ class DecodeStep:
             self.packed_shared[g], self.decoded[i], scaling, codes.bits, codes.group)
 
 
+class KeptBlocks:
+    """A group's shared packed blocks ``ids`` of ``pool`` decoded per layer (``layers``), pinned (one more
+    reference each) while kept, so that no other sequence's tokens are written into them meanwhile."""
+
+    def __init__(self, pool: BlockPool, ids: torch.Tensor, layers: dict[int, torch.Tensor]) -> None:
+        self.pool, self.ids, self.layers = pool, ids, layers
+        pool.incref(ids)
+
+    def reads(self, plan: PackedPlan) -> bool:
+        """Whether ``plan``'s shared blocks are these."""
+        return plan.shared == self.ids.numel() and torch.equal(plan.tables[0, :plan.shared], self.ids)
+
+    def unpin(self) -> None:
+        self.pool.decref(self.ids)
+
+
 class CompiledDecode(CompiledForward):
     """The compiled decode step of one model, compiled when made (over a dummy step on scratch pools);
     ``plan`` prepares a step's tensors (or says the step is not one it covers), ``forward`` runs it and
@@ -245,7 +263,7 @@ class CompiledDecode(CompiledForward):
         self.members = [list(members) for members in groups]
         self.group = layer_groups(groups, len(self.windows))
         self._packed: dict[int, PackedPlan] = {}  # each group's last packed plan (``packed_plan``)
-        self._decoded: dict[int, tuple[PackedPlan, dict[int, torch.Tensor]]] = {}  # its layers' shared blocks
+        self._decoded: dict[int, KeptBlocks] = {}  # each group's shared packed blocks decoded, per layer
         with torch.inference_mode(False):  # graph inputs of one kind (decoded blocks are made so too)
             self._unread = [None if kind is None else  # what a layer without shared blocks passes for them
                             key.new_zeros(2, key.shape[1], 2, key.shape[3]) for kind in self.codes]
@@ -305,32 +323,41 @@ class CompiledDecode(CompiledForward):
 
     def _decoded_blocks(self, stores: list[list[LayerStore]], packed: list[PackedPlan | None]
                         ) -> list[torch.Tensor | None]:
-        """Each layer's shared packed blocks (``PackedPlan.shared``) decoded, kept from the last step while
-        its group's plan stands (the same blocks held), else decoded now; an unread tensor where the
-        group has none or the chunk kernel does not read them (its plan's shared count 0 in the step)."""
+        """Each layer's shared packed blocks (``PackedPlan.shared``) decoded: kept from an earlier step while
+        its group's plan reads the same leading blocks (pinned while kept, so that equal ids mean equal
+        contents: a flush that adds each sequence a block keeps them), else decoded now; an unread tensor
+        where the group has none or the chunk kernel does not read them (its plan's shared count 0 in
+        the step)."""
         for g, plan in enumerate(packed):
             kept = self._decoded.get(g)
             if plan is None or not plan.shared or not shared_fits(self.like[0]):
-                self._decoded.pop(g, None)
-            elif kept is None or kept[0] is not plan:
+                self._drop(g)
+            elif kept is None or not kept.reads(plan):
+                self._drop(g)
                 store = stores[self.members[g][0]][plan.first]
                 bits, group = store.key_codec.bits, store.value_codec.group_size
-                ids = plan.tables[0, :plan.shared]
+                ids = plan.tables[0, :plan.shared].clone()
                 with torch.inference_mode(False):  # as the dummy step's inputs, so that no kind recompiles
-                    self._decoded[g] = plan, {
-                        i: decode_blocks(stores[i][plan.first].runs.table.blocks.tensors, bits, group, ids)
-                        for i in self.members[g]}
-        heads = [kept[1] for kept in self._decoded.values()]
+                    layers = {i: decode_blocks(stores[i][plan.first].runs.table.blocks.tensors, bits, group,
+                                               ids) for i in self.members[g]}
+                self._decoded[g] = KeptBlocks(store.runs.table.pool, ids, layers)
+        heads = [kept.layers for kept in self._decoded.values()]
         return [next((h[i] for h in heads if i in h), unread) for i, unread in enumerate(self._unread)]
+
+    def _drop(self, group: int) -> None:
+        kept = self._decoded.pop(group, None)
+        if kept is not None:
+            kept.unpin()
 
     @property
     def decoded_bytes(self) -> int:
         """Bytes of the shared packed blocks kept decoded between steps."""
-        return sum(t.nbytes for _, layers in self._decoded.values() for t in layers.values())
+        return sum(t.nbytes for kept in self._decoded.values() for t in kept.layers.values())
 
     def release(self) -> None:
         """Drop the blocks kept decoded (no sequence is decoding)."""
-        self._decoded.clear()
+        for g in list(self._decoded):
+            self._drop(g)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 planned: tuple[DecodeStep, list[list[list[tuple[KVLayer, LayerStore]]]]]) -> torch.Tensor:

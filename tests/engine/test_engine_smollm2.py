@@ -119,7 +119,7 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, 2 * (GREEDY.max_tokens - 1))
     layers = model.config.num_hidden_layers
     if preset == "int4" and shared_fits(torch.empty(1, 1, 64)):
-        assert 0 < len(decoded) < layers * (GREEDY.max_tokens - 1) and len(decoded) % layers == 0
+        assert len(decoded) == layers  # once for all the questions' decode steps
     assert engine.stats()["decoded_bytes"] == 0  # dropped once no sequence decodes
     prefill = engine.compiled_prefill  # on a CPU the chunk kernel runs on
     if not shared_fits(torch.empty(1, 1, 64)):
@@ -127,6 +127,30 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     else:
         assert (prefill.failure, prefill.recompiles, prefill.steps) == (None, 0, 2)
     assert engine.stats()["sequences"] == 0
+    if preset == "int4" and shared_fits(torch.empty(1, 1, 64)):
+        _shared_blocks_decoded_once_across_flushes(engine, model, config, questions, decoded, monkeypatch)
+
+
+def _shared_blocks_decoded_once_across_flushes(engine, model, config, questions, decoded, monkeypatch
+                                               ) -> None:
+    """The questions again, decoding long enough that their windows flush groups into new packed blocks: the
+    long prompt's shared blocks, pinned while kept decoded, are decoded once for all the steps, and
+    the outputs still equal the cache alone; the pin is given back once no sequence decodes."""
+    flushed, flush = [], compiled_step.flush_full_windows
+    monkeypatch.setattr(compiled_step, "flush_full_windows",
+                        lambda stores, tokens: flushed.append(len(stores)) or flush(stores, tokens))
+    pool = engine.manager.pool.block_pools("packed")[0]
+    held = pool.refcount.copy()
+    before = len(decoded)
+    outputs = engine.generate(questions, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert sum(flushed) >= len(questions) * model.config.num_hidden_layers
+    assert len(decoded) - before == model.config.num_hidden_layers
+    factory = KVCacheFactory(model.config, config)
+    for prompt, output in zip(questions, outputs, strict=True):
+        parted = first_divergence(model, prompt, output.token_ids, factory.create_cache())
+        assert parted is None or parted[1] < KIVI_TIE, parted
+    cached = held > 0  # the prompts' blocks the prefix cache holds: no pin left on them
+    assert (pool.refcount[:held.size][cached] <= held[cached]).all() and engine.stats()["decoded_bytes"] == 0
 
 
 @pytest.mark.parametrize("preset", ["int8", "int4"])
