@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,7 +49,6 @@ from kvfactory.quantization.ragged import PackedPlan, decode_blocks, flush_full_
 from kvfactory.quantization.store import BlockLayout, QuantizedStore, block_layout, packed_block_tokens
 from kvfactory.storage.base import LayerStore
 from kvfactory.storage.blocks import BlockPool
-from kvfactory.storage.paged import PagedStore
 from kvfactory.storage.ragged import shared_fits
 
 logger = logging.getLogger("kvfactory")
@@ -67,6 +67,17 @@ def _compile_config(freezing: bool) -> Iterator[None]:
         yield
 
 
+def own_code(method: Any) -> Any:
+    """``method`` (bound) over a copy of its function's code object. Dynamo keeps its graphs per code
+    object and, with ``fullgraph``, fails outright past ``recompile_limit`` (8) graphs of one: the
+    engines of one process would share the limit (a ninth engine's compile raising), so each compiled
+    step keeps its own."""
+    fn = method.__func__
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
 class CompiledForward(ABC):
     """A forward of ``model`` compiled by inductor's CPU backend (dynamic shapes, one whole graph),
     compiled when made over a dummy step (``_warm_up``), so that a first request does not wait for the
@@ -79,7 +90,8 @@ class CompiledForward(ABC):
     def __init__(self, model: Any, freezing: bool) -> None:
         self.model = model
         self.freezing = freezing
-        self.compiled = torch.compile(self._logits, backend=self._inductor, dynamic=True, fullgraph=True)
+        self.compiled = torch.compile(own_code(self._logits), backend=self._inductor, dynamic=True,
+                                      fullgraph=True)
         self.recompiles = 0  # graphs compiled after the dummy step's (none expected)
         self._warm = False
         self.failure: str | None = None  # why the compiler failed: every step runs eagerly then
@@ -169,14 +181,16 @@ def layer_groups(groups: list[tuple[int, ...]], layers: int) -> tuple[int, ...]:
     return tuple(index[layer] for layer in range(layers))
 
 
-def groups_aligned(members: list[list[int]], stores: list[list[PagedStore]]) -> bool:
-    """Whether each sequence's layers of a group (``members``; ``stores[layer][sequence]``) all stand
-    where the group's first layer stands (``place``), so that one plan per group serves them all."""
+def groups_aligned(members: list[list[int]], stores: list[list[LayerStore]]) -> bool:
+    """Whether each sequence's layers of a group (``members``; ``stores[layer][sequence]``, plain pages or
+    KIVI pages over them) stand at one place (``place``: the same blocks, start and length, of the window
+    and the quantized pages), so that one plan per group serves them all. Layers write in order and
+    rearrange their rows together (``BlockIds``), so a step that stopped part way leaves the group's
+    first and last layers apart: those two are compared."""
     for layers in members:
-        for s, first in enumerate(stores[layers[0]]):
-            place = first.place()
-            if any(stores[i][s].place() != place for i in layers[1:]):
-                return False
+        last = stores[layers[-1]]
+        if any(first.place() != last[s].place() for s, first in enumerate(stores[layers[0]])):
+            return False
     return True
 
 
@@ -279,28 +293,31 @@ class CompiledDecode(CompiledForward):
             return None
         caches = [segment.cache for segment in segments]
         codes = self.codes
-        for cache in caches:
-            if [layer.sliding_window for layer in cache.layers] != self.windows:
-                return None
-            for layer, kind in zip(cache.layers, codes, strict=True):
-                if not read_as_planned(layer.store, kind, 1):
-                    return None
+        if any([layer.sliding_window for layer in cache.layers] != self.windows for cache in caches):
+            return None
         stores = [[cache.layers[i].store for cache in caches] for i in range(len(codes))]
-        for i, kind in enumerate(codes):
-            if kind is not None:
-                flush_full_windows([store for store in stores[i] if not store.fits_window(1)], 1)
+        # the layers of a group (one config, one codec) standing at one place, its first answers for all
+        if not all(read_as_planned(store, codes[layers[0]], 1) for layers in self.members
+                   for store in stores[layers[0]]):
+            return None
+        if not groups_aligned(self.members, stores):
+            return None
         pages = [row if kind is None else [store.inner for store in row] for row, kind in zip(stores, codes,
                                                                                                strict=True)]
+        for layers in self.members:
+            if codes[layers[0]] is None:
+                continue
+            full = [s for s, store in enumerate(stores[layers[0]]) if not store.fits_window(1)]
+            for i in layers if full else ():
+                flush_full_windows([stores[i][s] for s in full], 1)
         if any(store.blocks is None for row in pages for store in row):
-            return None
-        if not groups_aligned(self.members, pages):
             return None
         packed: list[PackedPlan | None] = []
         for g, layers in enumerate(self.members):
             plan = None
             if codes[layers[0]] is not None:
                 plan = packed_plan(stores[layers[0]], self._packed.get(g))
-                if plan is None or any(packed_plan(stores[i], plan) is not plan for i in layers[1:]):
+                if plan is None:
                     return None
                 self._packed[g] = plan
             packed.append(plan)

@@ -183,7 +183,7 @@ class CompiledPrefill(CompiledForward):
                 flush_full_windows(row, chunks)
         pages = [row if codes is None else [store.inner for store in row]
                  for row, codes in zip(stores, self.codes, strict=True)]
-        if not groups_aligned(self.members, pages):
+        if not groups_aligned(self.members, stores):
             return None
         for layers in self.members:
             for store in pages[layers[0]]:

@@ -274,6 +274,15 @@ class QuantizedStore(LayerStore):
         """The encoded runs, once any were made (``packed`` makes them)."""
         return self._packed
 
+    def place(self) -> tuple[object, tuple[object, int, int] | None]:
+        """Where this layer's tokens lie in its group's blocks (shared by the group's layers): the
+        window's place (``PagedStore.place``) and the quantized pages' block ids, start and length (None
+        before the first), so that a step planned for one layer of a group serves the others standing at
+        the same place. Over paged storage only."""
+        packed = self._packed
+        table = packed.table if isinstance(packed, PagedRuns) else None
+        return self.inner.place(), None if table is None else (table.shared, table.start, table.length)
+
     @property
     def kernel_pages(self) -> bool:
         """Whether the C kernels (``kvfactory/kernels/kivi.c``) read the packed tokens in place: one row

@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvfactory import CacheFullError, ConfigError, KVCacheFactory
 from kvfactory.engine import Engine, SamplingParams
+from kvfactory.engine import compiled as compiled_step
 from kvfactory.engine.batch import Segment
 from kvfactory.engine.weights import PackedLinear, pack_panels
 from kvfactory.storage.ragged import paged_decode, shared_fits
@@ -195,6 +196,39 @@ def test_compiled_prefill_steps_give_the_eager_tokens(prefill_first: bool, confi
     alone = [greedy_tokens(model, prompt, NEW, factory.create_cache()) for prompt in first + second]
     assert tokens[1] == tokens[0] == alone
     assert engine.stats()["sequences"] == 0
+
+
+def test_the_engines_of_one_process_compile_their_steps_apart() -> None:
+    """Dynamo keeps graphs per code object and fails a whole-graph compile past its recompile limit: each
+    engine's steps compile code of their own, so that the engines of one process do not share the limit
+    (here 1, so that a second engine's steps would fail)."""
+    model = tiny_model("llama")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        engines = [Engine(model, None, PLAIN, pool_tokens=512, compile_step=True) for _ in range(2)]
+    assert [(engine.compiled.failure, engine.compiled.recompiles) for engine in engines] == [(None, 0)] * 2
+
+
+@pytest.mark.parametrize("config", [PLAIN, INT4], ids=["plain", "int4"])
+def test_a_group_whose_layers_stand_apart_is_not_planned_as_one(config: dict) -> None:
+    """A step that stopped part way (the first layer wrote a token, the last did not) leaves a group's
+    layers apart: the compiled decode step does not plan it (the eager step runs it), having made no
+    room; standing together, they are planned."""
+    model = tiny_model("llama")
+    engine = Engine(model, None, config, pool_tokens=512, compile_step=True)
+    caches = [engine.manager.create(f"s{i}") for i in range(2)]
+    for cache, prompt in zip(caches, PROMPTS[2:], strict=True):
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+    members = engine.compiled.members
+    stores = [[cache.layers[i].store for cache in caches] for i in range(len(caches[0].layers))]
+    assert len(members) == 1 and compiled_step.groups_aligned(members, stores)
+    kv_heads, dim = model.config.num_key_value_heads, model.config.head_dim
+    caches[0].update(torch.randn(1, kv_heads, 1, dim), torch.randn(1, kv_heads, 1, dim), 0)
+    sizes = [[layer.store.size() for layer in cache.layers] for cache in caches]
+    assert not compiled_step.groups_aligned(members, stores)
+    assert engine.compiled.plan([Segment(cache, cache.get_seq_length(), cache.get_seq_length() + 1)
+                                 for cache in caches]) is None
+    assert [[layer.store.size() for layer in cache.layers] for cache in caches] == sizes
 
 
 @needs_chunk_kernel
