@@ -78,6 +78,20 @@ def own_code(method: Any) -> Any:
     return types.MethodType(copy, method.__self__)
 
 
+class Inductor:
+    """Inductor's backend, counting the graphs it compiles once ``warm``. A compiled step's backend
+    lives as long as Dynamo's cache of its code: it holds no reference to the step, so that a dropped
+    engine's step, its frozen weights with it, is freed."""
+
+    def __init__(self) -> None:
+        self.warm = False
+        self.recompiles = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: list) -> Any:
+        self.recompiles += self.warm
+        return torch._dynamo.lookup_backend("inductor")(graph, inputs)
+
+
 class CompiledForward(ABC):
     """A forward of ``model`` compiled by inductor's CPU backend (dynamic shapes, one whole graph),
     compiled when made over a dummy step (``_warm_up``), so that a first request does not wait for the
@@ -90,10 +104,9 @@ class CompiledForward(ABC):
     def __init__(self, model: Any, freezing: bool) -> None:
         self.model = model
         self.freezing = freezing
-        self.compiled = torch.compile(own_code(self._logits), backend=self._inductor, dynamic=True,
+        self._backend = Inductor()  # refers to nothing of this step: Dynamo's cache of its code keeps it
+        self.compiled = torch.compile(own_code(self._logits), backend=self._backend, dynamic=True,
                                       fullgraph=True)
-        self.recompiles = 0  # graphs compiled after the dummy step's (none expected)
-        self._warm = False
         self.failure: str | None = None  # why the compiler failed: every step runs eagerly then
         self.steps = 0  # steps run through the compiled graph
 
@@ -109,7 +122,12 @@ class CompiledForward(ABC):
         """Compile over the dummy step, its tensors made as the engine's steps make theirs."""
         with torch.inference_mode():
             self._run(*self._dummy_step())
-        self._warm = True
+        self._backend.warm = True
+
+    @property
+    def recompiles(self) -> int:
+        """Graphs compiled after the dummy step's (none expected)."""
+        return self._backend.recompiles
 
     def _run(self, *args: Any) -> torch.Tensor:
         """The compiled forward, else (the compiler having failed, now or before) the same eagerly."""
@@ -122,11 +140,6 @@ class CompiledForward(ABC):
                 logger.warning("the engine's %s failed to compile; running it eagerly: %s", self.name,
                                self.failure)
         return self._logits(*args)
-
-    def _inductor(self, graph: torch.fx.GraphModule, inputs: list) -> Any:
-        """Inductor's backend, counting the graphs it compiles after the dummy step's."""
-        self.recompiles += self._warm
-        return torch._dynamo.lookup_backend("inductor")(graph, inputs)
 
 
 @dataclass(frozen=True)

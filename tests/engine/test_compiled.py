@@ -8,6 +8,7 @@ are refused."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -206,6 +207,16 @@ def test_the_engines_of_one_process_compile_their_steps_apart() -> None:
     with torch._dynamo.config.patch(recompile_limit=1):
         engines = [Engine(model, None, PLAIN, pool_tokens=512, compile_step=True) for _ in range(2)]
     assert [(engine.compiled.failure, engine.compiled.recompiles) for engine in engines] == [(None, 0)] * 2
+
+
+def test_a_dropped_engines_compiled_steps_are_freed() -> None:
+    """Dynamo keeps a compiled step's backend as long as its code's cache: the backend refers to nothing
+    of the step, so that the steps (the decode step's frozen weights) go with their engine."""
+    engine = Engine(tiny_model("llama", head_dim=64), None, INT4, pool_tokens=512, compile_step=True)
+    steps = [weakref.ref(step) for step in (engine.compiled, engine.compiled_prefill) if step is not None]
+    del engine
+    gc.collect()
+    assert steps and all(step() is None for step in steps)
 
 
 @pytest.mark.parametrize("config", [PLAIN, INT4], ids=["plain", "int4"])
