@@ -111,18 +111,17 @@ def _own_flush(store: LayerStore, codes: Codes | None, like: tuple[torch.Tensor,
     return store.own_flush(tokens)
 
 
-def _packed_plan(stores: list[list[QuantizedStore]], own: list[int]) -> PackedPlan | None:
-    """The ``PackedPlan`` that the layers of a group read (``stores[layer][sequence]``), where they all read
-    the same; an empty one where none holds a packed token yet and some sequence's chunk encodes its own
-    (``own``, the tokens each encodes); None otherwise."""
-    plan = packed_plan(stores[0])
-    if plan is None:
-        if not any(own) or any(packed_plan(row) is not None for row in stores[1:]):
-            return None
+def _packed_plan(stores: list[QuantizedStore], own: list[int]) -> PackedPlan | None:
+    """The ``PackedPlan`` that a group's layers read, made from its first layer's ``stores`` (one per
+    sequence; ``groups_aligned`` found the others at the same place); an empty one where none holds a
+    packed token yet and some sequence's chunk encodes its own (``own``, the tokens each encodes); None
+    otherwise."""
+    plan = packed_plan(stores)
+    if plan is None and any(own):
         empty = torch.zeros(len(own), dtype=torch.long)
         return PackedPlan([None] * len(own), next(s for s, flush in enumerate(own) if flush), empty[:, None],
                           empty, 0)
-    return plan if all(packed_plan(row, plan) is plan for row in stores[1:]) else None
+    return plan
 
 
 class CompiledPrefill(CompiledForward):
@@ -194,7 +193,7 @@ class CompiledPrefill(CompiledForward):
         for layers in self.members:
             plan = None
             if self.codes[layers[0]] is not None:
-                plan = _packed_plan([stores[i] for i in layers], own[layers[0]])
+                plan = _packed_plan(stores[layers[0]], own[layers[0]])
                 if plan is None:
                     return None
             packed.append(plan)
