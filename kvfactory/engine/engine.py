@@ -312,8 +312,7 @@ class Engine:
             reads = [r.tier_read for r in self.scheduler.waiting if r.tier_read is not None]
             if reads and not any(read.done() for read in reads):  # idle until a read ends: not spinning
                 futures.wait(reads, timeout=0.05, return_when=futures.FIRST_COMPLETED)
-            self.metrics.update_gauges()
-            return outputs
+            return self._end_step(outputs)
         started = time.perf_counter()
         sampled = [request for request, tokens in plan if request.computed + tokens == request.length]
         try:
@@ -323,8 +322,7 @@ class Engine:
             logger.exception("request(s) %s: the step's forward failed", [r.request_id for r, _ in plan])
             outputs += [self._fail(request, f"the step's forward failed: {type(exc).__name__}: {exc}")
                         for request, _ in plan]
-            self.metrics.update_gauges()
-            return outputs
+            return self._end_step(outputs)
         self.computed_spans = [(request.computed - tokens, request.computed) for request, tokens in plan]
         self.logit_rows = len(sampled)
         with torch.inference_mode():
@@ -339,6 +337,11 @@ class Engine:
                 outputs.append(self._append(request, token, now))
             except Exception as exc:  # detokenizing or stop matching for this request alone
                 outputs.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+        return self._end_step(outputs)
+
+    def _end_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """``outputs``, after the step: the compiled decode step's kept blocks given back once no sequence
+        decodes (also after a failed forward), the gauges updated."""
         if self.compiled is not None and not self.scheduler.running:
             self.compiled.release()
         self.metrics.update_gauges()

@@ -129,6 +129,7 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     assert engine.stats()["sequences"] == 0
     if preset == "int4" and shared_fits(torch.empty(1, 1, 64)):
         _shared_blocks_decoded_once_across_flushes(engine, model, config, questions, decoded, monkeypatch)
+        _a_failed_step_gives_the_kept_blocks_back(engine, questions, monkeypatch)
 
 
 def _shared_blocks_decoded_once_across_flushes(engine, model, config, questions, decoded, monkeypatch
@@ -151,6 +152,27 @@ def _shared_blocks_decoded_once_across_flushes(engine, model, config, questions,
         assert parted is None or parted[1] < KIVI_TIE, parted
     cached = held > 0  # the prompts' blocks the prefix cache holds: no pin left on them
     assert (pool.refcount[:held.size][cached] <= held[cached]).all() and engine.stats()["decoded_bytes"] == 0
+
+
+def _a_failed_step_gives_the_kept_blocks_back(engine, questions, monkeypatch) -> None:
+    """A compiled decode step whose forward fails ends its requests alone and gives back the shared
+    blocks kept decoded (their pin) at once, not at some later idle step."""
+    pool = engine.manager.pool.block_pools("packed")[0]
+    held = pool.refcount.copy()
+    for question in questions:
+        engine.add_request(question, SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.stats()["decoded_bytes"] == 0 and engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["decoded_bytes"] > 0 and engine.has_unfinished()
+
+    def broken(*args):
+        raise RuntimeError("a broken step")
+    monkeypatch.setattr(engine.compiled, "forward", broken)
+    failed = engine.step()
+    assert sorted(o.finish_reason for o in failed) == ["error"] * len(questions)
+    assert not engine.has_unfinished() and engine.stats()["decoded_bytes"] == 0
+    cached = held > 0
+    assert (pool.refcount[:held.size][cached] <= held[cached]).all()
 
 
 @pytest.mark.parametrize("preset", ["int8", "int4"])
