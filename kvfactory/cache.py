@@ -588,6 +588,13 @@ class KVCache(Cache):
             return None
         return [ids[group[0]][0] for group in self.groups]
 
+    def share_filled(self, place: int, blocks: list[int]) -> None:
+        """Hold ``blocks`` (one per layer group, ``groups``) at block ``place`` of the sequence in place of
+        its own filled ones there, which hold the same tokens, where they hold the same bytes too: a
+        prefix cache's, found under the same name at the fill point (``LayerStore.share_filled``)."""
+        for group, block in zip(self.groups, blocks, strict=True):
+            self.layers[group[0]].store.share_filled(place, block)
+
     def hold_window_until_written(self) -> None:
         """Sliding layers give their past back when a write completes (``notify_written``), not while
         the forward writes, so a prefix cache can name every block of a prompt first."""

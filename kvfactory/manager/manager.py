@@ -587,9 +587,22 @@ class KVCacheManager:
         if blocks is None or min(len(ids) for ids in blocks) <= start:  # no block filled since (quantized
             return  # pages fill a whole group of tokens at a time)
         names = self.index.add_filled(tokens[:limit], self._pools(self.layout.kind), blocks, start)
+        self._share_cached(cache, names, blocks, start)
         record.hashed_tokens = len(names) * page
         if self.tiers is not None:
             self._store_chunks(record, tokens, names)
+
+    def _share_cached(self, cache: KVCache, names: list[bytes], blocks: list[torch.Tensor], start: int
+                      ) -> None:
+        """Blocks of ``cache`` filled from block ``start`` on (``blocks``, per layer group) that the index
+        holds under the same ``names`` in other blocks with the same bytes (a window encoding again the
+        tokens of a cached prompt's window pages it adopted) are replaced by the index's where the stores
+        share filled blocks (``KVCache.share_filled``): held once, read as a shared prefix."""
+        for place in range(start, len(names)):
+            entry = self.index.entries.get(names[place])
+            if entry is not None and min(entry.ids) >= 0 \
+                    and any(int(ids[place]) != theirs for ids, theirs in zip(blocks, entry.ids, strict=True)):
+                cache.share_filled(place, entry.ids)
 
     def _name_windows(self, record: Sequence, tokens: list[int]) -> None:
         """Keep the full-precision window pages of the prompt blocks ``tokens`` that fill them

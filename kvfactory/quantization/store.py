@@ -583,6 +583,24 @@ class QuantizedStore(LayerStore):
             return None
         return runs.table.ids[:, :self.quantized_tokens // runs.block_tokens]
 
+    def share_filled(self, place: int, block: int) -> None:
+        """A full quantized page's codes are never written again, so one holding the same bytes in every
+        layer of the group can stand for this store's (``LayerStore.share_filled``); the group's layers
+        then read it with every sequence holding it. Codes of the same tokens computed apart may differ
+        in a rounding: those stay apart."""
+        held = self.sequence_blocks()
+        if held is None or held.shape[0] != 1 or not 0 <= place < held.shape[1]:
+            return
+        table = self._packed.table
+        own = int(table.ids[0, place])
+        if own == block or not table.pool.same_contents(own, block):
+            return
+        ids = table.ids.clone()
+        ids[0, place] = block
+        table.pool.incref(torch.tensor([block]))
+        table.ids = ids
+        table.pool.decref(torch.tensor([own]))
+
     def stored_from(self) -> int:
         return 0
 

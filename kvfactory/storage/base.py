@@ -248,6 +248,11 @@ class LayerStore(ABC):
         blocks do not depend on the prefix alone (eviction) or that has no blocks (dense)."""
         return None
 
+    def share_filled(self, place: int, block: int) -> None:  # noqa: B027 - optional, not abstract
+        """Hold block ``block`` of its pool at ``place`` (counted from token 0) in place of its own filled
+        block there where both hold the same tokens and bytes, giving its own back
+        (``KVCache.share_filled``); a store that keeps its own blocks does nothing."""
+
     def window_pages(self) -> tuple[int, torch.Tensor] | None:
         """Where a full-precision window in front of quantized pages starts in the sequence and its pages'
         ids ``[pages]`` (a prefix cache keeps them for a later hit: ``PrefixLayout.window``); None for a

@@ -239,6 +239,11 @@ class BlockPool:
             for t in view.tensors.values():
                 raw(t)[:, dst] = raw(t)[:, src]
 
+    def same_contents(self, a: int, b: int) -> bool:
+        """Whether blocks ``a`` and ``b`` hold the same bytes in every layer."""
+        return all(torch.equal(raw(t)[:, a], raw(t)[:, b]) for view in self._views.values()
+                   for t in view.tensors.values())
+
     def memory_report(self) -> MemoryReport:
         used_blocks, layers = self.num_blocks - len(self.free), len(self._views)
         allocated = sum(t.nbytes for view in self._views.values() for t in view.tensors.values())

@@ -4,6 +4,8 @@ sampling, stops, aborts and admission errors."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from helpers import first_divergence, greedy_tokens
@@ -13,6 +15,7 @@ from kvfactory.engine import compiled as compiled_step
 from kvfactory.engine.weights import GEMM_ROWS
 from kvfactory.errors import ConfigError
 from kvfactory.factory import KVCacheFactory
+from kvfactory.manager.prefix import block_hashes
 from kvfactory.presets import load_preset
 from kvfactory.quantization import ragged as ragged_quantized
 from kvfactory.storage.ragged import shared_fits
@@ -99,7 +102,8 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     reference scores within ``KIVI_TIE`` of its best (``first_divergence``)."""
     model, tokenizer = smollm2
     decoded, decode = [], compiled_step.decode_blocks
-    monkeypatch.setattr(compiled_step, "decode_blocks", lambda *args: decoded.append(1) or decode(*args))
+    monkeypatch.setattr(compiled_step, "decode_blocks",
+                        lambda *args: decoded.append(tuple(args[3].tolist())) or decode(*args))
     long_prompt = tokenizer("Call me Ishmael. " * 80)["input_ids"]
     prompts = [*ids_of(tokenizer, PROMPTS[:2]), long_prompt]
     questions = [long_prompt + tokenizer(f" Question {i}: in one sentence, {PROMPTS[i]} what? And then, "
@@ -119,7 +123,7 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
     assert (compiled.failure, compiled.recompiles, compiled.steps) == (None, 0, 2 * (GREEDY.max_tokens - 1))
     layers = model.config.num_hidden_layers
     if preset == "int4" and shared_fits(torch.empty(1, 1, 64)):
-        assert len(decoded) == layers  # once for all the questions' decode steps
+        _decoded_once_per_blocks(decoded, layers)  # not once a step
     assert engine.stats()["decoded_bytes"] == 0  # dropped once no sequence decodes
     prefill = engine.compiled_prefill  # on a CPU the chunk kernel runs on
     if not shared_fits(torch.empty(1, 1, 64)):
@@ -132,20 +136,33 @@ def test_compiled_steps_equal_the_cache_alone(smollm2, preset: str, monkeypatch)
         _a_failed_step_gives_the_kept_blocks_back(engine, questions, monkeypatch)
 
 
+def _decoded_once_per_blocks(decoded: list[tuple[int, ...]], layers: int) -> None:
+    """Each set of shared packed blocks the decode steps read (``decoded``: the block ids of each decode)
+    was decoded once per layer, and each set extends the one before: pages the windows filled with the
+    shared prompt's tokens are the prefix cache's, so the blocks every sequence reads grow."""
+    counts = Counter(decoded)
+    assert decoded and set(counts.values()) == {layers}, counts
+    sets = list(counts)
+    assert all(later[:len(earlier)] == earlier for earlier, later in zip(sets, sets[1:], strict=False)), sets
+
+
 def _shared_blocks_decoded_once_across_flushes(engine, model, config, questions, decoded, monkeypatch
                                                ) -> None:
     """The questions again, decoding long enough that their windows flush groups into new packed blocks: the
-    long prompt's shared blocks, pinned while kept decoded, are decoded once for all the steps, and
-    the outputs still equal the cache alone; the pin is given back once no sequence decodes."""
+    shared blocks, pinned while kept decoded, are decoded once per set (the set growing as the windows
+    fill pages with the long prompt's tokens, which the prefix cache holds), not once a step, and the
+    outputs still equal the cache alone; the pin is given back once no sequence decodes."""
     flushed, flush = [], compiled_step.flush_full_windows
     monkeypatch.setattr(compiled_step, "flush_full_windows",
                         lambda stores, tokens: flushed.append(len(stores)) or flush(stores, tokens))
     pool = engine.manager.pool.block_pools("packed")[0]
     held = pool.refcount.copy()
     before = len(decoded)
+    kept = set(decoded)
     outputs = engine.generate(questions, SamplingParams(max_tokens=40, ignore_eos=True))
     assert sum(flushed) >= len(questions) * model.config.num_hidden_layers
-    assert len(decoded) - before == model.config.num_hidden_layers
+    _decoded_once_per_blocks(decoded[before:], model.config.num_hidden_layers)
+    assert set(decoded[before:]) - kept  # pages the windows filled with the prompt's tokens joined them
     factory = KVCacheFactory(model.config, config)
     for prompt, output in zip(questions, outputs, strict=True):
         parted = first_divergence(model, prompt, output.token_ids, factory.create_cache())
@@ -193,6 +210,42 @@ def test_quantized_pages_reuse_a_cached_prompt_as_computed(smollm2, preset: str)
     assert outputs[1].cached_tokens % layout.block_tokens == 0
     factory = KVCacheFactory(model.config, config)
     assert outputs[1].token_ids == greedy_tokens(model, prompts[1], GREEDY.max_tokens, factory.create_cache())
+    assert_idle(engine)
+
+
+def test_quantized_pages_a_window_fills_with_a_cached_prompts_tokens_are_the_cached_ones(smollm2) -> None:
+    """Requests behind a cached int4 prompt adopt its quantized pages and the window pages holding its
+    last tokens; the groups their windows then encode (the prompt's own tokens again) are replaced by the
+    pages the prefix cache holds for those tokens, so they hold the prompt's pages as a later request
+    would adopt them, and still generate what the same cache computes alone."""
+    model, tokenizer = smollm2
+    system = tokenizer("Call me Ishmael. " * 80)["input_ids"]
+    prompts = [system + tokenizer(f" Question {i}: in one sentence, {PROMPTS[i]} what? And then, what comes "
+                                  "after that, and why does it matter here?")["input_ids"] for i in range(4)]
+    config = load_preset("int4")
+    engine = Engine(model, tokenizer, config, pool_tokens=8192, max_num_batched_tokens=512)
+    engine.generate(prompts[:1], GREEDY)
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts[1:]]
+    requests = [engine.requests[request_id] for request_id in ids]
+    done = {}
+    while not all(request.decoding for request in requests):
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    layout, index = engine.manager.layout, engine.manager.index
+    block = layout.block_tokens
+    adopted = (min(request.cached_tokens for request in requests) - layout.window) // block
+    names = block_hashes(system, block)
+    shared = 0
+    for request_id in ids:
+        held = engine.manager.get(request_id).layers[0].store.sequence_blocks()[0].tolist()
+        cached = [index.entries[name].ids[0] for name in names[:len(held)] if name in index.entries]
+        assert held[:len(cached)] == cached
+        shared = min(shared or len(cached), len(cached))
+    assert shared > adopted  # pages the windows encoded again, now the cached ones
+    while engine.has_unfinished():
+        done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    factory = KVCacheFactory(model.config, config)
+    for request_id, prompt in zip(ids, prompts[1:], strict=True):
+        assert done[request_id] == greedy_tokens(model, prompt, GREEDY.max_tokens, factory.create_cache())
     assert_idle(engine)
 
 
